@@ -1,0 +1,64 @@
+"""The experiment registry: find bundled experiments by name.
+
+Each experiment package `experiments/<name>/` has a light `spec.py` (no torch import) defining `SPEC`, an
+`ExperimentSpec`; its training entry point is a module run as `python -m <entrypoint>`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from experiments.space import SearchSpace
+
+KNOWN = ("digits", "charlm")
+
+
+class UnknownExperiment(ValueError):
+    """No experiment has that name."""
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """What an experiment declares in one place: space, metric and direction, budget, entry point."""
+
+    name: str
+    description: str
+    space: SearchSpace
+    metric: str
+    direction: Literal["minimize", "maximize"]
+    entrypoint: str
+    budget: Mapping[str, Any] = field(default_factory=dict)
+    # Intermediate metric the agent's early stopping reads (logged at increasing steps); defaults to `metric`.
+    progress_metric: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("minimize", "maximize"):
+            raise ValueError(f"direction must be minimize or maximize, got {self.direction!r}")
+
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Full, typed params (defaults filled); raises experiments.space.SpaceError naming the key."""
+        return self.space.validate(params)
+
+    def argv(self) -> list[str]:
+        """The command a job runs for this experiment (params travel in AUTORESEARCH_PARAMS)."""
+        return [sys.executable, "-m", self.entrypoint]
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether metric value `a` is strictly better than `b`."""
+        return a < b if self.direction == "minimize" else a > b
+
+
+def get(name: str) -> ExperimentSpec:
+    """The spec of experiment `name`; UnknownExperiment (listing the known names) otherwise."""
+    if name not in KNOWN:
+        raise UnknownExperiment(f"unknown experiment {name!r}; known: {', '.join(KNOWN)}")
+    module = importlib.import_module(f"experiments.{name}.spec")
+    return module.SPEC
+
+
+def names() -> tuple[str, ...]:
+    """Names of the bundled experiments."""
+    return KNOWN

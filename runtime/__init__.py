@@ -1,0 +1,1 @@
+"""The runtime every training job imports: job context, data, loader, checkpoint, preflight."""

@@ -1,0 +1,17 @@
+"""Exceptions of the runtime package."""
+
+
+class RuntimeJobError(Exception):
+    """Base class of every error the runtime raises on purpose."""
+
+
+class VolumeError(RuntimeJobError):
+    """The data volume is missing, unreadable, or kept failing after retries."""
+
+
+class CheckpointError(RuntimeJobError):
+    """No loadable checkpoint, or a checkpoint could not be written."""
+
+
+class PreflightError(RuntimeJobError):
+    """A device failed a preflight check."""
