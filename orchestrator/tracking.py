@@ -1,0 +1,264 @@
+"""MLflow bookkeeping: session parent runs, trial child runs, metric reads, the leaderboard and its plot.
+
+Everything goes through one `MlflowClient` bound to this home's tracking URI (never the fluent, process-global
+API), so the service, the agent and tests can each hold their own `Tracker` without stepping on each other.
+Runs are found again by tags (`autoresearch.session`, `autoresearch.key`), which is what makes creating
+them idempotent: a resumed session asks for the same run and gets the one it made before it was killed.
+
+    tracker = Tracker.from_settings(Settings.load())
+    parent = tracker.session_run("s-1a2b", "digits", {"goal": "...", "proposer": "tpe"})
+    child = tracker.trial_run(parent, "digits", key="s-1a2b:3", name="trial 3", params={...}, tags={...})
+    tracker.history(child, "val_loss")   # -> [(step, value), ...]
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+TAG_KIND = "autoresearch.kind"  # "session" or "trial"
+TAG_SESSION = "autoresearch.session"
+TAG_KEY = "autoresearch.key"  # a trial's idempotency key
+TAG_EXPERIMENT = "autoresearch.experiment"
+TAG_JOB = "autoresearch.job_id"
+PARENT = "mlflow.parentRunId"
+_MAX_TAG = 5000  # MLflow allows 8000; rationales longer than this are truncated, never rejected
+
+
+class Tracker:
+    """A thin, idempotent layer over `MlflowClient` for one tracking store."""
+
+    def __init__(self, tracking_uri: str, artifacts_dir: Path | str | None = None):
+        from mlflow import MlflowClient  # heavy: imported only when a tracker is actually built
+
+        self.tracking_uri = tracking_uri
+        self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self._experiments: dict[str, str] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "Tracker":
+        """The tracker of a `Settings` home (its tracking URI, artifacts under the home)."""
+        return cls(settings.tracking_uri, settings.artifacts_dir)
+
+    # -- experiments and runs ------------------------------------------------------------------------------------
+
+    def experiment_id(self, name: str) -> str:
+        """The MLflow experiment named `name`, created with its artifacts under this home if missing."""
+        if name in self._experiments:
+            return self._experiments[name]
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            # Without an explicit location MLflow puts artifacts in ./mlruns of whatever the cwd happens to be.
+            location = (self.artifacts_dir / name).as_uri() if self.artifacts_dir else None
+            try:
+                exp_id = self.client.create_experiment(name, artifact_location=location)
+            except Exception:  # another process created it between our get and create
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                exp_id = exp.experiment_id
+        else:
+            exp_id = exp.experiment_id
+        self._experiments[name] = exp_id
+        return exp_id
+
+    def _find(self, experiment: str, filter_string: str) -> str | None:
+        runs = self.client.search_runs([self.experiment_id(experiment)], filter_string, max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def session_run(self, session_id: str, experiment: str, params: Mapping[str, Any],
+                    tags: Mapping[str, str] | None = None) -> str:
+        """The parent run of agent session `session_id` (created on first call, found again afterwards)."""
+        found = self._find(experiment, f"tags.`{TAG_SESSION}` = '{session_id}' and tags.`{TAG_KIND}` = 'session'")
+        if found:
+            return found
+        run = self.client.create_run(
+            self.experiment_id(experiment), run_name=f"session {session_id}",
+            tags={TAG_KIND: "session", TAG_SESSION: session_id, TAG_EXPERIMENT: experiment, **(tags or {})})
+        self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def trial_run(self, parent_run_id: str | None, experiment: str, *, key: str, name: str,
+                  params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> str:
+        """The child run of one trial, identified by its idempotency `key` (created once, then found)."""
+        found = self._find(experiment, f"tags.`{TAG_KEY}` = '{key}'")
+        if found:
+            return found
+        all_tags = {TAG_KIND: "trial", TAG_KEY: key, TAG_EXPERIMENT: experiment}
+        if parent_run_id:
+            all_tags[PARENT] = parent_run_id
+        all_tags.update({k: _clip(v) for k, v in (tags or {}).items()})
+        run = self.client.create_run(self.experiment_id(experiment), run_name=name, tags=all_tags)
+        self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        """Log params (values as text, clipped to MLflow's limit)."""
+        from mlflow.entities import Param
+
+        items = [Param(str(k), _clip(v, 6000)) for k, v in params.items()]
+        if items:
+            try:
+                self.client.log_batch(run_id, params=items)
+            except Exception:
+                # A resumed caller may log the same params again; MLflow refuses changed values only.
+                pass
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        """Set tags on a run (values clipped)."""
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(str(k), _clip(v)) for k, v in tags.items()])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Log several metrics at one step."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None]
+        if items:
+            self.client.log_batch(run_id, metrics=items)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        """Mark a run finished (FINISHED, FAILED or KILLED) unless it already is."""
+        run = self.client.get_run(run_id)
+        if run.info.status in ("RUNNING", "SCHEDULED"):
+            self.client.set_terminated(run_id, status=status)
+
+    # -- reads -----------------------------------------------------------------------------------------------------
+
+    def history(self, run_id: str, metric: str) -> list[tuple[int, float]]:
+        """Every (step, value) of `metric` in run `run_id`, by step."""
+        points = self.client.get_metric_history(run_id, metric)
+        return sorted((int(m.step), float(m.value)) for m in points)
+
+    def final(self, run_id: str, metric: str) -> float | None:
+        """The latest value of `metric` in `run_id`, or None when it was never logged."""
+        value = self.client.get_run(run_id).data.metrics.get(metric)
+        return None if value is None or not math.isfinite(value) else float(value)
+
+    def session_runs(self) -> list[Any]:
+        """Every session parent run in the store, newest first."""
+        exps = [e.experiment_id for e in self.client.search_experiments()]
+        if not exps:
+            return []
+        return list(self.client.search_runs(exps, f"tags.`{TAG_KIND}` = 'session'", order_by=["start_time DESC"]))
+
+    # -- artifacts -------------------------------------------------------------------------------------------------
+
+    def best_so_far_plot(self, run_id: str, values: Sequence[float | None], direction: str, metric: str) -> None:
+        """Log `best_so_far.png`: each trial's metric and the running best, by trial number."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a server; must come before pyplot
+        import matplotlib.pyplot as plt
+
+        best = best_so_far(values, direction)
+        xs = list(range(1, len(values) + 1))
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        pts = [(x, v) for x, v in zip(xs, values) if v is not None]
+        if pts:
+            ax.scatter(*zip(*pts), s=14, alpha=0.6, label="trial")
+        line = [(x, b) for x, b in zip(xs, best) if b is not None]
+        if line:
+            ax.step(*zip(*line), where="post", color="C3", label="best so far")
+        ax.set_xlabel("trial")
+        ax.set_ylabel(metric)
+        ax.legend(loc="best")
+        fig.tight_layout()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "best_so_far.png"
+            fig.savefig(path)
+            plt.close(fig)
+            self.client.log_artifact(run_id, str(path))
+
+
+def _clip(value: Any, limit: int = _MAX_TAG) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def best_so_far(values: Iterable[float | None], direction: str) -> list[float | None]:
+    """The running best of `values` (None entries, failed trials, keep the previous best)."""
+    out: list[float | None] = []
+    best: float | None = None
+    for v in values:
+        if v is not None and (best is None or (v < best if direction == "minimize" else v > best)):
+            best = v
+        out.append(best)
+    return out
+
+
+# -- the leaderboard ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """One configuration on the leaderboard: every finished run of the same params (seeds pooled)."""
+
+    params: dict[str, Any]
+    values: list[float]
+    sources: list[str] = field(default_factory=list)  # "job 12 (session s-ab)" / "job 7 (by hand)"
+    job_ids: list[int] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def spread(self) -> float | None:
+        """Sample standard deviation over seeds; None from a single run (the noise is unknown)."""
+        return statistics.stdev(self.values) if self.n > 1 else None
+
+
+def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Sequence[str] = ("seed",)) -> dict:
+    """Rank configurations by mean metric; say whether the leader's lead is smaller than the noise.
+
+    `rows` have `params`, `value` and optionally `job_id`, `source`. Runs differing only in a seed key are the
+    same configuration. The noise is the larger seed spread of the top two (or the leader's alone); when no
+    configuration has been measured twice the lead cannot be judged and `lead_within_noise` is None.
+    """
+    groups: dict[str, Entry] = {}
+    for row in rows:
+        if row.get("value") is None:
+            continue
+        params = {k: v for k, v in dict(row["params"]).items() if k not in seed_keys}
+        key = repr(sorted((k, repr(v)) for k, v in params.items()))
+        entry = groups.setdefault(key, Entry(params=params, values=[]))
+        entry.values.append(float(row["value"]))
+        if row.get("source"):
+            entry.sources.append(str(row["source"]))
+        if row.get("job_id") is not None:
+            entry.job_ids.append(int(row["job_id"]))
+    sign = 1.0 if direction == "minimize" else -1.0
+    entries = sorted(groups.values(), key=lambda e: (sign * e.mean, -e.n))
+    lead = noise = None
+    within: bool | None = None
+    if len(entries) >= 2:
+        lead = abs(entries[0].mean - entries[1].mean)
+        spreads = [s for s in (entries[0].spread, entries[1].spread) if s is not None]
+        if spreads:
+            noise = max(spreads)
+            within = lead < noise
+    return {
+        "direction": direction,
+        "entries": [
+            {"rank": i + 1, "params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,
+             "best": (min if direction == "minimize" else max)(e.values), "job_ids": e.job_ids,
+             "sources": sorted(set(e.sources))}
+            for i, e in enumerate(entries)
+        ],
+        "lead": lead,
+        "noise": noise,
+        "lead_within_noise": within,
+    }
