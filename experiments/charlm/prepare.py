@@ -1,0 +1,82 @@
+"""Build the charlm corpus: Python's standard-library source, as byte shards in a volume directory.
+
+No network: the text is the `.py` files of the interpreter running this script (tests, idlelib and lib2to3
+left out), about 11 MB on CPython 3.11. Files are split into train and validation by a stable hash of their
+relative path (about 10% validation), so no file leaks across the split whatever order they are read in.
+Each split is concatenated in path order and cut into fixed-size shard files, one training sample each:
+
+    $AUTORESEARCH_HOME/volumes/charlm/train-00000.bin ... val-00000.bin ... MANIFEST.json
+
+Runs by itself the first time a trial needs the data (`ensure()`), safely when several jobs start at once.
+By hand: `python -m experiments.charlm.prepare [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sysconfig
+import zlib
+from pathlib import Path
+
+from experiments.common import prepare_once
+
+NAME = "charlm"
+VERSION = 1  # bump when the layout or the content rules change: old volumes are rebuilt
+SHARD_BYTES = 64 * 1024
+SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
+VAL_EVERY = 10  # one file in ten (by hash) goes to validation
+
+
+def source_files(root: Path) -> list[Path]:
+    """The standard library's `.py` files under `root`, in a stable order."""
+    files = [p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_val(relpath: str) -> bool:
+    """Whether a file belongs to the validation split (stable across machines and runs)."""
+    return zlib.crc32(relpath.encode()) % VAL_EVERY == 0
+
+
+def write_shards(stream: bytes, out: Path, prefix: str) -> int:
+    """Cut `stream` into SHARD_BYTES pieces named `<prefix>-NNNNN.bin`; the short tail is dropped so every
+    shard has the same size. Returns the number of shards."""
+    count = len(stream) // SHARD_BYTES
+    for i in range(count):
+        (out / f"{prefix}-{i:05d}.bin").write_bytes(stream[i * SHARD_BYTES:(i + 1) * SHARD_BYTES])
+    return count
+
+
+def build(out: Path) -> dict:
+    """Write the train and val shards into the empty directory `out`; return facts for the manifest."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    splits: dict[str, list[bytes]] = {"train": [], "val": []}
+    for path in source_files(root):
+        rel = path.relative_to(root).as_posix()
+        # A header line marks file boundaries, so the model sees where one module ends and the next begins.
+        splits["val" if is_val(rel) else "train"].append(f"# file: {rel}\n".encode() + path.read_bytes())
+    facts = {"source": str(root), "python": platform.python_version(), "shard_bytes": SHARD_BYTES}
+    for split, parts in splits.items():
+        stream = b"\n\n".join(parts)
+        facts[f"{split}_files"] = len(parts)
+        facts[f"{split}_shards"] = write_shards(stream, out, split)
+    if facts["val_shards"] < 1 or facts["train_shards"] < 8:
+        raise RuntimeError(f"standard library at {root} is too small to build the charlm corpus: {facts}")
+    return facts
+
+
+def ensure(target: Path | None = None) -> Path:
+    """The corpus directory, built on first use (idempotent; concurrent callers wait for one builder)."""
+    return prepare_once(NAME, VERSION, build, target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="volume directory (default: under the home)")
+    path = ensure(parser.parse_args(argv).out)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

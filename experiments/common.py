@@ -1,0 +1,122 @@
+"""Helpers both bundled experiments share: where their data volume lives, building it exactly once, and the
+few pieces of training-loop plumbing (device, determinism, learning-rate schedule) that would otherwise be
+copied into every train.py.
+
+Kept free of torch at import time so `prepare.py` can run without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from filelock import FileLock
+
+from runtime import protocol
+
+VOLUMES_ENV = "AUTORESEARCH_VOLUMES"
+MANIFEST = "MANIFEST.json"
+
+
+def volume_dir(name: str) -> Path:
+    """Where experiment `name` keeps its data: `$AUTORESEARCH_VOLUMES/<name>` when set (e.g. a shared or
+    FUSE-mounted volume), else `$AUTORESEARCH_HOME/volumes/<name>`."""
+    root = os.environ.get(VOLUMES_ENV)
+    if not root:
+        home = os.environ.get(protocol.HOME) or str(Path.home() / ".autoresearch")
+        root = str(Path(home) / "volumes")
+    return Path(root).expanduser().resolve() / name
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a finished volume at `path`, or None when there is none (missing or half-built)."""
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+def prepare_once(name: str, version: int, build: Callable[[Path], dict[str, Any]],
+                 target: Path | None = None) -> Path:
+    """Make sure the data volume of experiment `name` exists at `target` (default `volume_dir(name)`) and
+    return its path.
+
+    `build(tmp_dir)` writes every file into an empty temporary directory and returns facts for the manifest.
+    The manifest is written last and the directory renamed into place, so a reader never sees a half-built
+    volume, and a crash mid-build leaves only a temp dir that the next build ignores. A file lock next to the
+    volume makes concurrent callers (two jobs starting at once, or every rank of a torchrun job) wait for
+    one builder instead of racing. Idempotent: a complete volume of the same `version` is returned as is.
+    """
+    final = Path(target) if target is not None else volume_dir(name)
+    if _is_current(final, version):
+        return final  # the common case costs one small file read and no lock
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if _is_current(final, version):
+            return final  # someone else built it while we waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+        try:
+            facts = build(tmp)
+            manifest = {"name": name, "version": version, **facts}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            if final.exists():  # an older version or a leftover without manifest
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _is_current(path: Path, version: int) -> bool:
+    manifest = read_manifest(path)
+    return manifest is not None and manifest.get("version") == version
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training-loop plumbing (torch is imported lazily: these run inside jobs only)
+
+
+def setup_torch(device: Any, seed: int):
+    """Seed every RNG, make CPU runs bitwise repeatable, and return an autocast context factory.
+
+    Determinism is what lets a preempted trial resume to the same final metric: on CPU we ask torch for
+    deterministic kernels (cheap there). On CUDA we allow TF32 and use bf16 autocast instead, trading exact
+    repeatability for speed as GPU users expect.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    torch.use_deterministic_algorithms(True)
+    return contextlib.nullcontext
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, schedule: str, floor: float = 0.1) -> float:
+    """Learning rate at `step` (0-based) of `total`: linear warmup over `warmup` steps, then cosine, linear or
+    constant down to `floor * peak`. A pure function of the step, so a resumed run needs no scheduler state."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak * (floor + (1.0 - floor) * shape)
+
+
+def evenly_spaced(total: int, count: int) -> set[int]:
+    """`count` step numbers spread over 1..total, always including the last one (for evals and progress)."""
+    return {max(1, round(total * (i + 1) / count)) for i in range(count)}

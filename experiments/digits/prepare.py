@@ -1,0 +1,68 @@
+"""Build the digits volume: scikit-learn's bundled 8x8 handwritten digits, one grayscale PNG per image.
+
+No network: `sklearn.datasets.load_digits` ships inside scikit-learn. The 1,797 images (pixel values 0-16)
+are scaled to 0-255 and written as files whose name carries the label, split by a seeded shuffle into
+1,437 train and 360 validation images (stratified, so every class is in both):
+
+    $AUTORESEARCH_HOME/volumes/digits/train/d0007-label3.png ... val/... MANIFEST.json
+
+Runs by itself the first time a trial needs the data (`ensure()`), safely when several jobs start at once.
+By hand: `python -m experiments.digits.prepare [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from experiments.common import prepare_once
+
+NAME = "digits"
+VERSION = 1  # bump when the layout changes: old volumes are rebuilt
+VAL_FRACTION = 0.2
+SPLIT_SEED = 0
+LABEL = re.compile(r"label(\d)\.png$")
+
+
+def label_of(path: str | Path) -> int:
+    """The class of an image file, read from its name (`...-label7.png` -> 7)."""
+    match = LABEL.search(str(path))
+    if match is None:
+        raise ValueError(f"not a digits image name: {path}")
+    return int(match.group(1))
+
+
+def build(out: Path) -> dict:
+    """Write train/ and val/ PNG files into the empty directory `out`; return facts for the manifest."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
+    index = np.arange(len(images))
+    train_idx, val_idx = train_test_split(index, test_size=VAL_FRACTION, random_state=SPLIT_SEED,
+                                          stratify=digits.target)
+    for split, ids in (("train", train_idx), ("val", val_idx)):
+        (out / split).mkdir()
+        for i in sorted(ids):
+            Image.fromarray(images[i]).save(out / split / f"d{i:04d}-label{digits.target[i]}.png")
+    return {"train_images": int(len(train_idx)), "val_images": int(len(val_idx)), "size": [8, 8],
+            "classes": 10}
+
+
+def ensure(target: Path | None = None) -> Path:
+    """The volume directory, built on first use (idempotent; concurrent callers wait for one builder)."""
+    return prepare_once(NAME, VERSION, build, target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="volume directory (default: under the home)")
+    print(ensure(parser.parse_args(argv).out))
+
+
+if __name__ == "__main__":
+    main()
