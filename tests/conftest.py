@@ -24,3 +24,47 @@ def home(tmp_path, monkeypatch) -> Path:
     for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "AUTORESEARCH_DEVICES", "AUTORESEARCH_FAULTS"):
         monkeypatch.delenv(var, raising=False)
     return root
+
+
+PG_DSN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+def _pg_schema_url(name: str):
+    """A fresh PostgreSQL schema on the local server, as a SQLAlchemy URL; None when no server answers."""
+    try:
+        import psycopg2
+        from sqlalchemy.engine import make_url
+
+        url = make_url(PG_DSN)
+        conn = psycopg2.connect(host=url.host, port=url.port or 5432, dbname=url.database,
+                                user=url.username, connect_timeout=3)
+    except Exception:
+        return None, None
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        cur.execute(f'CREATE SCHEMA "{name}"')
+    return f"{PG_DSN}?options=-csearch_path%3D{name}", conn
+
+
+@pytest.fixture
+def pg_url(request):
+    """A PostgreSQL URL with an empty schema of its own (skipped with a reason where no server runs)."""
+    import re
+
+    name = "t_" + re.sub(r"[^a-z0-9]", "_", request.node.name.lower())[:40] + f"_{os.getpid()}"
+    url, conn = _pg_schema_url(name)
+    if url is None:
+        pytest.skip(f"no PostgreSQL server at {PG_DSN} (set AUTORESEARCH_TEST_PG to run the PostgreSQL tests)")
+    yield url
+    with conn.cursor() as cur:
+        cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    conn.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    """Every queue backend, for contract tests: SQLite in a temp dir and PostgreSQL in its own schema."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'queue.db'}"
+    return request.getfixturevalue("pg_url")

@@ -12,6 +12,18 @@ import sys
 import click
 import typer
 
+try:  # typer >= 0.16 vendors its own click; its exceptions are not click's
+    from typer._click import exceptions as _tclick
+except ImportError:  # pragma: no cover - older typer uses click itself
+    _tclick = click.exceptions
+
+_EXIT = (click.exceptions.Exit, typer.Exit)
+_ABORT = (click.exceptions.Abort, typer.Abort)
+_HELP = tuple(c for c in (getattr(_tclick, "NoArgsIsHelpError", None),
+                          getattr(click.exceptions, "NoArgsIsHelpError", None)) if c is not None)
+_CLICK_ERROR = (click.ClickException, _tclick.ClickException)
+_USAGE_ERROR = (click.UsageError, _tclick.UsageError)
+
 from orchestrator.errors import BadInput, OrchestratorError
 
 app = typer.Typer(
@@ -49,14 +61,20 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     try:
         rv = app(args=argv, prog_name="autoresearch", standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except _EXIT as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except _ABORT:
         print("autoresearch: aborted", file=sys.stderr)
         sys.exit(130)
-    except click.ClickException as exc:
-        print(f"autoresearch: {exc.format_message()}", file=sys.stderr)
-        sys.exit(2 if isinstance(exc, click.UsageError) else exc.exit_code)
+    except _HELP as exc:
+        print(exc.ctx.get_help())
+        sys.exit(0)
+    except _CLICK_ERROR as exc:
+        message = " ".join(exc.format_message().split())
+        param = getattr(exc, "param", None)
+        hint = f" (option {param.opts[0]})" if param is not None and param.opts and param.opts[0] not in message else ""
+        print(f"autoresearch: {message}{hint}", file=sys.stderr)
+        sys.exit(2 if isinstance(exc, _USAGE_ERROR) else exc.exit_code)
     except (OrchestratorError, ValueError) as exc:
         if _is_input_error(exc):
             print(f"autoresearch: {exc}", file=sys.stderr)

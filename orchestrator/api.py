@@ -1,0 +1,81 @@
+"""The library API behind the CLI: submit, cancel, inspect. Tests and the agent call these directly.
+
+Import-light on purpose (no torch, no mlflow): `autoresearch submit` runs through here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from orchestrator.config import Settings
+from orchestrator.errors import BadInput
+from orchestrator.queue.models import Job, JobEvent, JobSpec
+from orchestrator.queue.store import JobStore
+from orchestrator.wakeup import notify
+
+SERVICE_STALE_AFTER = 10.0
+
+
+def open_store(settings: Optional[Settings] = None) -> JobStore:
+    settings = settings or Settings.load()
+    return JobStore(settings.db_url)
+
+
+def live_services(store: JobStore) -> list:
+    """Services whose heartbeat is fresh."""
+    return store.services(max_age=SERVICE_STALE_AFTER)
+
+
+def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) -> JobSpec:
+    """A JobSpec running a registered experiment with validated params (SpaceError names a bad key)."""
+    from experiments import registry
+
+    spec = registry.get(experiment)
+    full = spec.validate(dict(params))
+    return JobSpec(argv=spec.argv(), experiment=experiment, params=full, **options)
+
+
+def submit(spec: JobSpec, settings: Optional[Settings] = None,
+           store: Optional[JobStore] = None) -> tuple[Job, bool]:
+    """Queue a job. Returns (job, whether a service is running to pick it up).
+
+    A job asking for more devices than every live service has is refused (BadInput) when any service runs.
+    """
+    settings = settings or Settings.load()
+    store = store or JobStore(settings.db_url)
+    if spec.cwd is None:
+        spec = replace(spec, cwd=os.getcwd())
+    services = live_services(store)
+    if services:
+        most = max(len(s.devices) for s in services)
+        if spec.gpus > most:
+            raise BadInput(f"--gpus {spec.gpus} is more than any running service has (at most {most})")
+    job = store.submit(spec)
+    notify(settings.home)
+    return job, bool(services)
+
+
+def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:
+    """Cancel a job (BadInput when it already finished)."""
+    settings = settings or Settings.load()
+    store = store or JobStore(settings.db_url)
+    job = store.cancel(job_id)
+    notify(settings.home)
+    return job
+
+
+def show(job_id: int, store: JobStore) -> tuple[Job, list[JobEvent]]:
+    return store.get(job_id), store.events(job_id)
+
+
+def parse_params(items: list[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings to a dict (values stay strings; the experiment's space coerces them)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BadInput(f"bad --param {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out

@@ -1,0 +1,129 @@
+"""`submit`, `queue`, `show`, `cancel`, `logs`: the queue commands (fast: no torch or mlflow imports)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+import time
+from typing import List, Optional
+
+import typer
+
+from orchestrator import api
+from orchestrator.cli import app
+from orchestrator.cli.common import info, print_json, print_table
+from orchestrator.config import Settings
+from orchestrator.errors import BadInput
+from orchestrator.queue.models import JobSpec
+
+
+def _when(ts: Optional[float]) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S") if ts else ""
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def submit(
+    argv: Optional[List[str]] = typer.Argument(None, help="The command to run, after `--`."),
+    name: str = typer.Option("", "--name", help="A name for people."),
+    priority: int = typer.Option(10, "--priority", help="Higher wins; agent trials use 0."),
+    gpus: int = typer.Option(1, "--gpus", help="Devices the job needs (all at once)."),
+    max_attempts: int = typer.Option(1, "--max-attempts", help="Attempts before the job stays FAILED."),
+    grace: float = typer.Option(30.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
+    no_preempt: bool = typer.Option(False, "--no-preempt", help="Never preempt this job."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="Run a registered experiment."),
+    param: List[str] = typer.Option([], "--param", help="KEY=VALUE for --experiment (repeatable)."),
+    env: List[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's environment (repeatable)."),
+    no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+) -> None:
+    """Queue a command (after `--`) or an experiment run."""
+    options = dict(name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
+                   preemptible=not no_preempt, env=api.parse_params(env), track=not no_track)
+    if experiment:
+        if argv:
+            raise BadInput("give either --experiment or a command after `--`, not both")
+        spec = api.experiment_spec(experiment, api.parse_params(param), **options)
+    else:
+        if param:
+            raise BadInput("--param needs --experiment")
+        spec = JobSpec(argv=list(argv or []), **options)
+    job, served = api.submit(spec)
+    if as_json:
+        print_json({**job.to_dict(), "service_running": served})
+    else:
+        print(job.id)
+    if not served:
+        info("note: no service is running for this home; the job waits in the queue until `autoresearch serve`")
+
+
+@app.command()
+def queue(
+    all_jobs: bool = typer.Option(False, "--all", help="Every job, finished ones too."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """List jobs (default: not finished)."""
+    store = api.open_store()
+    jobs = store.list() if all_jobs else store.unfinished()
+    if as_json:
+        print_json([j.to_dict() for j in jobs])
+        return
+    print_table("jobs", ["id", "name", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted"],
+                [(j.id, j.name, j.state, j.priority, j.gpus, ",".join(j.devices or []), j.attempts,
+                  j.preemptions, j.exit_code, _when(j.submitted_at)) for j in jobs])
+
+
+@app.command()
+def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """One job, with its events."""
+    job, events = api.show(job_id, api.open_store())
+    if as_json:
+        print_json({**job.to_dict(), "events": [e.to_dict() for e in events]})
+        return
+    for key, value in job.to_dict().items():
+        if value not in (None, "", [], {}):
+            print(f"{key:>16}: {value}")
+    print_table("events", ["time", "from", "to", "reason"],
+                [(_when(e.at), e.src or "", e.dst, e.reason) for e in events])
+
+
+@app.command()
+def cancel(job_id: int = typer.Argument(..., metavar="ID")) -> None:
+    """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
+    job = api.cancel(job_id)
+    print(f"job {job.id}: {job.state}")
+
+
+@app.command()
+def logs(job_id: int = typer.Argument(..., metavar="ID"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job finishes.")) -> None:
+    """The job's output."""
+    store = api.open_store()
+    job = store.get(job_id)
+    path = job.log_path
+    if follow:
+        while not path or not os.path.exists(path):
+            if job.job_state.finished:
+                raise BadInput(f"job {job_id} produced no output")
+            time.sleep(0.5)
+            job = store.get(job_id)
+            path = job.log_path
+    elif not path or not os.path.exists(path):
+        info(f"job {job_id} has no output yet ({job.state})")
+        return
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(65536)
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                continue
+            if not follow:
+                return
+            job = store.get(job_id)
+            if job.job_state.finished and not (job.state == "FAILED" and job.failures < job.max_attempts):
+                rest = fh.read()
+                sys.stdout.buffer.write(rest)
+                sys.stdout.flush()
+                return
+            time.sleep(0.3)

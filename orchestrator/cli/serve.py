@@ -1,0 +1,45 @@
+"""`autoresearch serve`: run the queue service in the foreground."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+from orchestrator.cli import app
+from orchestrator.cli.common import info
+from orchestrator.config import Settings
+from orchestrator.errors import BadInput
+
+
+@app.command()
+def serve(
+    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu:N | a list like 0,1,3"),
+    executor: Optional[str] = typer.Option(None, "--executor", help="local | ray"),
+    preempt_after: Optional[float] = typer.Option(None, "--preempt-after",
+                                                  help="Minimum runtime (s) before a job may be preempted."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Run the queue service (stops on SIGINT/SIGTERM; running jobs keep running and are adopted on restart)."""
+    from orchestrator import devices as devspec
+    from orchestrator.service import Service
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    if preempt_after is not None and preempt_after < 0:
+        raise BadInput("--preempt-after must be >= 0")
+    flags = dict(devices=devices, executor=executor, preempt_after=preempt_after)
+    if ray_address:
+        flags["ray_address"] = ray_address
+    settings = Settings.load(**{k: v for k, v in flags.items() if k != "ray_address"})
+    if ray_address:
+        settings.extra["ray_address"] = ray_address
+    if settings.executor == "local":
+        devspec.parse(settings.devices)  # bad spec: exit 2 before anything is touched
+    service = Service(settings)
+    info(f"autoresearch: serving {settings.home} (executor {settings.executor}, devices {settings.devices}); "
+         "Ctrl-C stops (running jobs keep running)")
+    service.serve_forever()

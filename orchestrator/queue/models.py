@@ -1,0 +1,164 @@
+"""SQLModel tables of the queue: jobs, their event log, devices, and live services.
+
+Times are UNIX seconds (floats): comparable across hosts, cheap to index, exact in SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+from orchestrator.queue.states import JobState
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a submitter asks for. Validated here so every entry point (CLI, agent, API) gets the same rules."""
+
+    argv: list[str]
+    name: str = ""
+    priority: int = 10
+    gpus: int = 1
+    max_attempts: int = 1
+    grace: float = 30.0
+    preemptible: bool = True
+    owner: str = "human"
+    experiment: Optional[str] = None
+    params: Optional[dict[str, Any]] = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None
+    track: bool = True  # create an MLflow run for the job (MLFLOW_RUN_ID); --no-track skips it
+    mlflow_run_id: Optional[str] = None
+    idempotency_key: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from orchestrator.errors import BadInput
+
+        if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
+            raise BadInput("the command is empty: give it after `--`, e.g. autoresearch submit -- python train.py")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise BadInput(f"priority must be an integer, got {self.priority!r}")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise BadInput(f"--gpus must be an integer >= 1, got {self.gpus!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise BadInput(f"--max-attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if not (isinstance(self.grace, (int, float)) and 0 <= self.grace <= 86400):
+            raise BadInput(f"--grace must be between 0 and 86400 seconds, got {self.grace!r}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in self.env.items()):
+            raise BadInput("env overrides must map strings to strings")
+
+
+class Job(SQLModel, table=True):
+    """One queued command and everything known about its attempts."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_state_priority", "state", "priority", "submitted_at"),
+        UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
+    )
+
+    id: Optional[int] = Field(default=None, sa_column_kwargs={"autoincrement": True}, primary_key=True)
+    name: str = ""
+    argv: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    env: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    cwd: Optional[str] = None
+    track: bool = True
+    priority: int = 10
+    gpus: int = 1
+    max_attempts: int = 1
+    grace: float = 30.0
+    preemptible: bool = True
+    owner: str = Field(default="human", index=True)
+    experiment: Optional[str] = Field(default=None, index=True)
+    params: Optional[dict] = Field(default=None, sa_column=Column(JSON, nullable=True))
+    idempotency_key: Optional[str] = None
+
+    state: str = Field(default=JobState.QUEUED.value, index=True)
+    reason: str = ""
+    attempts: int = 0  # times started (AUTORESEARCH_ATTEMPT)
+    failures: int = 0  # failed attempts; retried while failures < max_attempts
+    preemptions: int = 0
+    devices: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    host: Optional[str] = None
+    pid: Optional[int] = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    proc_start: Optional[str] = None  # /proc start time of pid, to tell a reused pid from ours
+    exit_code: Optional[int] = None
+    log_path: Optional[str] = None
+    checkpoint_dir: Optional[str] = None
+    mlflow_run_id: Optional[str] = None
+
+    submitted_at: float = 0.0
+    started_at: Optional[float] = None  # current/last attempt entered RUNNING
+    finished_at: Optional[float] = None
+    not_before: Optional[float] = None  # retry backoff: not requeued before this time
+    stop_sent_at: Optional[float] = None  # SIGTERM sent for PREEMPTING/CANCELLING; SIGKILL after grace
+
+    @property
+    def job_state(self) -> JobState:
+        return JobState(self.state)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first)."""
+        return {
+            "id": self.id, "name": self.name, "state": self.state, "priority": self.priority, "gpus": self.gpus,
+            "devices": list(self.devices or []), "attempts": self.attempts, "preemptions": self.preemptions,
+            "exit_code": self.exit_code, "mlflow_run_id": self.mlflow_run_id, "owner": self.owner,
+            "experiment": self.experiment, "params": self.params, "argv": list(self.argv or []), "cwd": self.cwd,
+            "max_attempts": self.max_attempts, "failures": self.failures, "grace": self.grace,
+            "preemptible": self.preemptible, "reason": self.reason, "host": self.host, "pid": self.pid,
+            "log_path": self.log_path, "checkpoint_dir": self.checkpoint_dir,
+            "submitted_at": self.submitted_at, "started_at": self.started_at, "finished_at": self.finished_at,
+            "not_before": self.not_before, "idempotency_key": self.idempotency_key,
+        }
+
+
+class JobEvent(SQLModel, table=True):
+    """One state transition of one job: the audit log behind `autoresearch show`."""
+
+    __tablename__ = "job_events"
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    job_id: int = Field(index=True)
+    at: float
+    src: Optional[str] = None
+    dst: str
+    reason: str = ""
+    host: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at": self.at, "from": self.src, "to": self.dst, "reason": self.reason, "host": self.host}
+
+
+class Device(SQLModel, table=True):
+    """A schedulable device of one host: a GPU index or a virtual `cpu:N` slot."""
+
+    __tablename__ = "devices"
+
+    host: str = Field(primary_key=True)
+    name: str = Field(primary_key=True)
+    position: int = 0
+    state: str = "available"  # available | disabled (by a person) | quarantined (by a check)
+    reason: str = ""
+    checked_at: Optional[float] = None
+    last_check: Optional[dict] = Field(default=None, sa_column=Column(JSON, nullable=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "device": self.name, "state": self.state, "reason": self.reason,
+                "checked_at": self.checked_at, "last_check": self.last_check}
+
+
+class ServiceRecord(SQLModel, table=True):
+    """A running `serve` process: its heartbeat tells submitters and other hosts whether it is alive."""
+
+    __tablename__ = "services"
+
+    host: str = Field(primary_key=True)
+    pid: int = 0
+    home: str = ""
+    devices: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0

@@ -1,0 +1,64 @@
+"""Contract 2: job states and the transitions allowed between them.
+
+    QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
+    RUNNING -> PREEMPTING -> QUEUED          (back in line, same priority and submit time, preemptions += 1)
+    RUNNING -> CANCELLING -> CANCELLED
+    FAILED (attempts left) -> QUEUED         (after a backoff)
+
+Extensions (the contract may only be extended): STARTING can fail, be cancelled or go back to QUEUED
+(preflight found a bad device; spawn failed with a temporary error) or enter CANCELLING (cancelled while
+its process is being spawned); RUNNING -> QUEUED when the job exits
+75 (EX_TEMPFAIL) or its host was lost; a job being preempted may still finish on its own
+(PREEMPTING -> SUCCEEDED | FAILED) or be cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class JobState(str, Enum):
+    """The life-cycle state of a job."""
+
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    PREEMPTING = "PREEMPTING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def holds_devices(self) -> bool:
+        """Whether a job in this state occupies its devices."""
+        return self in HOLDING
+
+    @property
+    def finished(self) -> bool:
+        """SUCCEEDED, CANCELLED and FAILED are finished (a FAILED job may still be retried; see store)."""
+        return self in FINISHED
+
+
+S = JobState
+ALLOWED: dict[JobState, frozenset[JobState]] = {
+    S.QUEUED: frozenset({S.STARTING, S.CANCELLED}),
+    S.STARTING: frozenset({S.RUNNING, S.QUEUED, S.FAILED, S.CANCELLED, S.CANCELLING}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTING, S.CANCELLING, S.QUEUED}),
+    S.PREEMPTING: frozenset({S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
+    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.SUCCEEDED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.FAILED: frozenset({S.QUEUED}),  # only while attempts are left; the store checks that
+}
+HOLDING = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
+FINISHED = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
+ACTIVE = frozenset(set(JobState) - FINISHED)
+
+
+def allowed(src: JobState, dst: JobState) -> bool:
+    """Whether Contract 2 allows `src -> dst` (the retry rule on FAILED is checked by the store)."""
+    return dst in ALLOWED[src]

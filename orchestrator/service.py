@@ -1,0 +1,357 @@
+"""The queue service: places queued jobs on free, healthy devices, preempts, reaps, and recovers after crashes.
+
+Threads:
+- the dispatcher: woken by a submit/cancel datagram, by a job's exit, or by APScheduler's tick; each pass
+  records finished attempts, enforces stops (SIGTERM, then SIGKILL after the grace), asks the pure policy
+  (`orchestrator.scheduling.plan`) for starts and preemptions, and carries them out;
+- APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, health monitor)
+  and the periodic re-check of idle devices;
+- the executor's watcher, which reports exits.
+
+Restart semantics (documented choice): stopping the service (SIGINT/SIGTERM) or losing it (`kill -9`) leaves
+running jobs running; the next service on the same home adopts them, or records how they ended from the exit
+code their wrapper wrote. No job is lost, none runs twice, every job ends in the state its process earned.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from orchestrator import devices as devspec
+from orchestrator.config import Settings
+from orchestrator.errors import ServiceAlreadyRunning
+from orchestrator.executors.base import Exit, Executor, job_env
+from orchestrator.queue.models import Job
+from orchestrator.queue.states import HOLDING, JobState
+from orchestrator.queue.store import JobStore
+from orchestrator.wakeup import Listener
+
+log = logging.getLogger(__name__)
+S = JobState
+HEARTBEAT_EVERY = 2.0
+SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is considered gone
+
+
+def node_name(home: Path) -> str:
+    """This service's identity in a shared queue: the host name plus the home, so homes on one host differ."""
+    explicit = os.environ.get("AUTORESEARCH_NODE")
+    if explicit:
+        return explicit
+    digest = hashlib.sha1(str(Path(home).resolve()).encode()).hexdigest()[:6]
+    return f"{socket.gethostname()}-{digest}"
+
+
+class Service:
+    """One queue service for one home. `start()` runs it in background threads; `serve_forever()` blocks."""
+
+    def __init__(self, settings: Settings, *, devices: Optional[str] = None, executor: Optional[str] = None,
+                 preempt_after: Optional[float] = None, tick: float = 0.5,
+                 executor_factory: Optional[Callable[["Service"], Executor]] = None):
+        self.settings = settings
+        self.home = Path(settings.home)
+        self.store = JobStore(settings.db_url)
+        self.host = node_name(self.home)
+        self.preempt_after = settings.preempt_after if preempt_after is None else float(preempt_after)
+        self.tick = tick
+        self.device_spec = devices or settings.devices
+        self._executor_name = executor or settings.executor
+        self._executor_factory = executor_factory
+        self.executor: Optional[Executor] = None
+        self.device_names: list[str] = []
+        self._exits: list[Exit] = []
+        self._exits_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock_fh = None
+        self._listener: Optional[Listener] = None
+        self._scheduler = None
+        self._dispatcher: Optional[threading.Thread] = None
+        self._started_at = time.time()
+        self._tracking_lock = threading.Lock()
+        self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
+
+    # ---- life cycle -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def running(settings: Settings) -> bool:
+        """Whether a service holds this home's lock right now."""
+        path = Path(settings.home) / "service.lock"
+        if not path.exists():
+            return False
+        with open(path, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return False
+
+    def _take_lock(self) -> None:
+        path = self.home / "service.lock"
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            pid = fh.read().strip() or "?"
+            fh.close()
+            raise ServiceAlreadyRunning(f"a service is already running for {self.home} (pid {pid}); "
+                                        "stop it first or use another AUTORESEARCH_HOME") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._lock_fh = fh
+
+    def start(self) -> "Service":
+        """Take the home, reconcile what the last service left, and start the threads."""
+        self.device_names = devspec.parse(self.device_spec) if self._executor_name == "local" else []
+        self._take_lock()
+        try:
+            for sub in ("logs", "checkpoints", "run"):
+                (self.home / sub).mkdir(parents=True, exist_ok=True)
+            self.executor = self._make_executor()
+            inventory = self.executor.inventory()
+            if inventory is not None:
+                self.device_names = inventory
+            self.store.sync_devices(self.host, self.device_names)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self._reconcile()
+            # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
+            threading.Thread(target=self._warm_tracking, name="warm-tracking", daemon=True).start()
+            self._listener = Listener(self.home, self.wake)
+            self._start_scheduler()
+            self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+            self._dispatcher.start()
+            self.wake()
+        except BaseException:
+            self._release()
+            raise
+        log.info("service %s on %s: devices %s", self.host, self.home, ",".join(self.device_names))
+        return self
+
+    def _make_executor(self) -> Executor:
+        if self._executor_factory is not None:
+            return self._executor_factory(self)
+        if self._executor_name == "local":
+            from orchestrator.executors.local import LocalExecutor
+
+            return LocalExecutor(self.home / "run", self._on_exit)
+        if self._executor_name == "ray":
+            from orchestrator.executors.ray import RayExecutor  # optional extra
+
+            return RayExecutor(self.settings, self._on_exit)
+        from orchestrator.errors import BadInput
+
+        raise BadInput(f"unknown executor {self._executor_name!r}; expected local or ray")
+
+    def _start_scheduler(self) -> None:
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        sched = BackgroundScheduler(daemon=True, job_defaults={"coalesce": True, "max_instances": 1,
+                                                               "misfire_grace_time": 5})
+        sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
+        sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
+        sched.add_job(self._recheck_idle_devices, "interval", seconds=self.recheck_every, id="recheck")
+        sched.start()
+        self._scheduler = sched
+
+    recheck_every = 300.0
+
+    def stop(self) -> None:
+        """Stop dispatching. Running jobs keep running; the next service on this home adopts them."""
+        self._stop.set()
+        self._wake.set()
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=10)
+        if self._listener is not None:
+            self._listener.close()
+        if self.executor is not None:
+            self.executor.close()
+        try:
+            self.store.remove_service(self.host)
+        except Exception:  # the database may be gone; the heartbeat row then simply goes stale
+            log.exception("could not remove the service record")
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    def serve_forever(self) -> None:
+        """Run until SIGINT or SIGTERM."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        self.start()
+        try:
+            while not self._stop.wait(1.0):
+                pass
+        finally:
+            self.stop()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- events from the executor -----------------------------------------------------------------------
+
+    def _on_exit(self, exit_: Exit) -> None:
+        with self._exits_lock:
+            self._exits.append(exit_)
+        self._wake.set()
+
+    def _record_exits(self) -> None:
+        with self._exits_lock:
+            exits, self._exits = self._exits, []
+        if not exits:
+            return
+        current = {job.id: job for job in self.store.list(HOLDING, host=self.host)}
+        results = []
+        for ex in exits:
+            job = current.get(ex.job_id)
+            if job is None or job.attempts != ex.attempt:
+                continue  # a stale report of an attempt already accounted for
+            results.append((ex.job_id, ex.code, ex.detail))
+        for job in self.store.finish_many(results, self.host):
+            log.info("job %s -> %s (%s)", job.id, job.state, job.reason)
+
+    # ---- the dispatcher ---------------------------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=self.tick * 4)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.dispatch_once()
+            except Exception:
+                log.exception("dispatch pass failed; retrying on the next wake-up")
+                time.sleep(0.2)
+
+    def dispatch_once(self) -> None:
+        """One pass: record exits, enforce stops, plan, preempt, start."""
+        from orchestrator import scheduling
+
+        self._record_exits()
+        jobs = self.store.list([S.QUEUED, *HOLDING])
+        mine = [j for j in jobs if j.host == self.host and j.job_state in HOLDING]
+        self._enforce_stops(mine)
+        usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
+        now = time.time()
+        waiting = [scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus)
+                   for j in jobs if j.job_state is S.QUEUED and j.gpus <= len(self.device_names)]
+        running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
+                                      j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
+                   for j in mine]
+        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
+        if plan.preempt:
+            for job in self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host):
+                self._send_stop(job)
+        if plan.starts:
+            self._start_jobs(plan.starts)
+
+    def _start_jobs(self, starts) -> None:
+        claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.home / "checkpoints"),
+                                   log_root=str(self.home / "logs"))
+        for job in claimed:
+            try:
+                if job.track and not job.mlflow_run_id:
+                    job.mlflow_run_id = self._tracking().ensure_job_run(job)
+                    self.store.set_run_id(job.id, job.mlflow_run_id)
+                if not self._preflight_ok(job):
+                    continue
+                env = job_env(job, base=dict(os.environ), home=str(self.home),
+                              tracking_uri=self.settings.tracking_uri,
+                              heartbeat_file=str(self.home / "run" / f"{job.id}.heartbeat"))
+                launched = self.executor.launch(job, env)
+            except Exception as exc:
+                log.exception("could not start job %s", job.id)
+                self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")
+                continue
+            self.store.mark_running(job.id, launched.pid, launched.proc_start, self.host)
+
+    def _warm_tracking(self) -> None:
+        try:
+            self._tracking()
+        except Exception:
+            log.exception("MLflow tracking store %s is not usable", self.settings.tracking_uri)
+
+    def _tracking(self):
+        with self._tracking_lock:
+            return self._tracking_unlocked()
+
+    def _tracking_unlocked(self):
+        if self.tracking is None:
+            from orchestrator.jobruns import JobRuns
+
+            self.tracking = JobRuns(self.settings.tracking_uri, self.home / "mlartifacts")
+        return self.tracking
+
+    # hook for device health (issue 4): return False after requeueing the job elsewhere
+    def _preflight_ok(self, job: Job) -> bool:
+        return True
+
+    # ---- stopping jobs ----------------------------------------------------------------------------------
+
+    def _send_stop(self, job: Job) -> None:
+        if job.pid is None:
+            return  # not spawned yet: stopped as soon as mark_running records its pid
+        self.executor.signal(job, signal.SIGTERM)
+        self.store.mark_stop_sent(job.id)
+
+    def _enforce_stops(self, mine: list[Job]) -> None:
+        now = time.time()
+        for job in mine:
+            if job.job_state not in (S.PREEMPTING, S.CANCELLING) or job.pid is None:
+                continue
+            if job.stop_sent_at is None:
+                self._send_stop(job)
+            elif now - job.stop_sent_at >= job.grace:
+                self.executor.signal(job, signal.SIGKILL)
+
+    # ---- recovery and housekeeping ------------------------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        """Adopt or settle every job this host held when the last service stopped or died."""
+        for job in self.store.list(HOLDING, host=self.host):
+            if job.pid is None:
+                found = getattr(self.executor, "find_attempt", lambda _job: None)(job)
+                if found is None:
+                    self.store.requeue(job.id, "service restarted before the job was spawned", self.host)
+                    continue
+                job = self.store.mark_running(job.id, found.pid, found.proc_start, self.host)
+            alive = self.executor.adopt(job)
+            log.info("reconcile: job %s %s", job.id, "adopted" if alive else "had ended")
+
+    def _housekeeping(self) -> None:
+        try:
+            requeued = self.store.requeue_due()
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            if requeued:
+                self.wake()
+            self._monitor()
+        except Exception:
+            log.exception("housekeeping failed")
+
+    def _monitor(self) -> None:
+        """Run-time health of running jobs' devices and heartbeats (filled in by the health module)."""
+
+    def _recheck_idle_devices(self) -> None:
+        """Periodic deeper checks of idle devices (filled in by the health module)."""
+
+    def status(self) -> dict[str, Any]:
+        return {"host": self.host, "home": str(self.home), "devices": self.device_names,
+                "pid": os.getpid(), "started_at": self._started_at}

@@ -1,0 +1,206 @@
+"""JobStore contract: every backend (SQLite, PostgreSQL) enforces Contract 2 the same way."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from orchestrator.errors import BadInput, InvalidTransition, JobNotFound, StoreUnavailable
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import ALLOWED, JobState
+from orchestrator.queue.store import JobStore, backoff
+
+S = JobState
+
+
+@pytest.fixture
+def store(db_url):
+    s = JobStore(db_url)
+    yield s
+    s.close()
+
+
+def spec(**kw):
+    return JobSpec(argv=kw.pop("argv", ["true"]), **kw)
+
+
+def states(store, job_id):
+    return [(e.src, e.dst) for e in store.events(job_id)]
+
+
+def run(store, job_id, devices=("cpu:0",)):
+    store.claim([(job_id, list(devices))], "h1")
+    return store.mark_running(job_id, 4242, None, "h1")
+
+
+def test_submit_records_an_event_and_defaults(store):
+    job = store.submit(spec(name="a"))
+    assert (job.state, job.priority, job.attempts, job.preemptions) == ("QUEUED", 10, 0, 0)
+    assert states(store, job.id) == [(None, "QUEUED")]
+    assert store.get(job.id).argv == ["true"]
+
+
+def test_happy_path_is_one_event_per_transition(store):
+    job = store.submit(spec())
+    run(store, job.id)
+    done = store.finish(job.id, 0, "h1")
+    assert done.state == "SUCCEEDED" and done.exit_code == 0 and done.finished_at
+    assert states(store, job.id) == [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING"),
+                                     ("RUNNING", "SUCCEEDED")]
+    assert store.get(job.id).attempts == 1
+
+
+def test_finished_jobs_never_change(store):
+    job = store.submit(spec())
+    run(store, job.id)
+    store.finish(job.id, 0, "h1")
+    with pytest.raises(BadInput):
+        store.cancel(job.id)
+    assert store.claim([(job.id, ["cpu:0"])], "h1") == []
+    assert store.finish(job.id, 1).state == "SUCCEEDED"  # a late duplicate report changes nothing
+    with pytest.raises(InvalidTransition):
+        with store._tx() as session:
+            store._move(session, store._lock(session, job.id), S.QUEUED, "x", None, 0.0)
+
+
+def test_preemption_goes_back_in_line_keeping_priority_and_submit_time(store):
+    job = store.submit(spec(priority=3))
+    run(store, job.id)
+    [pre] = store.preempt([job.id], "for a higher job")
+    assert pre.state == "PREEMPTING"
+    back = store.finish(job.id, 143)
+    assert back.state == "QUEUED" and back.preemptions == 1 and back.priority == 3
+    assert back.submitted_at == job.submitted_at and back.devices == []
+    assert back.failures == 0  # a preemption is not a failure
+
+
+def test_exit_75_requeues_without_spending_an_attempt(store):
+    job = store.submit(spec(max_attempts=1))
+    run(store, job.id)
+    back = store.finish(job.id, 75)
+    assert back.state == "QUEUED" and back.failures == 0
+    run(store, job.id)
+    assert store.get(job.id).attempts == 2
+    assert store.finish(job.id, 0).state == "SUCCEEDED"
+
+
+def test_failures_retry_with_doubling_backoff_until_attempts_run_out(store):
+    job = store.submit(spec(max_attempts=3))
+    run(store, job.id)
+    failed = store.finish(job.id, 1)
+    assert failed.state == "FAILED" and failed.not_before is not None
+    assert store.requeue_due(now=failed.not_before - 0.01) == []
+    [again] = store.requeue_due(now=failed.not_before + 0.01)
+    assert again.state == "QUEUED"
+    run(store, job.id)
+    second = store.finish(job.id, 1)
+    assert second.not_before - second.finished_at == pytest.approx(backoff(2))
+    store.requeue_due(now=second.not_before + 1)
+    run(store, job.id)
+    last = store.finish(job.id, 1)
+    assert last.state == "FAILED" and last.failures == 3 and last.not_before is None
+    assert store.requeue_due(now=1e12) == []
+    assert backoff(1) * 2 == backoff(2) and backoff(50) == backoff(51)  # doubles, then a cap
+
+
+def test_cancel_queued_running_and_retrying_jobs(store):
+    queued = store.submit(spec())
+    assert store.cancel(queued.id).state == "CANCELLED"
+    running = store.submit(spec())
+    run(store, running.id)
+    assert store.cancel(running.id).state == "CANCELLING"
+    assert store.finish(running.id, 143).state == "CANCELLED"
+    retrying = store.submit(spec(max_attempts=2))
+    run(store, retrying.id)
+    store.finish(retrying.id, 1)
+    stopped = store.cancel(retrying.id)
+    assert stopped.state == "FAILED"
+    assert store.requeue_due(now=1e12) == []  # no retry after a cancel
+
+
+def test_cancel_while_starting_stops_the_process_once_it_exists(store):
+    job = store.submit(spec())
+    store.claim([(job.id, ["cpu:0"])], "h1")
+    assert store.cancel(job.id).state == "CANCELLING"
+    kept = store.mark_running(job.id, 99, None, "h1")
+    assert kept.state == "CANCELLING" and kept.pid == 99
+
+
+def test_claim_is_all_or_nothing_per_job_and_skips_taken_jobs(store):
+    a, b = store.submit(spec()), store.submit(spec(gpus=2))
+    first = store.claim([(a.id, ["cpu:0"]), (b.id, ["cpu:1", "cpu:2"])], "h1")
+    assert [j.id for j in first] == [a.id, b.id]
+    assert store.get(b.id).devices == ["cpu:1", "cpu:2"]
+    assert store.claim([(a.id, ["cpu:3"])], "h2") == []  # already taken by h1
+
+
+def test_idempotency_key_returns_the_same_job(store):
+    a = store.submit(spec(idempotency_key="session-1:0"))
+    b = store.submit(spec(idempotency_key="session-1:0", name="other"))
+    assert a.id == b.id and store.count() == 1
+
+
+def test_demote_preempts_a_running_job(store):
+    job = store.submit(spec(priority=0))
+    run(store, job.id)
+    demoted = store.demote(job.id, -5, "ASHA")
+    assert demoted.state == "PREEMPTING" and demoted.priority == -5
+
+
+def test_unknown_job_is_bad_input(store):
+    with pytest.raises(JobNotFound):
+        store.get(12345)
+    with pytest.raises(BadInput):
+        store.cancel(12345)
+
+
+def test_requeue_after_lost_host(store):
+    job = store.submit(spec())
+    run(store, job.id)
+    back = store.requeue(job.id, "host lost")
+    assert back.state == "QUEUED" and back.attempts == 1
+
+
+def test_devices_keep_their_state_across_syncs(store):
+    store.sync_devices("h1", ["cpu:0", "cpu:1"])
+    store.set_device_state("h1", "cpu:1", "disabled", "maintenance")
+    devs = store.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
+    assert [(d.name, d.state) for d in devs] == [("cpu:0", "available"), ("cpu:1", "disabled"),
+                                                 ("cpu:2", "available")]
+    with pytest.raises(BadInput):
+        store.set_device_state("h1", "cpu:9", "disabled")
+
+
+def test_every_contract_transition_is_known():
+    # Contract 2's named edges must all be allowed (extensions may add more, never remove these).
+    required = {(S.QUEUED, S.STARTING), (S.STARTING, S.RUNNING), (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED),
+                (S.RUNNING, S.CANCELLED), (S.RUNNING, S.PREEMPTING), (S.PREEMPTING, S.QUEUED),
+                (S.RUNNING, S.CANCELLING), (S.CANCELLING, S.CANCELLED), (S.FAILED, S.QUEUED)}
+    assert all(dst in ALLOWED[src] for src, dst in required)
+    assert ALLOWED[S.SUCCEEDED] == ALLOWED[S.CANCELLED] == frozenset()
+
+
+def _submit_many(url, n, out):
+    store = JobStore(url)
+    out.put([store.submit(JobSpec(argv=["true"])).id for _ in range(n)])
+
+
+def test_concurrent_submitters_lose_nothing(db_url):
+    JobStore(db_url).close()
+    out = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=_submit_many, args=(db_url, 25, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    ids = [i for _ in procs for i in out.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+    assert len(ids) == 100 and len(set(ids)) == 100
+    assert JobStore(db_url).count() == 100
+
+
+def test_unreachable_database_is_a_clear_error(tmp_path):
+    with pytest.raises(StoreUnavailable, match="cannot"):
+        JobStore(f"sqlite:///{tmp_path}/missing/dir/queue.db")
+    with pytest.raises(StoreUnavailable, match="cannot reach"):
+        JobStore("postgresql+psycopg2://nobody:secret@127.0.0.1:1/none?connect_timeout=1")
