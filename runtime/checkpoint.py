@@ -1,0 +1,345 @@
+"""Checkpoint and resume with torch.distributed.checkpoint (DCP): `TrainState` and `CheckpointManager`.
+
+Layout: ``<dir>/step_0000000100/`` holds one DCP checkpoint; it counts only once its ``.metadata`` is
+committed (see `runtime.checkpoint_io.VolumeWriter`). The newest `keep_last` complete checkpoints are kept;
+the only loadable one is never deleted. Typical loop::
+
+    state = TrainState(model, optimizer, loader)
+    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=2, interval_steps=100)
+    start = ckpt.load_latest(state) or 0
+    for step in range(start, total):
+        ...  # forward, backward, optimizer.step()
+        state.step = step + 1
+        ckpt.maybe_save(step + 1, state)
+        if ctx.should_stop():
+            ckpt.save_now(step + 1, state)
+            ctx.exit_preempted()
+    ckpt.close()
+
+With several ranks, build the manager after `init_distributed()` and call its methods at the same points on
+every rank (they are collective). It creates its own gloo group so background uploads never interleave with
+the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from runtime.checkpoint_io import METADATA, SnapshotStager, VolumeReader, VolumeWriter
+from runtime.errors import CheckpointError
+
+__all__ = ["CheckpointConfig", "CheckpointManager", "TrainState", "VolumeReader", "VolumeWriter"]
+
+log = logging.getLogger("autoresearch.runtime.checkpoint")
+# DCP warns on every single-process save/load; single-process is a normal case here, not a mistake.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TrainState(Stateful):
+    """Everything a resumed run needs to continue bitwise: model, optimizer, loader position, RNG, step.
+
+    Model and optimizer go through DCP's get_state_dict/set_state_dict (so DDP/compiled wrappers and
+    parameter FQNs are handled). Per-rank state (torch/CUDA/numpy/python RNG and `loader.state_dict()`) is
+    pickled into one uint8 tensor per rank, because DCP writes non-tensor values from rank 0 only.
+    `loader` is anything with state_dict()/load_state_dict().
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 loader: Any = None, *, step: int = 0) -> None:
+        self.model, self.optimizer, self.loader, self.step = model, optimizer, loader, step
+        self._load_blob: int | None = None  # blob size to load into; -1: the checkpoint has none for us
+
+    @property
+    def _blob_key(self) -> str:
+        return f"rank{_rank()}"
+
+    def _blob(self) -> torch.Tensor:
+        state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+                 "loader": self.loader.state_dict() if self.loader is not None else None}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to save (or, between `prepare_load` and `load_state_dict`, the tensors to load into)."""
+        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
+        sd: dict[str, Any] = {"model": model_sd, "step": torch.tensor(self.step, dtype=torch.int64)}
+        if self.optimizer is not None:
+            sd["optim"] = optim_sd
+        if self._load_blob is None:
+            sd[self._blob_key] = self._blob()
+        elif self._load_blob >= 0:
+            sd[self._blob_key] = torch.empty(self._load_blob, dtype=torch.uint8)
+        return sd
+
+    def prepare_load(self, metadata: Any, prefix: str) -> None:
+        """Size the per-rank blob from the checkpoint's metadata before DCP loads into `state_dict()`;
+        `metadata=None` cancels (back to saving mode)."""
+        if metadata is None:
+            self._load_blob = None
+            return
+        entry = metadata.state_dict_metadata.get(f"{prefix}.{self._blob_key}")
+        self._load_blob = int(entry.size[0]) if entry is not None else -1
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a loaded state dict (DCP calls this after filling `state_dict()`'s tensors)."""
+        set_state_dict(self.model, [self.optimizer] if self.optimizer else [],
+                       model_state_dict=state_dict["model"], optim_state_dict=state_dict.get("optim", {}))
+        self.step = int(state_dict["step"])
+        blob = state_dict.get(self._blob_key)
+        self._load_blob = None
+        if blob is None:
+            log.warning("checkpoint has no RNG/loader state for %s (world size changed?)", self._blob_key)
+            return
+        state = pickle.loads(blob.numpy().tobytes())
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        if self.loader is not None and state["loader"] is not None:
+            self.loader.load_state_dict(state["loader"])
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How often to save, how many to keep, and whether saves overlap training."""
+
+    keep_last: int = 2
+    interval_steps: int = 100
+    async_save: bool = True
+    stage_dir: str | None = None  # local scratch for VolumeWriter; None: $AUTORESEARCH_CKPT_STAGE or /tmp
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        if self.interval_steps < 1:
+            raise ValueError("interval_steps must be >= 1")
+
+
+def _as_dict(state: Any) -> dict[str, Any]:
+    return dict(state) if isinstance(state, Mapping) else {"train": state}
+
+
+class CheckpointManager:
+    """Periodic async saves, synchronous saves on preemption, retention, and loading the latest good one."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 2, interval_steps: int = 100,
+                 async_save: bool = True, *, stage_dir: str | None = None) -> None:
+        self.config = CheckpointConfig(keep_last, interval_steps, async_save, stage_dir)
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # A group of our own: the upload thread's collectives must not interleave with the loop's.
+        self._pg = dist.new_group(backend="gloo") if distributed else None
+        self._stager = SnapshotStager()
+        self._inflight: Future | None = None  # the save in flight: done once committed and retention ran
+        self._hooks: dict[int, Any] = {}
+        self.stats = {"saves": 0, "blocked_s": 0.0, "staging_wait_s": 0.0, "last_call_s": 0.0}
+
+    # -- listing -----------------------------------------------------------------------------------------
+
+    def path_for(self, step: int) -> Path:
+        """The directory of the checkpoint for `step`."""
+        return self.dir / f"step_{step:010d}"
+
+    def _all_steps(self) -> list[int]:
+        steps = []
+        for p in self.dir.iterdir() if self.dir.exists() else ():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose metadata is committed, oldest first (not yet validated)."""
+        return [s for s in self._all_steps() if (self.path_for(s) / METADATA).exists()]
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    def _guard(self, state: dict[str, Any]) -> None:
+        """Tell the stager which tensors may be copied late, and hold their optimizer until it has."""
+        deferred: set[int] = set()
+        for obj in state.values():
+            opt = getattr(obj, "optimizer", None)
+            model = getattr(obj, "model", None)
+            if opt is None or model is None:
+                continue
+            deferred.update(p.untyped_storage().data_ptr() for p in model.parameters())
+            for pstate in opt.state.values():
+                deferred.update(v.untyped_storage().data_ptr() for v in pstate.values() if torch.is_tensor(v))
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(lambda *_: self.wait_staged())
+        self._stager.deferred = deferred
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save has copied the parameters and optimizer state (called before every
+        optimizer.step() by a hook; call it yourself before mutating parameters any other way)."""
+        t0 = time.perf_counter()
+        self._stager.wait()
+        self.stats["staging_wait_s"] += time.perf_counter() - t0
+
+    def maybe_save(self, step: int, state: Any) -> bool:
+        """Save when `step` is a positive multiple of interval_steps; True when a save was started."""
+        if step <= 0 or step % self.config.interval_steps:
+            return False
+        if not self.config.async_save:
+            self.save_now(step, state)
+            return True
+        t0 = time.perf_counter()
+        self.wait()  # at most one save in flight: its upload owns the staging buffers
+        if (self.path_for(step) / METADATA).exists():
+            return False
+        sd = _as_dict(state)
+        self._guard(sd)
+        resp = dcp.async_save(
+            sd, storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step),
+            process_group=self._pg, no_dist=self._pg is None, async_stager=self._stager)
+        # Retention runs in the upload thread before the save counts as done, so wait() sees a tidy dir.
+        self._inflight = done = Future()
+
+        def finished(upload: Future) -> None:
+            try:
+                upload.result()
+                self._retain()
+                done.set_result(step)
+            except BaseException as exc:  # surfaced by wait() on the training thread
+                done.set_exception(exc)
+
+        resp.upload_completion.add_done_callback(finished)
+        self._account(t0)
+        return True
+
+    def save_now(self, step: int, state: Any) -> None:
+        """Save `step` synchronously (for preemption: returns once the checkpoint is committed)."""
+        t0 = time.perf_counter()
+        self.wait()
+        if not (self.path_for(step) / METADATA).exists():
+            dcp.save(_as_dict(state), process_group=self._pg, no_dist=self._pg is None,
+                     storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step))
+            self._retain()
+        self._account(t0)
+
+    def _account(self, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.stats["saves"] += 1
+        self.stats["blocked_s"] += dt
+        self.stats["last_call_s"] = dt
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise CheckpointError if it failed."""
+        done, self._inflight = self._inflight, None
+        if done is None:
+            return
+        try:
+            done.result()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint save failed: {exc}") from exc
+
+    # -- retention ---------------------------------------------------------------------------------------
+
+    def _loadable(self, step: int) -> bool:
+        try:
+            VolumeReader(self.path_for(step)).validate()
+            return True
+        except CheckpointError:
+            return False
+
+    def _retain(self) -> None:
+        if _rank() != 0:
+            return  # one deleter on a shared volume
+        complete = self.complete_steps()
+        keep = set(complete[-self.config.keep_last:])
+        if not any(self._loadable(s) for s in keep):
+            older = [s for s in reversed(complete) if s not in keep and self._loadable(s)]
+            keep.update(older[:1])  # never delete the only loadable checkpoint
+        newest = complete[-1] if complete else None
+        for step in self._all_steps():
+            # Incomplete dirs newer than the newest complete one may be a save in progress: leave them.
+            if step in keep or newest is None or step > newest:
+                continue
+            path = self.path_for(step)
+            (path / METADATA).unlink(missing_ok=True)  # uncommit first: a half-deleted dir stays incomplete
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading -----------------------------------------------------------------------------------------
+
+    def _agree(self, value: Any) -> Any:
+        if self._pg is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self._pg is None:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        return not flag.item()
+
+    def load_latest(self, state: Any) -> int | None:
+        """Load the newest complete, valid checkpoint into `state`; return its step, or None if none loads.
+
+        Torn or corrupt checkpoints are skipped with a warning and the previous complete one is tried. With
+        several ranks, rank 0's listing and a vote after validation keep every rank on the same checkpoint.
+        """
+        self.wait()
+        sd = _as_dict(state)
+        for step in self._agree(list(reversed(self.complete_steps()))):
+            reader = VolumeReader(self.path_for(step))
+            try:
+                metadata, err = reader.validate(), None
+            except CheckpointError as exc:
+                metadata, err = None, exc
+            if not self._all_ok(err is None):
+                log.warning("skipping checkpoint step %d: %s", step, err or "invalid on another rank")
+                continue
+            for key, obj in sd.items():
+                if hasattr(obj, "prepare_load"):
+                    obj.prepare_load(metadata, key)
+            try:
+                dcp.load(sd, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
+            except Exception as exc:
+                log.warning("skipping checkpoint step %d: load failed: %s", step, exc)
+                self._cancel_load(sd)
+                continue
+            return step
+        self._cancel_load(sd)
+        return None
+
+    @staticmethod
+    def _cancel_load(sd: dict[str, Any]) -> None:
+        for key, obj in sd.items():
+            if hasattr(obj, "prepare_load"):
+                obj.prepare_load(None, key)
+
+    def close(self) -> None:
+        """Wait for the save in flight, remove the optimizer hooks, free the staging buffers."""
+        self.wait()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._stager.close()

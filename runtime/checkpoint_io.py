@@ -1,0 +1,256 @@
+"""Checkpoint I/O under `runtime.checkpoint`: DCP storage for a slow shared volume, and a low-stall stager.
+
+- `VolumeWriter` writes each rank's DCP files on local disk first, then moves them onto the volume (a rename
+  when both are on one filesystem, else a copy), fsyncs them, and only then commits ``.metadata`` (tmp +
+  fsync + rename + directory fsync). A directory without a committed ``.metadata`` is not a checkpoint.
+- `VolumeReader` reads a checkpoint and can `validate()` it cheaply first (metadata unpickles, every data
+  file it names exists and is long enough), so torn checkpoints are skipped before any tensor is touched.
+- `SnapshotStager` is the part that keeps `CheckpointManager.maybe_save` cheap for the training loop. The
+  out-of-the-box async path copies the whole state to fresh CPU memory before returning (about half of a
+  torch.save). Here the caller only copies what the forward/backward pass may change (buffers, RNG, loader
+  position: small) and hands the big tensors (parameters and optimizer state, which only
+  ``optimizer.step()`` mutates) to a background thread that copies them into buffers reused across saves
+  (pinned on CUDA). The manager blocks the next ``optimizer.step()`` until that copy is done, so the copy
+  overlaps the next forward/backward instead of stalling the loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+from runtime import faults
+from runtime.errors import CheckpointError
+
+METADATA = ".metadata"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new file in `path` durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def default_stage_root() -> Path:
+    """Local scratch for staged checkpoint files: $AUTORESEARCH_CKPT_STAGE or the system temp dir."""
+    return Path(os.environ.get("AUTORESEARCH_CKPT_STAGE") or tempfile.gettempdir()) / "autoresearch-ckpt-stage"
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
+def _publish(src: Path, dst: Path, sync: bool) -> None:
+    # A rename is atomic and free on one filesystem; across filesystems copy to a tmp name and rename so a
+    # reader never sees half a file under the final name.
+    if _same_filesystem(src.parent, dst.parent):
+        os.replace(src, dst)
+        return
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        shutil.copyfileobj(fin, fout, length=16 << 20)
+        if sync:
+            fout.flush()
+            os.fsync(fout.fileno())
+    os.replace(tmp, dst)
+    src.unlink(missing_ok=True)
+
+
+class VolumeWriter(FileSystemWriter):
+    """DCP StorageWriter for a checkpoint dir on a slow shared volume: stage locally, publish, commit last.
+
+    `step` only serves fault injection (``checkpoint@STEP:crash`` in AUTORESEARCH_FAULTS kills the process
+    after the data is published and before the metadata commit, the worst moment to die).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        stage_dir: str | os.PathLike | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        step: int | None = None,
+    ) -> None:
+        self.volume_path = Path(path)
+        self.stage_root = Path(stage_dir) if stage_dir else default_stage_root()
+        self.step = step
+        super().__init__(self._new_stage_path(), single_file_per_rank=True, sync_files=sync_files,
+                         thread_count=thread_count, overwrite=True)
+
+    def _new_stage_path(self) -> Path:
+        return self.stage_root / f"{self.volume_path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.volume_path = Path(checkpoint_id)
+        super().reset(None)
+        self.path = self._new_stage_path()
+
+    def write_data(self, plan, planner) -> Future:
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        fut = super().write_data(plan, planner)  # FileSystemWriter writes synchronously; the future is done
+        results = fut.wait()
+        self.volume_path.mkdir(parents=True, exist_ok=True)
+        for name in sorted({wr.storage_data.relative_path for wr in results}):
+            _publish(Path(self.path) / name, self.volume_path / name, self.sync_files)
+        if self.sync_files:
+            fsync_dir(self.volume_path)
+        shutil.rmtree(self.path, ignore_errors=True)
+        return fut
+
+    def finish(self, metadata: Metadata, results) -> None:
+        if self.step is not None and faults.injected(f"checkpoint@{self.step}", "crash"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.path = self.volume_path  # the metadata goes straight to the volume, tmp + rename (atomic)
+        super().finish(metadata, results)
+        if self.sync_files:
+            fsync_dir(self.volume_path)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.volume_path
+
+
+class VolumeReader(FileSystemReader):
+    """DCP StorageReader for a checkpoint dir on the volume, with a cheap completeness check."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.volume_path = Path(path)
+
+    def validate(self) -> Metadata:
+        """Raise CheckpointError unless the metadata is committed and unpickles, and every data file it
+        references exists and is at least as long as the bytes it should hold."""
+        meta_path = self.volume_path / METADATA
+        try:
+            with open(meta_path, "rb") as fh:
+                metadata = pickle.load(fh)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.volume_path}: no committed {METADATA}") from None
+        except Exception as exc:  # a torn or foreign metadata file may raise anything while unpickling
+            raise CheckpointError(f"{self.volume_path}: unreadable {METADATA}: {exc}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.volume_path}: {METADATA} is not DCP metadata")
+        need: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in need.items():
+            try:
+                have = (self.volume_path / name).stat().st_size
+            except OSError:
+                raise CheckpointError(f"{self.volume_path}: data file {name} is missing") from None
+            if have < size:
+                raise CheckpointError(f"{self.volume_path}: data file {name} is truncated ({have} < {size} bytes)")
+        return metadata
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class SnapshotStager:
+    """DCP AsyncStager: snapshot small state now, copy the big optimizer-owned tensors in the background.
+
+    Set `deferred` to the storage pointers of tensors that nothing but ``optimizer.step()`` mutates before
+    each `stage()`; everything else is copied synchronously. The caller must not mutate a deferred tensor
+    until `wait()` returns (CheckpointManager enforces it with an optimizer step pre-hook). Buffers are
+    reused across saves, so only one staged state may be alive at a time (the manager keeps one in flight).
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._future: Future | None = None
+        self.deferred: set[int] = set()
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            # Pinned host memory makes the device-to-host copy asynchronous and fast on CUDA.
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+            self._buffers[key] = buf
+        return buf
+
+    def stage(self, state_dict: dict[str, Any]) -> Future:
+        """Return a Future of a CPU copy of `state_dict`; small parts are copied before returning."""
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def walk(obj: Any, key: str) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if type(obj) is torch.Tensor and obj.numel() and _storage_key(obj) in self.deferred:
+                    buf = self._buffer(key, obj)
+                    jobs.append((buf, obj))
+                    return buf
+                return obj.detach().to("cpu", copy=True)
+            if isinstance(obj, dict):
+                return {k: walk(v, f"{key}.{k}") for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                out = [walk(v, f"{key}.{i}") for i, v in enumerate(obj)]
+                return out if isinstance(obj, list) else type(obj)(out)
+            return copy.deepcopy(obj)
+
+        staged = walk(state_dict, "")
+        event = None
+        if any(src.is_cuda for _, src in jobs):
+            event = torch.cuda.Event()
+            event.record()  # the side stream must see the values as of now, not later kernels' writes
+        self._future = self._pool.submit(self._copy, jobs, event, staged)
+        return self._future
+
+    @staticmethod
+    def _copy(jobs, event, staged):
+        if event is None:
+            with torch.no_grad():
+                for dst, src in jobs:
+                    dst.copy_(src)
+            return staged
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            stream.wait_event(event)
+            for dst, src in jobs:
+                dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+        return staged
+
+    def wait(self) -> None:
+        """Block until the last `stage()` finished copying (re-raising its error)."""
+        if self._future is not None:
+            self._future.result()
+
+    def synchronize_staging(self) -> None:
+        self.wait()
+
+    def close(self) -> None:
+        """Stop the staging thread and drop the reusable buffers."""
+        self._pool.shutdown(wait=True)
+        self._buffers.clear()

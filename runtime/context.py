@@ -1,0 +1,309 @@
+"""The job context: who and where a training process is (Contract 3), and cooperative preemption.
+
+A training script starts with::
+
+    with JobContext.from_env() as ctx:
+        ...
+        for step in range(start, total):
+            ...
+            ctx.heartbeat(step)
+            if ctx.should_stop():          # same call pattern on every rank
+                manager.save_now(step + 1, state)
+                ctx.exit_preempted()
+
+Inside a queued job the executor's environment fills every field. Run by hand (no AUTORESEARCH_JOB_ID) the
+context still works: job id None, attempt 0, params {}, and a checkpoint dir under
+``$AUTORESEARCH_HOME/checkpoints/standalone/<script name>`` so a second run by hand resumes the first.
+
+SIGTERM and SIGINT set a flag instead of killing the process (a second SIGINT interrupts as usual, so a
+person can still force-quit). `should_stop()` turns the per-rank flags into one decision: with several ranks it
+all-reduces the flag with MAX over a small gloo group, so a signal that reached one rank stops all of them at
+the same step, and every rank checkpoints that step and exits together.
+
+MLflow: `log_metrics`/`log_params` write from rank 0 only, to ``MLFLOW_RUN_ID`` on ``MLFLOW_TRACKING_URI``.
+Without a run id but with a tracking URI, a new run is created on first use (experiment
+``params["experiment"]`` or "standalone"); with neither, logging is skipped (once noted on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime import protocol
+from runtime.errors import RuntimeJobError
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Knobs of a `JobContext`: heartbeat throttle and whether to take over SIGTERM/SIGINT."""
+
+    heartbeat_interval_s: float = 5.0
+    handle_signals: bool = True
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s < 0:
+            raise ValueError("heartbeat_interval_s must be >= 0")
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    try:
+        return int(raw) if raw not in (None, "") else default
+    except ValueError:
+        raise RuntimeJobError(f"{name}={raw!r} is not an integer") from None
+
+
+def _standalone_dir() -> Path:
+    root = os.environ.get(protocol.HOME) or str(Path.home() / ".autoresearch")
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else "interactive"
+    return Path(root).expanduser() / "checkpoints" / "standalone" / script
+
+
+def read_heartbeat(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The last heartbeat {"step", "time", "pid"} written at `path`, or None if absent or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and {"step", "time", "pid"} <= data.keys() else None
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so readers see the old or the new file, never a torn one (tmp in the same dir + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class JobContext:
+    """One training process's view of its job: identity, params, devices, stop flag, logging, heartbeat."""
+
+    def __init__(
+        self,
+        *,
+        job_id: int | None,
+        attempt: int,
+        params: dict[str, Any],
+        checkpoint_dir: Path,
+        rank: int = 0,
+        local_rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        heartbeat_file: Path | None = None,
+        tracking_uri: str | None = None,
+        run_id: str | None = None,
+        config: ContextConfig = ContextConfig(),
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.params = params
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        self.device = device
+        self.heartbeat_file = Path(heartbeat_file) if heartbeat_file else self.checkpoint_dir / "heartbeat.json"
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+        self.config = config
+        self._stop = threading.Event()
+        self._sigint_seen = False
+        self._old_handlers: dict[int, Any] = {}
+        self._group = None  # small gloo group for the stop vote, created by init_distributed
+        self._last_beat = float("-inf")
+        self._mlflow = None
+        self._mlflow_off = False
+        if config.handle_signals:
+            self._install_signals()
+
+    @classmethod
+    def from_env(cls, config: ContextConfig = ContextConfig()) -> "JobContext":
+        """Build the context from the Contract 3 environment (and torchrun's RANK/LOCAL_RANK/WORLD_SIZE)."""
+        raw_job = os.environ.get(protocol.JOB_ID)
+        job_id = _int_env(protocol.JOB_ID, 0) if raw_job else None
+        try:
+            params = json.loads(os.environ.get(protocol.PARAMS) or "{}")
+        except ValueError as exc:
+            raise RuntimeJobError(f"{protocol.PARAMS} is not valid JSON: {exc}") from None
+        if not isinstance(params, dict):
+            raise RuntimeJobError(f"{protocol.PARAMS} must be a JSON object")
+        ckpt = os.environ.get(protocol.CHECKPOINT_DIR)
+        local_rank = _int_env("LOCAL_RANK", 0)
+        hb = os.environ.get(protocol.HEARTBEAT_FILE)
+        return cls(
+            job_id=job_id,
+            attempt=_int_env(protocol.ATTEMPT, 0),
+            params=params,
+            checkpoint_dir=Path(ckpt) if ckpt else _standalone_dir(),
+            rank=_int_env("RANK", 0),
+            local_rank=local_rank,
+            world_size=_int_env("WORLD_SIZE", 1),
+            device=_pick_device(local_rank),
+            heartbeat_file=Path(hb) if hb else None,
+            tracking_uri=os.environ.get(protocol.TRACKING_URI) or None,
+            run_id=os.environ.get(protocol.RUN_ID) or None,
+            config=config,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs and writes shared files."""
+        return self.rank == 0
+
+    # -- distributed -------------------------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        """Join the process group when WORLD_SIZE > 1 (NCCL for CUDA tensors, gloo for CPU ones).
+
+        Also creates the small gloo group `should_stop` votes on, so the vote never queues behind NCCL work.
+        """
+        if self.world_size <= 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if self.device.startswith("cuda"):
+                torch.cuda.set_device(self.device)
+                dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=torch.device(self.device))
+            else:
+                dist.init_process_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo")
+
+    # -- preemption --------------------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the caller polls nothing then
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self._sigint_seen:
+                raise KeyboardInterrupt  # a second Ctrl-C means "now", not "at the next checkpoint"
+            self._sigint_seen = True
+        self._stop.set()
+
+    def request_stop(self) -> None:
+        """Ask this rank to stop at the next `should_stop()` (what SIGTERM does)."""
+        self._stop.set()
+
+    def should_stop(self) -> bool:
+        """Whether any rank was asked to stop. Collective when world_size > 1: call it at the same steps on
+        every rank (every step, or every n steps), and all ranks get the same answer at the same step."""
+        local = self._stop.is_set()
+        if self.world_size <= 1 or self._group is None:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def exit_preempted(self) -> None:
+        """Exit with EX_TEMPFAIL (75): stopped on request after checkpointing; requeue without an attempt."""
+        self.close()
+        sys.exit(protocol.EX_TEMPFAIL)
+
+    # -- heartbeat ---------------------------------------------------------------------------------------
+
+    def heartbeat(self, step: int, *, force: bool = False) -> bool:
+        """Record progress for the service's hang detector; throttled to one write per
+        `config.heartbeat_interval_s` unless `force`. Rank 0 only. Returns whether it wrote."""
+        now = time.monotonic()
+        if not self.is_main or (not force and now - self._last_beat < self.config.heartbeat_interval_s):
+            return False
+        self._last_beat = now
+        write_json_atomic(self.heartbeat_file, {"step": int(step), "time": time.time(), "pid": os.getpid()})
+        return True
+
+    # -- MLflow ------------------------------------------------------------------------------------------
+
+    def _client(self):
+        if self._mlflow_off or not self.is_main:
+            return None
+        if self._mlflow is None:
+            if not self.run_id and not self.tracking_uri:
+                print("autoresearch: no MLFLOW_RUN_ID or MLFLOW_TRACKING_URI; metrics are not logged", file=sys.stderr)
+                self._mlflow_off = True
+                return None
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=self.tracking_uri)
+            if not self.run_id:
+                name = str(self.params.get("experiment") or "standalone")
+                exp = client.get_experiment_by_name(name)
+                exp_id = exp.experiment_id if exp else client.create_experiment(name)
+                self.run_id = client.create_run(exp_id).info.run_id
+            self._mlflow = client
+        return self._mlflow
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log numeric metrics at `step` to the job's MLflow run (rank 0 only; others return at once)."""
+        client = self._client()
+        if client is None or not metrics:
+            return
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, int(step)) for k, v in metrics.items()])
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log parameters to the job's MLflow run (rank 0 only). Re-logging the same value is harmless, so a
+        resumed attempt may call it again."""
+        client = self._client()
+        if client is None or not params:
+            return
+        from mlflow.entities import Param
+
+        existing = client.get_run(self.run_id).data.params
+        fresh = [Param(k, str(v)) for k, v in params.items() if existing.get(k) != str(v)]
+        if fresh:
+            client.log_batch(self.run_id, params=fresh)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Restore signal handlers and leave the process group. Safe to call twice."""
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self._group = None
+
+    def __enter__(self) -> "JobContext":
+        self.init_distributed()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _pick_device(local_rank: int) -> str:
+    # CUDA_VISIBLE_DEVICES="" is how the executor says "cpu slot"; don't even import torch.cuda then.
+    if os.environ.get(protocol.VISIBLE_DEVICES, None) == "":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return f"cuda:{local_rank % torch.cuda.device_count()}"
+    return "cpu"

@@ -1,0 +1,248 @@
+"""Checkpoint/resume with real processes, real DCP files and real signals (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+from runtime.checkpoint_io import METADATA, VolumeReader
+from runtime.context import read_heartbeat
+from runtime.errors import CheckpointError
+from runtime.protocol import EX_TEMPFAIL
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, INTERVAL = 40, 10
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def start(tmp: Path, name: str, *, ranks: int = 1, sleep: float = 0.0, faults: str = "") -> subprocess.Popen:
+    env = dict(os.environ)
+    env.update({
+        "AUTORESEARCH_JOB_ID": "7", "AUTORESEARCH_CHECKPOINT_DIR": str(tmp / f"ckpt-{name}"),
+        "AUTORESEARCH_PARAMS": json.dumps({"steps": STEPS, "interval": INTERVAL, "sleep": sleep,
+                                           "out": str(tmp / f"out-{name}")}),
+        "AUTORESEARCH_FAULTS": faults, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        "AUTORESEARCH_CKPT_STAGE": str(tmp / "stage"),
+    })
+    env.pop("MLFLOW_RUN_ID", None)
+    cmd = [sys.executable, str(SCRIPT)]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(SCRIPT)]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 90) -> int:
+    out, _ = proc.communicate(timeout=timeout)
+    proc.output = out.decode(errors="replace")  # type: ignore[attr-defined]
+    return proc.returncode
+
+
+def wait_for_step(tmp: Path, name: str, step: int, proc: subprocess.Popen, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(tmp / f"ckpt-{name}" / "heartbeat.json")
+        if beat and beat["step"] >= step:
+            return beat["step"]
+        assert proc.poll() is None, proc.communicate()[0].decode()
+        time.sleep(0.01)
+    raise AssertionError("job made no progress")
+
+
+def losses(out: Path, rank: int = 0) -> dict[int, str]:
+    curve: dict[int, str] = {}
+    for line in (out / f"losses-rank{rank}.txt").read_text().splitlines():
+        step, value = line.split()
+        curve[int(step)] = value  # a resumed attempt overwrites steps it repeats
+    return curve
+
+
+def assert_same_run(tmp: Path, ref: str, other: str, ranks: int = 1) -> None:
+    a = torch.load(tmp / f"out-{ref}" / "final.pt")
+    b = torch.load(tmp / f"out-{other}" / "final.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bitwise, not allclose
+    for rank in range(ranks):
+        assert losses(tmp / f"out-{ref}", rank) == losses(tmp / f"out-{other}", rank)
+        assert sorted(losses(tmp / f"out-{ref}", rank)) == list(range(STEPS))
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
+    ref, run = start(tmp_path, "ref"), start(tmp_path, "run", sleep=0.05)
+    wait_for_step(tmp_path, "run", 13, run)
+    os.killpg(run.pid, signal.SIGTERM)
+    assert finish(run) == EX_TEMPFAIL, run.output
+    stopped = int(read_heartbeat(tmp_path / "ckpt-run" / "heartbeat.json")["step"])
+    assert 13 <= stopped < STEPS
+    assert (tmp_path / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()  # saved where it stopped
+    assert finish(ref) == 0, ref.output
+    resumed = start(tmp_path, "run")
+    assert finish(resumed) == 0, resumed.output
+    assert int((tmp_path / "out-run" / "resumed.txt").read_text()) == stopped
+    assert_same_run(tmp_path, "ref", "run")
+
+
+@pytest.mark.slow
+def test_two_rank_gloo_stop_is_agreed_and_resume_is_bitwise_identical(tmp_path):
+    ref, run = start(tmp_path, "ref", ranks=2), start(tmp_path, "run", ranks=2, sleep=0.05)
+    wait_for_step(tmp_path, "run", 12, run)
+    # Signal rank 1 only: rank 0 must learn it through the all-reduce and stop at the same step.
+    os.kill(int((tmp_path / "out-run" / "pid-rank1").read_text()), signal.SIGTERM)
+    finish(run)  # torchrun reports a worker exiting 75 as a failure; what matters is the checkpoint
+    curves = [losses(tmp_path / "out-run", r) for r in (0, 1)]
+    assert max(curves[0]) == max(curves[1]), "ranks stopped at different steps"
+    stopped = max(curves[0]) + 1
+    assert stopped < STEPS
+    assert (tmp_path / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()
+    assert finish(ref) == 0, ref.output
+    resumed = start(tmp_path, "run", ranks=2)
+    assert finish(resumed) == 0, resumed.output
+    assert int((tmp_path / "out-run" / "resumed.txt").read_text()) == stopped
+    assert_same_run(tmp_path, "ref", "run", ranks=2)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path):
+    run = start(tmp_path, "run", faults="checkpoint@20:crash")
+    assert finish(run) == -signal.SIGKILL, run.output
+    ckpt = tmp_path / "ckpt-run"
+    assert (ckpt / "step_0000000010" / METADATA).exists()
+    assert (ckpt / "step_0000000020").is_dir() and not (ckpt / "step_0000000020" / METADATA).exists()
+    resumed = start(tmp_path, "run")
+    assert finish(resumed) == 0, resumed.output
+    assert (tmp_path / "out-run" / "resumed.txt").read_text() == "10"
+    ref = start(tmp_path, "ref")
+    assert finish(ref) == 0, ref.output
+    assert_same_run(tmp_path, "ref", "run")
+
+
+# -- in-process: corrupt checkpoints, retention, config ---------------------------------------------------
+
+
+def _train(state: TrainState, steps: int, mgr: CheckpointManager, start: int = 0) -> None:
+    for step in range(start, steps):
+        loss = state.model(torch.randn(4, 8)).square().mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.step = step + 1
+        mgr.maybe_save(step + 1, state)
+    mgr.wait()
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    return TrainState(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("damage", ["no-metadata", "garbage-metadata", "truncated-data", "missing-data"])
+def test_torn_or_corrupt_newest_is_skipped(tmp_path, damage):
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=3, interval_steps=2, stage_dir=str(tmp_path / "stage"))
+    state = _state()
+    _train(state, 6, mgr)
+    newest = mgr.path_for(6)
+    data = next(newest.glob("*.distcp"))
+    if damage == "no-metadata":
+        (newest / METADATA).unlink()
+    elif damage == "garbage-metadata":
+        (newest / METADATA).write_bytes(b"\x80\x04 not a pickle")
+    elif damage == "truncated-data":
+        data.write_bytes(data.read_bytes()[:-7])
+    else:
+        data.unlink()
+    if damage != "no-metadata":
+        with pytest.raises(CheckpointError):
+            VolumeReader(newest).validate()
+    fresh = _state()
+    assert CheckpointManager(tmp_path / "ck", keep_last=3, interval_steps=2).load_latest(fresh) == 4
+    assert fresh.step == 4
+
+
+def test_load_latest_none_when_empty(tmp_path):
+    assert CheckpointManager(tmp_path / "empty").load_latest(_state()) is None
+
+
+def test_retention_keeps_newest_k(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=2, interval_steps=1)
+    _train(_state(), 5, mgr)
+    assert mgr.complete_steps() == [4, 5]
+    mgr.path_for(9).mkdir()  # an incomplete dir newer than every complete one may be a save in progress
+    mgr._retain()
+    assert mgr.path_for(9).exists()
+
+
+def test_retention_never_deletes_the_only_loadable(tmp_path):
+    import shutil
+
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=1, interval_steps=1)
+    _train(_state(), 3, mgr)
+    assert mgr.complete_steps() == [3]
+    # A committed but torn newest checkpoint must not push out the last loadable one.
+    shutil.copytree(mgr.path_for(3), mgr.path_for(4))
+    next(mgr.path_for(4).glob("*.distcp")).write_bytes(b"")
+    mgr._retain()
+    assert mgr.complete_steps() == [3, 4]
+    assert CheckpointManager(tmp_path / "ck").load_latest(_state()) == 3
+
+
+def test_cross_filesystem_stage_is_copied_and_committed(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem for the staging dir")
+    stage = shm / f"ar-test-{os.getpid()}"
+    mgr = CheckpointManager(tmp_path / "ck", interval_steps=3, stage_dir=str(stage))
+    state = _state()
+    _train(state, 3, mgr)
+    VolumeReader(mgr.path_for(3)).validate()
+    assert not any(stage.iterdir()) if stage.exists() else True  # staged files moved off the scratch disk
+    saved = {k: v.clone() for k, v in state.model.state_dict().items()}
+    fresh = _state()
+    assert CheckpointManager(tmp_path / "ck").load_latest(fresh) == 3
+    assert all(torch.equal(saved[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def test_rng_and_loader_state_round_trip(tmp_path):
+    class Pos:
+        def __init__(self):
+            self.pos = 0
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, s):
+            self.pos = s["pos"]
+
+    state = _state()
+    state.loader = Pos()
+    state.loader.pos = 41
+    mgr = CheckpointManager(tmp_path / "ck")
+    mgr.save_now(1, state)
+    expected = torch.rand(4)
+    fresh = _state()
+    fresh.loader = Pos()
+    torch.rand(100)  # move the RNG on: loading must put it back
+    assert mgr.load_latest(fresh) == 1
+    assert fresh.loader.pos == 41
+    assert torch.equal(torch.rand(4), expected)
+    blob = fresh.state_dict()["rank0"]
+    assert pickle.loads(blob.numpy().tobytes())["loader"] == {"pos": 41}
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        CheckpointConfig(keep_last=0)
+    with pytest.raises(ValueError):
+        CheckpointConfig(interval_steps=0)
