@@ -86,7 +86,7 @@ class Tracker:
     def trial_run(self, parent_run_id: str | None, experiment: str, *, key: str, name: str,
                   params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> str:
         """The child run of one trial, identified by its idempotency `key` (created once, then found)."""
-        found = self._find(experiment, f"tags.`{TAG_KEY}` = '{key}'")
+        found = self.find_trial(experiment, key)
         if found:
             return found
         all_tags = {TAG_KIND: "trial", TAG_KEY: key, TAG_EXPERIMENT: experiment}
@@ -96,6 +96,14 @@ class Tracker:
         run = self.client.create_run(self.experiment_id(experiment), run_name=name, tags=all_tags)
         self.log_params(run.info.run_id, params)
         return run.info.run_id
+
+    def find_trial(self, experiment: str, key: str) -> str | None:
+        """The run made for trial `key`, if any."""
+        return self._find(experiment, f"tags.`{TAG_KEY}` = '{key}'")
+
+    def params(self, run_id: str) -> dict[str, str]:
+        """A run's params (as the text MLflow stores)."""
+        return dict(self.client.get_run(run_id).data.params)
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params (values as text, clipped to MLflow's limit)."""

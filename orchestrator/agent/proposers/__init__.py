@@ -1,0 +1,5 @@
+"""Proposers: Optuna samplers (tpe, cmaes, random), an OpenAI-compatible LLM, and a hybrid of the two."""
+
+from orchestrator.agent.proposers.base import NAMES, Observation, Proposal, Proposer, default_name, make
+
+__all__ = ["NAMES", "Observation", "Proposal", "Proposer", "default_name", "make"]

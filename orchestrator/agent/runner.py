@@ -1,0 +1,184 @@
+"""Running a session: wire the store, MLflow, the queue service and the graph together; start or resume.
+
+    summary = start(SessionConfig(goal="...", experiment="digits", proposer="tpe", trials=12))
+    summary = resume("s-1a2b3c4d")        # after the process running it was killed
+
+`start` embeds a queue service for this home when none is running (and stops it at the end); otherwise it
+uses the running one, and K (trials in flight) defaults to the devices that service has.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from orchestrator.agent.session import Registry, SessionConfig, connect, new_id
+from orchestrator.config import Settings
+from orchestrator.errors import BadInput
+
+RECURSION_LIMIT = 1_000_000  # the loop is long by design; the budget, not LangGraph, ends it
+
+
+def start(config: SessionConfig, *, settings: Settings | None = None, session_id: str | None = None,
+          devices: str | None = None, on_event: Callable[[dict], None] | None = None,
+          proposer: Any = None) -> dict[str, Any]:
+    """Run a new session to its end; returns its summary."""
+    settings = settings or Settings.load()
+    _check(config)
+    registry = Registry(settings.home)
+    session_id = session_id or new_id()
+    registry.create(session_id, config)
+    try:
+        return _run(session_id, config, settings, registry, devices, on_event, proposer)
+    finally:
+        registry.close()
+
+
+def resume(session_id: str, *, settings: Settings | None = None, devices: str | None = None,
+           on_event: Callable[[dict], None] | None = None, proposer: Any = None) -> dict[str, Any]:
+    """Continue a session whose process died, from its last checkpoint."""
+    settings = settings or Settings.load()
+    registry = Registry(settings.home)
+    try:
+        row = registry.get(session_id)
+        if row["status"] == "running":
+            raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
+        if row["status"] == "finished":
+            raise BadInput(f"session {session_id} already finished; see `autoresearch leaderboard`")
+        registry.update(session_id, status="running", pid=os.getpid())
+        return _run(session_id, SessionConfig.from_dict(row["config"]), settings, registry, devices, on_event,
+                    proposer)
+    finally:
+        registry.close()
+
+
+def load_spec(name: str) -> Any:
+    """A bundled experiment by name, or any `ExperimentSpec` named as `package.module:ATTRIBUTE`."""
+    import importlib
+
+    from experiments import registry
+
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise BadInput(f"cannot load experiment {name!r}: {exc}") from None
+        if not isinstance(spec, registry.ExperimentSpec):
+            raise BadInput(f"{name!r} is not an ExperimentSpec")
+        return spec
+    try:
+        return registry.get(name)
+    except registry.UnknownExperiment as exc:
+        raise BadInput(str(exc)) from None
+
+
+def _check(config: SessionConfig) -> None:
+    from orchestrator.agent.proposers.base import NAMES
+
+    load_spec(config.experiment)
+    if config.proposer not in NAMES:
+        raise BadInput(f"unknown proposer {config.proposer!r}; choose from {', '.join(NAMES)}")
+
+
+def _run(session_id: str, config: SessionConfig, settings: Settings, registry: Registry, devices: str | None,
+         on_event: Callable[[dict], None] | None, proposer: Any) -> dict[str, Any]:
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from orchestrator.agent.graph import Agent, build
+    from orchestrator.queue.store import JobStore
+    from orchestrator.service import Service
+    from orchestrator.tracking import Tracker
+    from orchestrator.wakeup import notify
+
+    spec = load_spec(config.experiment)
+    store = JobStore(settings.db_url)
+    tracker = Tracker.from_settings(settings)
+    service = None
+    if not Service.running(settings):
+        service = Service(settings, devices=devices).start()
+        slots = len(service.device_names)
+    else:
+        from orchestrator.api import live_services
+
+        slots = sum(len(s.devices) for s in live_services(store)) or 1
+    try:
+        parent = tracker.session_run(session_id, spec.name, {
+            "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
+            "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
+            "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed})
+        registry.update(session_id, mlflow_run_id=parent)
+        agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
+                      parallel=config.parallel or slots, proposer=proposer,
+                      notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None))
+        saver = SqliteSaver(connect(settings.home))
+        graph = build(agent, saver)
+        run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}
+        snapshot = graph.get_state(run_cfg)
+        if snapshot.values and not snapshot.next:
+            final = snapshot.values  # it had finished; only the bookkeeping below was lost
+        else:
+            first = None if snapshot.values else {
+                "session": session_id, "config": config.to_dict(), "parent_run": parent, "phase": "search",
+                "trials": [], "elapsed": 0.0, "best": None, "usage": {}, "stop_reason": "", "route": ""}
+            final = graph.invoke(first, run_cfg, durability="sync")
+        summary = summarise(session_id, config, final, agent)
+        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"]})
+        winner = summary.get("winner") or {}
+        tracker.log_metrics(parent, {"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
+                                     "device_seconds": summary["device_seconds"]}, step=len(final["trials"]))
+        tracker.finish(parent)
+        registry.update(session_id, status="finished", summary=summary)
+        return summary
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
+        raise
+    finally:
+        if service is not None:
+            service.stop()
+
+
+def summarise(session_id: str, config: SessionConfig, state: dict, agent: Any) -> dict[str, Any]:
+    """What a session found: counts, the winner with its seed spread, the noise flag, cost."""
+    from orchestrator.tracking import leaderboard
+
+    trials = state["trials"]
+    jobs = [agent.store.get(t["job_id"]) for t in trials if t["status"] == "succeeded" and t["job_id"] is not None]
+    board = leaderboard(agent.results.rows(jobs), agent.spec.direction)
+    top = board["entries"][0] if board["entries"] else None
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    return {
+        "session": session_id, "experiment": config.experiment, "proposer": config.proposer,
+        "goal": config.goal, "stop_reason": state.get("stop_reason", ""), "trials": len(trials), "counts": counts,
+        "metric": agent.spec.metric, "direction": agent.spec.direction,
+        "best": state.get("best"), "winner": top, "lead": board["lead"], "noise": board["noise"],
+        "lead_within_noise": board["lead_within_noise"], "elapsed_s": round(state.get("elapsed", 0.0), 1),
+        "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1),
+        "usage": state.get("usage", {}), "parallel": agent.parallel, "mlflow_run_id": state.get("parent_run"),
+        "finished_at": time.time(),
+    }
+
+
+def leaderboard(experiment: str | None = None, settings: Settings | None = None) -> list[dict[str, Any]]:
+    """The leaderboard of one experiment (or of every bundled one with results): agent and hand-made runs."""
+    from experiments import registry as experiments
+    from orchestrator.agent.history import Results
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking import Tracker, leaderboard as rank
+
+    settings = settings or Settings.load()
+    if experiment is not None:
+        load_spec(experiment)
+    store = JobStore(settings.db_url)
+    tracker = Tracker.from_settings(settings)
+    out = []
+    for name in [experiment] if experiment else experiments.names():
+        spec = load_spec(name)
+        rows = Results(store, tracker, spec).rows()
+        if rows or experiment:
+            out.append({"experiment": spec.name, "metric": spec.metric, **rank(rows, spec.direction)})
+    return out

@@ -1,0 +1,71 @@
+"""The part of an experiment's space a session searches: seed and budget held fixed, plus whatever the user fixed.
+
+Searching the seed would chase noise, and searching the budget (epochs, steps) would let a sampler "win" by
+training longer; both are held constant while searching, and the seed varies only in the confirmation re-runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Mapping
+
+from experiments.registry import ExperimentSpec
+from experiments.space import SearchSpace, SpaceError
+from orchestrator.errors import BadInput
+
+SEED_KEY = "seed"
+
+
+def fixed_params(spec: ExperimentSpec, user_fixed: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """The params held constant while searching: the budget, the seed, and the user's `--param`s (validated)."""
+    fixed: dict[str, Any] = {k: v for k, v in spec.budget.items() if k in spec.space}
+    if SEED_KEY in spec.space:
+        fixed[SEED_KEY] = seed
+    fixed.update(user_fixed)
+    for key, value in fixed.items():
+        if key not in spec.space:
+            raise BadInput(f"--param {key}: {spec.name} has no such parameter; known: {', '.join(spec.space)}")
+        try:
+            fixed[key] = spec.space.dims[key].coerce(key, value)
+        except SpaceError as exc:
+            raise BadInput(str(exc)) from None
+    return fixed
+
+
+def reduced(spec: ExperimentSpec, fixed: Mapping[str, Any]) -> ExperimentSpec:
+    """`spec` with the fixed params taken out of its space (conditions on them resolved)."""
+    dims = {}
+    for name, dim in spec.space.dims.items():
+        if name in fixed:
+            continue
+        if dim.when is not None and dim.when[0] in fixed:
+            if fixed[dim.when[0]] not in dim.when[1]:
+                continue  # its condition can never hold
+            dim = dataclasses.replace(dim, when=None)
+        dims[name] = dim
+    if not dims:
+        raise BadInput("every parameter is fixed: there is nothing to search")
+    return dataclasses.replace(spec, space=SearchSpace(dims))
+
+
+def project(params: Mapping[str, Any], space: SearchSpace) -> dict[str, Any]:
+    """The params that belong to the searched space."""
+    return {k: v for k, v in params.items() if k in space}
+
+
+def full(spec: ExperimentSpec, searched: Mapping[str, Any], fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """A complete, validated param set for a job: the searched values plus the fixed ones."""
+    return spec.space.validate({**searched, **fixed})
+
+
+def confirm_seeds(session_id: str, count: int, avoid: int) -> list[int]:
+    """Fresh seeds for the confirmation re-runs, stable for a session (a resume picks the same ones)."""
+    out: list[int] = []
+    i = 0
+    while len(out) < count:
+        seed = zlib.crc32(f"{session_id}:confirm:{i}".encode()) % (2**31 - 1)
+        if seed != avoid and seed not in out:
+            out.append(seed)
+        i += 1
+    return out

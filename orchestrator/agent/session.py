@@ -1,0 +1,164 @@
+"""An agent session's settings and its record: what was asked, where its state lives, how it ended.
+
+A session is identified by a short id (`s-` and 8 hex digits). Its LangGraph checkpoints and this small
+registry share one SQLite file under `AUTORESEARCH_HOME/agent/`; its results live in MLflow (the parent run)
+and the queue (its trials' jobs, owned by the session id). Nothing here holds a secret: the LLM endpoint's
+key stays in the environment of the process that talks to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import BadInput
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What `autoresearch start` asked for. `trials` counts every job the session submits, re-runs included."""
+
+    goal: str
+    experiment: str
+    proposer: str = "tpe"
+    trials: int | None = None
+    budget_minutes: float | None = None
+    target: float | None = None
+    parallel: int | None = None  # None: the service's device count
+    priority: int = 0
+    model: str | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)  # params held constant (e.g. scale=1 on a laptop)
+    confirm_seeds: int = 2  # fresh-seed re-runs of the best configuration before declaring it the winner
+    early_stopping: bool = True
+    eta: int = 3
+    seed: int = 0
+    max_attempts: int = 2
+    poll: float = 1.0  # seconds between looks at the queue and MLflow while trials run
+    llm: dict[str, Any] = field(default_factory=dict)  # LLMProposer options (timeouts, re-asks, backoff)
+
+    def __post_init__(self) -> None:
+        if not self.goal.strip():
+            raise BadInput("--goal must not be empty")
+        if self.trials is not None and self.trials < 1:
+            raise BadInput(f"--trials must be >= 1, got {self.trials}")
+        if self.budget_minutes is not None and not self.budget_minutes > 0:
+            raise BadInput(f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.parallel is not None and self.parallel < 1:
+            raise BadInput(f"--parallel must be >= 1, got {self.parallel}")
+        if self.confirm_seeds < 0:
+            raise BadInput("--confirm-seeds must be >= 0")
+
+    @property
+    def max_trials(self) -> int | None:
+        """The trial budget; 20 when no budget at all was given (a session must end)."""
+        if self.trials is None and self.budget_minutes is None and self.target is None:
+            return 20
+        return self.trials
+
+    def split(self) -> tuple[int | None, int]:
+        """(search trials, confirmation re-runs): re-runs come out of `--trials`, never on top of it."""
+        total = self.max_trials
+        if total is None:
+            return None, self.confirm_seeds
+        confirm = min(self.confirm_seeds, max(0, (total - 2) // 2))
+        return total - confirm, confirm
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SessionConfig":
+        return cls(**data)
+
+
+def new_id() -> str:
+    """A fresh session id."""
+    return "s-" + uuid.uuid4().hex[:8]
+
+
+def state_path(home: Path) -> Path:
+    """The SQLite file holding LangGraph checkpoints and the session registry."""
+    path = Path(home) / "agent"
+    path.mkdir(parents=True, exist_ok=True)
+    return path / "agent.db"
+
+
+def connect(home: Path) -> sqlite3.Connection:
+    """A connection to the agent database (WAL, so `sessions` can read while a session writes)."""
+    conn = sqlite3.connect(str(state_path(home)), check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+class Registry:
+    """The table of sessions: id, config, status, the process running it, its MLflow run, a summary."""
+
+    def __init__(self, home: Path):
+        self.conn = connect(home)
+        with self.conn:
+            self.conn.execute(
+                "CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, experiment TEXT, goal TEXT, "
+                "proposer TEXT, config TEXT, status TEXT, pid INTEGER, mlflow_run_id TEXT, summary TEXT, "
+                "created_at REAL, updated_at REAL)")
+
+    def create(self, session_id: str, config: SessionConfig) -> None:
+        now = time.time()
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (session_id, config.experiment, config.goal, config.proposer, json.dumps(config.to_dict()),
+                 "running", os.getpid(), None, "{}", now, now))
+
+    def update(self, session_id: str, **fields: Any) -> None:
+        if "summary" in fields:
+            fields["summary"] = json.dumps(fields["summary"], default=str)
+        fields["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self.conn:
+            self.conn.execute(f"UPDATE sessions SET {cols} WHERE id = ?", (*fields.values(), session_id))
+
+    def get(self, session_id: str) -> dict[str, Any]:
+        """The session's row (BadInput when there is none)."""
+        row = self.conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        if row is None:
+            raise BadInput(f"no session {session_id!r}; see `autoresearch sessions`")
+        return self._row(row)
+
+    def all(self) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT * FROM sessions ORDER BY created_at DESC").fetchall()
+        return [self._row(r) for r in rows]
+
+    def _row(self, row: tuple) -> dict[str, Any]:
+        cols = [d[0] for d in self.conn.execute("SELECT * FROM sessions LIMIT 0").description]
+        out = dict(zip(cols, row))
+        out["config"] = json.loads(out["config"] or "{}")
+        out["summary"] = json.loads(out["summary"] or "{}")
+        if out["status"] == "running" and not _alive(out["pid"]):
+            out["status"] = "interrupted"  # its process is gone: `autoresearch resume` continues it
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (killed but not yet reaped by its parent) still answers kill 0 but will never run again.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,74 @@
+"""A cheap synthetic experiment for agent tests: a noisy 2-D bowl "trained" for a few fast steps.
+
+Run as a real queue job (`python -m tests.agent.synthetic`) following Contract 3: params from
+AUTORESEARCH_PARAMS, metrics to MLFLOW_RUN_ID, progress kept in AUTORESEARCH_CHECKPOINT_DIR, SIGTERM ->
+save and exit 75 (so a demoted trial resumes where it stopped). STEP_SECONDS sets the pace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+from experiments.registry import ExperimentSpec
+from experiments.space import Categorical, Float, Int, SearchSpace
+
+SPEC = ExperimentSpec(
+    name="synthetic",
+    description="Minimise a noisy bowl centred at x=1.5, y=-2 (kind 'b' is a little better).",
+    space=SearchSpace({
+        "x": Float(-5.0, 5.0, default=0.0),
+        "y": Float(-5.0, 5.0, default=0.0),
+        "kind": Categorical(("a", "b"), default="a"),
+        "seed": Int(0, 2**31 - 1, default=0),
+        "steps": Int(1, 100, default=9),
+        "fail": Categorical((False, True), default=False, help="always leave this False"),
+    }),
+    metric="loss",
+    direction="minimize",
+    entrypoint="tests.agent.synthetic",
+    budget={"steps": 9},
+    progress_metric="loss",
+)
+
+
+def objective(p: dict, step: int, steps: int) -> float:
+    """The loss after `step` of `steps`: the bowl's value plus a decaying training term and seeded noise."""
+    base = (p["x"] - 1.5) ** 2 + (p["y"] + 2.0) ** 2 + (0.0 if p["kind"] == "b" else 0.3)
+    noise = random.Random(f"{p['seed']}:{step}").gauss(0.0, 0.05)
+    return base + 2.0 * math.exp(-3.0 * step / steps) + noise
+
+
+def main() -> None:
+    params = json.loads(os.environ["AUTORESEARCH_PARAMS"])
+    p = SPEC.space.validate(params)
+    if p["fail"]:
+        sys.exit(3)
+    ckpt = Path(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR") or ".") / "state.json"
+    start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = os.environ["MLFLOW_RUN_ID"]
+    pace = float(os.environ.get("STEP_SECONDS", "0.15"))
+    for step in range(start + 1, p["steps"] + 1):
+        time.sleep(pace)
+        value = objective(p, step, p["steps"])
+        client.log_batch(run, metrics=[Metric("loss", value, int(time.time() * 1000), step)])
+        if stop["flag"] and step < p["steps"]:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text(json.dumps({"step": step}))
+            sys.exit(75)
+
+
+if __name__ == "__main__":
+    main()
