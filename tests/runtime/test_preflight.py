@@ -1,0 +1,125 @@
+"""Preflight on a host without GPUs: skipped-not-pass, fault injection per device, gloo all-reduce, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import faults
+from runtime import preflight as pf
+from runtime.preflight import CheckResult, PreflightConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+with pf.Nvml() as _nv:
+    HAS_GPU = _nv.count() > 0
+
+
+def by(results, device, check):
+    (hit,) = [r for r in results if r.device == device and r.check == check]
+    return hit
+
+
+def test_gpu_checks_on_cpu_slots_are_skipped_never_pass(monkeypatch):
+    monkeypatch.delenv("AUTORESEARCH_FAULTS", raising=False)
+    results = pf.run(["cpu:0", "cpu:1"], "quick")
+    for r in results:
+        if r.check in pf.GPU_ONLY:
+            assert r.status == "skipped", r
+    assert by(results, "cpu:0", "matmul").status == "pass"
+    assert by(results, "cpu:1", "alloc").status == "pass"
+    assert pf.healthy(results) and pf.reason(results) == ""
+    assert {r.check for r in results} == set(pf.QUICK)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU host path")
+def test_missing_gpu_fails_visible_and_skips_the_rest():
+    results = pf.run(["0"], "quick")
+    assert by(results, "0", "visible").status == "fail"
+    assert all(r.status == "skipped" for r in results if r.check != "visible")
+    assert not pf.healthy(results)
+
+
+def test_fault_fails_named_check_on_named_device_only(monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:1:ecc, cpu:0:matmul")
+    results = pf.run(["cpu:0", "cpu:1", "cpu:2"], "quick")
+    failed = {(r.device, r.check) for r in results if r.status == "fail"}
+    assert failed == {("cpu:1", "ecc"), ("cpu:0", "matmul")}
+    assert by(results, "cpu:1", "ecc").message == faults.INJECTED
+    assert "cpu:1:ecc" in pf.reason(results) and "cpu:2" not in pf.reason(results)
+    assert pf.healthy([r for r in results if r.device == "cpu:2"])
+    sample = pf.monitor_sample(["cpu:0", "cpu:1"])
+    assert [(r.device, r.check) for r in sample if r.status == "fail"] == [("cpu:1", "ecc")]
+    assert all(r.status == "skipped" for r in sample if r.device == "cpu:0")
+
+
+def test_full_level_runs_a_real_gloo_allreduce(monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:2:allreduce")
+    results = pf.run(["cpu:0", "cpu:1", "cpu:2"], "full")
+    ar = [r for r in results if r.check == "allreduce"]
+    assert [r.device for r in ar] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [r.status for r in ar] == ["pass", "pass", "fail"]
+    assert "gloo: sum ok" in ar[0].message and ar[0].value > 0
+    assert by(results, "cpu:0", "matmul_tflops").status == "skipped"
+
+
+def test_single_device_allreduce_is_skipped():
+    from runtime.allreduce import allreduce_check
+
+    assert [r.status for r in allreduce_check(["cpu:0"])] == ["skipped"]
+
+
+def test_disk_and_volume_checks(tmp_path, monkeypatch):
+    monkeypatch.delenv("AUTORESEARCH_FAULTS", raising=False)
+    results = pf.run([], "quick", paths=[tmp_path / "ck"])
+    assert [(r.check, r.status) for r in results] == [("disk", "pass"), ("volume", "pass")]
+    assert list((tmp_path / "ck").iterdir()) == []  # the probe file is gone
+    starved = pf.run([], "quick", paths=[tmp_path], config=PreflightConfig(min_free_gb=1e9))
+    assert by(starved, "host", "disk").status == "fail"
+
+
+def test_parse_devices():
+    assert pf.parse_devices("cpu:3") == ["cpu:0", "cpu:1", "cpu:2"]
+    assert pf.parse_devices("0,1,3") == ["0", "1", "3"]
+    for bad in ("", "cpu:0", "gpu", "0,0", "1,,2"):
+        with pytest.raises(ValueError):
+            pf.parse_devices(bad)
+    if not HAS_GPU:
+        with pytest.raises(pf.DeviceSpecError, match="cpu:N"):
+            pf.parse_devices("auto")
+
+
+def test_results_and_config_validate():
+    assert CheckResult("ecc", "0", "pass", 0, 0, "ok").to_dict()["status"] == "pass"
+    with pytest.raises(ValueError):
+        CheckResult("ecc", "0", "ok")
+    with pytest.raises(ValueError):
+        PreflightConfig(expect_fraction=0)
+    with pytest.raises(ValueError):
+        faults.parse("nocolon")
+    assert faults.parse("cpu:1:ecc,*:matmul") == (faults.Fault("cpu:1", "ecc"), faults.Fault("*", "matmul"))
+
+
+def _cli(args, home, faults_spec=""):
+    env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_FAULTS=faults_spec, PYTHONPATH=str(ROOT))
+    env.pop("AUTORESEARCH_DEVICES", None)
+    return subprocess.run([sys.executable, "-c", "import sys; from orchestrator.cli import main; main(sys.argv[1:])",
+                           "preflight", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exit_codes(home):
+    ok = _cli(["--devices", "cpu:2", "--json"], home)
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["healthy"] and {r["device"] for r in data["results"]} == {"cpu:0", "cpu:1", "host"}
+    bad = _cli(["--devices", "cpu:2"], home, faults_spec="cpu:1:ecc")
+    assert bad.returncode == 1 and "injected fault" in bad.stdout
+    assert _cli(["--devices", "nonsense"], home).returncode == 2
+    if not HAS_GPU:
+        auto = _cli([], home)
+        assert auto.returncode == 2 and "cpu:N" in auto.stderr
