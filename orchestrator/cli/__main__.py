@@ -1,0 +1,5 @@
+"""`python -m orchestrator.cli` is the `autoresearch` command."""
+
+from orchestrator.cli import main
+
+main()

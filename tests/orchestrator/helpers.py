@@ -1,0 +1,41 @@
+"""Helpers for queue tests (imported as tests.orchestrator.helpers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import HOLDING
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
+    """Poll `predicate` until it returns a truthy value; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def ckpt_job(steps: int, **kw) -> JobSpec:
+    """A JobSpec for the checkpointing stand-in job (50 ms per step)."""
+    kw.setdefault("track", False)
+    return JobSpec(argv=[sys.executable, str(SCRIPTS / "ckpt_job.py"), str(steps)], **kw)
+
+
+def kill_leftovers(store) -> None:
+    """Tests stop services with jobs still running (they would be adopted); kill those process groups."""
+    for job in store.list(HOLDING):
+        if job.pid:
+            try:
+                os.killpg(job.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

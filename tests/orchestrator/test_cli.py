@@ -1,0 +1,130 @@
+"""The CLI contract: --json shapes, exit codes, one-line errors that change nothing, and concurrent submits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.config import Settings
+from orchestrator.queue.store import JobStore
+from tests.orchestrator.helpers import wait_for
+
+
+def cli(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def count() -> int:
+    return JobStore(Settings.load().db_url).count()
+
+
+def test_submit_json_queue_and_show(home):
+    out = cli("submit", "--json", "--name", "hello", "--priority", "3", "--", "echo", "hi")
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    assert job["id"] == 1 and job["state"] == "QUEUED" and job["priority"] == 3 and job["argv"] == ["echo", "hi"]
+    assert "no service is running" in out.stderr
+    listed = json.loads(cli("queue", "--json").stdout)
+    for key in ("id", "name", "state", "priority", "gpus", "devices", "attempts", "preemptions", "exit_code",
+                "mlflow_run_id"):
+        assert key in listed[0]
+    shown = json.loads(cli("show", "1", "--json").stdout)
+    assert shown["events"][0]["to"] == "QUEUED"
+    assert cli("cancel", "1").returncode == 0
+    assert json.loads(cli("queue", "--json").stdout) == []
+    assert [j["state"] for j in json.loads(cli("queue", "--all", "--json").stdout)] == ["CANCELLED"]
+
+
+def test_submit_experiment_validates_params(home):
+    ok = cli("submit", "--json", "--experiment", "digits", "--param", "lr=0.01")
+    assert ok.returncode == 0, ok.stderr
+    job = json.loads(ok.stdout)
+    assert job["experiment"] == "digits" and job["params"]["lr"] == 0.01 and job["priority"] == 10
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["show", "999"], "no job with id 999"),
+    (["cancel", "999"], "no job with id 999"),
+    (["submit", "--gpus", "0", "--", "true"], "--gpus"),
+    (["submit", "--priority", "high", "--", "true"], "--priority"),
+    (["submit", "--"], "command is empty"),
+    (["submit"], "command is empty"),
+    (["submit", "--experiment", "nope"], "unknown experiment"),
+    (["submit", "--experiment", "digits", "--param", "bogus=1"], "bogus"),
+    (["submit", "--experiment", "digits", "--param", "lr=7"], "lr"),
+    (["submit", "--param", "lr=1", "--", "true"], "--experiment"),
+    (["serve", "--devices", "gpu:x"], "--devices"),
+    (["serve", "--devices", "cpu:0"], "cpu:N"),
+])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(home, args, needle):
+    cli("submit", "--", "true")
+    before = count()
+    out = cli(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert needle in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert count() == before
+
+
+def test_unreachable_database_is_exit_2(home):
+    out = cli("queue", env={"AUTORESEARCH_DB_URL": "postgresql+psycopg2://x@127.0.0.1:1/none?connect_timeout=1"})
+    assert out.returncode == 2 and "cannot reach queue database" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cancel_finished_job_and_gpus_over_capacity_with_a_service(home, make_service):
+    service = make_service("cpu:2")
+    done = json.loads(cli("submit", "--json", "--no-track", "--", "true").stdout)["id"]
+    wait_for(lambda: service.store.get(done).state == "SUCCEEDED", timeout=30)
+    before = count()
+    out = cli("cancel", str(done))
+    assert out.returncode == 2 and "already SUCCEEDED" in out.stderr
+    out = cli("submit", "--gpus", "3", "--", "true")
+    assert out.returncode == 2 and "more than any running service has (at most 2)" in out.stderr
+    second = cli("serve", "--devices", "cpu:1")
+    assert second.returncode == 2 and "already running" in second.stderr
+    assert count() == before
+    gpus = json.loads(cli("gpus", "--json").stdout)
+    assert [d["device"] for d in gpus] == ["cpu:0", "cpu:1"]
+    assert cli("gpus", "disable", "1", "--reason", "fan").returncode == 0
+    assert {d["device"]: d["state"] for d in json.loads(cli("gpus", "--json").stdout)}["cpu:1"] == "disabled"
+    assert cli("gpus", "enable", "cpu:1").returncode == 0
+    assert cli("gpus", "disable", "7").returncode == 2
+
+
+def test_logs_follow_streams_until_the_job_ends(home, make_service):
+    service = make_service("cpu:1")
+    job = json.loads(cli("submit", "--json", "--no-track", "--", "sh", "-c",
+                         "for i in 1 2 3; do echo line$i; sleep 0.3; done").stdout)["id"]
+    out = cli("logs", str(job), "--follow")
+    assert out.returncode == 0
+    assert "line1" in out.stdout and "line3" in out.stdout
+    assert service.store.get(job).state == "SUCCEEDED"
+
+
+SUBMITTER = """
+import sys
+from orchestrator import api
+from orchestrator.queue.models import JobSpec
+ids = [api.submit(JobSpec(argv=["true"], name=f"p{sys.argv[1]}"))[0].id for _ in range(50)]
+print(" ".join(map(str, ids)))
+"""
+
+
+def test_eight_processes_submitting_fifty_each_lose_nothing(home):
+    cli("queue")  # create the schema once, as a first user would
+    procs = [subprocess.Popen([sys.executable, "-c", SUBMITTER, str(i)], stdout=subprocess.PIPE, text=True)
+             for i in range(8)]
+    ids = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0
+        ids += [int(x) for x in out.split()]
+    assert len(ids) == 400 and len(set(ids)) == 400
+    jobs = JobStore(Settings.load().db_url).list()
+    assert len(jobs) == 400 and sorted(j.id for j in jobs) == sorted(ids)

@@ -1,0 +1,85 @@
+"""Crash safety with real processes: `kill -9` of the service mid-run, restart, and everything reconciled.
+
+Jobs outlive the service (own sessions). After the restart, a job that finished while no service ran ends in
+the state its exit code earned, a job still running is adopted (not started twice), queued jobs run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from orchestrator import api
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.store import JobStore
+from orchestrator.config import Settings
+from tests.orchestrator.helpers import kill_leftovers, wait_for
+
+
+def start_serve(devices: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", devices],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def test_kill_9_of_the_service_then_restart_reconciles_every_job(home, tmp_path):
+    store = JobStore(Settings.load().db_url)
+    serve = start_serve("cpu:3")
+    try:
+        wait_for(lambda: api.live_services(store), timeout=60, what="the service heartbeat")
+        gate = tmp_path / "gate"
+        ok_soon = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 0"],
+                                     track=False))[0].id
+        fail_soon = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 3"],
+                                       track=False))[0].id
+        long_run = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate}.2 ]; do sleep 0.05; done"],
+                                      track=False))[0].id
+        queued = api.submit(JobSpec(argv=["true"], track=False))[0].id
+        wait_for(lambda: all(store.get(j).state == "RUNNING" for j in (ok_soon, fail_soon, long_run)),
+                 what="three running jobs")
+        assert store.get(queued).state == "QUEUED"
+        pid_before = store.get(long_run).pid
+
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        gate.touch()  # two jobs end while no service watches them
+        time.sleep(0.5)
+        assert store.get(ok_soon).state == "RUNNING"  # nobody has recorded anything yet
+
+        serve = start_serve("cpu:3")
+        wait_for(lambda: store.get(ok_soon).state == "SUCCEEDED", timeout=60, what="reconcile of the finished job")
+        assert store.get(fail_soon).state == "FAILED" and store.get(fail_soon).exit_code == 3
+        wait_for(lambda: store.get(queued).state == "SUCCEEDED", timeout=30, what="the queued job")
+        adopted = store.get(long_run)
+        assert adopted.state == "RUNNING" and adopted.pid == pid_before  # adopted, not started again
+        (tmp_path / "gate.2").touch()
+        wait_for(lambda: store.get(long_run).state == "SUCCEEDED", timeout=30, what="the adopted job's exit")
+        for job_id in (ok_soon, fail_soon, long_run, queued):
+            assert store.get(job_id).attempts == 1, "no job ran twice"
+    finally:
+        kill_leftovers(store)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=20)
+
+
+def test_sigterm_stops_the_service_cleanly_and_leaves_jobs_for_the_next_one(home, tmp_path):
+    store = JobStore(Settings.load().db_url)
+    serve = start_serve("cpu:1")
+    try:
+        wait_for(lambda: api.live_services(store), timeout=60)
+        gate = tmp_path / "gate"
+        job = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done"], track=False))[0]
+        wait_for(lambda: store.get(job.id).state == "RUNNING")
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=20) == 0
+        assert not api.live_services(store)  # it said goodbye
+        serve = start_serve("cpu:1")
+        wait_for(lambda: api.live_services(store), timeout=60)
+        gate.touch()
+        wait_for(lambda: store.get(job.id).state == "SUCCEEDED", timeout=30)
+        assert store.get(job.id).attempts == 1
+    finally:
+        kill_leftovers(store)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=20)
