@@ -10,6 +10,7 @@ uses the running one, and K (trials in flight) defaults to the devices that serv
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
           proposer: Any = None) -> dict[str, Any]:
     """Run a new session to its end; returns its summary."""
     settings = settings or Settings.load()
-    _check(config)
+    check(config)
     registry = Registry(settings.home)
     session_id = session_id or new_id()
     registry.create(session_id, config)
@@ -61,6 +62,8 @@ def load_spec(name: str) -> Any:
 
     if ":" in name:
         module, _, attr = name.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())  # as `python -m` would: a project's own experiments resolve from its root
         try:
             spec = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
@@ -74,7 +77,8 @@ def load_spec(name: str) -> Any:
         raise BadInput(str(exc)) from None
 
 
-def _check(config: SessionConfig) -> None:
+def check(config: SessionConfig) -> None:
+    """BadInput unless the experiment and proposer exist."""
     from orchestrator.agent.proposers.base import NAMES
 
     load_spec(config.experiment)

@@ -39,10 +39,9 @@ class SamplerProposer:
         if self.name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if self.name == "cmaes":
-            return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=self.n_startup_trials,
-                                                warn_independent_sampling=False)
+            return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=self.n_startup_trials)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.n_startup_trials, multivariate=True,
-                                          group=True, constant_liar=True, warn_independent_sampling=False)
+                                          group=True, constant_liar=True)
 
     def study(self, history: Sequence[Observation]) -> Any:
         """An in-memory study holding `history` (observations that do not fit the space are skipped)."""
