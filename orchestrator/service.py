@@ -76,6 +76,7 @@ class Service:
         self._scheduler = None
         self._dispatcher: Optional[threading.Thread] = None
         self._started_at = time.time()
+        self._base_env = dict(os.environ)
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
 
@@ -215,15 +216,7 @@ class Service:
     def _record_exits(self) -> None:
         with self._exits_lock:
             exits, self._exits = self._exits, []
-        if not exits:
-            return
-        current = {job.id: job for job in self.store.list(HOLDING, host=self.host)}
-        results = []
-        for ex in exits:
-            job = current.get(ex.job_id)
-            if job is None or job.attempts != ex.attempt:
-                continue  # a stale report of an attempt already accounted for
-            results.append((ex.job_id, ex.code, ex.detail))
+        results = [(ex.job_id, ex.attempt, ex.code, ex.detail) for ex in exits]
         for job in self.store.finish_many(results, self.host):
             log.info("job %s -> %s (%s)", job.id, job.state, job.reason)
 
@@ -246,13 +239,12 @@ class Service:
         from orchestrator import scheduling
 
         self._record_exits()
-        jobs = self.store.list([S.QUEUED, *HOLDING])
-        mine = [j for j in jobs if j.host == self.host and j.job_state in HOLDING]
+        queued, mine = self.store.snapshot(self.host)
         self._enforce_stops(mine)
         usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
         now = time.time()
-        waiting = [scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus)
-                   for j in jobs if j.job_state is S.QUEUED and j.gpus <= len(self.device_names)]
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus)
+                   for job_id, prio, submitted, gpus in queued if gpus <= len(self.device_names)]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
@@ -266,6 +258,7 @@ class Service:
     def _start_jobs(self, starts) -> None:
         claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.home / "checkpoints"),
                                    log_root=str(self.home / "logs"))
+        launched = []
         for job in claimed:
             try:
                 if job.track and not job.mlflow_run_id:
@@ -273,15 +266,16 @@ class Service:
                     self.store.set_run_id(job.id, job.mlflow_run_id)
                 if not self._preflight_ok(job):
                     continue
-                env = job_env(job, base=dict(os.environ), home=str(self.home),
+                env = job_env(job, base=self._base_env, home=str(self.home),
                               tracking_uri=self.settings.tracking_uri,
                               heartbeat_file=str(self.home / "run" / f"{job.id}.heartbeat"))
-                launched = self.executor.launch(job, env)
+                started = self.executor.launch(job, env)
             except Exception as exc:
                 log.exception("could not start job %s", job.id)
                 self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")
                 continue
-            self.store.mark_running(job.id, launched.pid, launched.proc_start, self.host)
+            launched.append((job.id, started.pid, started.proc_start))
+        self.store.mark_running_many(launched, self.host)
 
     def _warm_tracking(self) -> None:
         try:

@@ -203,6 +203,10 @@ class JobStore:
         with Session(self.engine) as session:
             return session.exec(select(func.count()).select_from(Job)).one()
 
+    def count_in(self, state: JobState) -> int:
+        with Session(self.engine) as session:
+            return session.exec(select(func.count()).select_from(Job).where(Job.state == JobState(state).value)).one()
+
     # ---- the service's transitions ----------------------------------------------------------------------
 
     def claim(self, starts: Sequence[tuple[int, Sequence[str]]], host: str, *,
@@ -250,6 +254,36 @@ class JobStore:
             return self._move(session, job, S.RUNNING, f"pid {pid}", host, now, pid=pid, proc_start=proc_start,
                               started_at=now)
 
+    def mark_running_many(self, launched: Sequence[tuple[int, int, Optional[str]]], host: Optional[str] = None
+                          ) -> list[Job]:
+        """`mark_running` for many (job id, pid, proc start) in one commit."""
+        now = time.time()
+        out: list[Job] = []
+        if not launched:
+            return out
+        with self._tx() as session:
+            for job_id, pid, proc_start in launched:
+                job = self._lock(session, job_id)
+                if job.job_state is not S.STARTING:
+                    job.pid, job.proc_start = pid, proc_start
+                    session.add(job)
+                    out.append(job)
+                    continue
+                out.append(self._move(session, job, S.RUNNING, f"pid {pid}", host, now, pid=pid,
+                                      proc_start=proc_start, started_at=now))
+        return out
+
+    def snapshot(self, host: str, limit: int = 256) -> tuple[list[tuple], list[Job]]:
+        """What one dispatch pass needs: the first `limit` QUEUED jobs in line order as light
+        (id, priority, submitted_at, gpus) rows, and the jobs this host holds devices for."""
+        with Session(self.engine, expire_on_commit=False) as session:
+            waiting = list(session.exec(
+                select(Job.id, Job.priority, Job.submitted_at, Job.gpus).where(Job.state == S.QUEUED.value)
+                .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit)))
+            mine = list(session.exec(select(Job).where(Job.state.in_([s.value for s in HOLDING]),
+                                                       Job.host == host)))
+        return waiting, mine
+
     def finish(self, job_id: int, exit_code: int, host: Optional[str] = None, *, detail: str = "") -> Job:
         """Record the end of an attempt and move the job to the state its process earned."""
         now = time.time()
@@ -285,15 +319,19 @@ class JobStore:
         return self._move(session, job, S.FAILED, f"{how}; no attempts left", host, now, exit_code=code,
                           failures=failures, not_before=None)
 
-    def finish_many(self, results: Sequence[tuple[int, int, str]], host: Optional[str] = None) -> list[Job]:
-        """`finish` for many (job id, exit code, detail) in one commit."""
+    def finish_many(self, results: Sequence[tuple[int, int, int, str]], host: Optional[str] = None) -> list[Job]:
+        """`finish` for many (job id, attempt, exit code, detail) in one commit. A report about an attempt
+        other than the job's current one, or from a host that no longer holds the job, is ignored."""
         now = time.time()
         out = []
         if not results:
             return out
         with self._tx() as session:
-            for job_id, code, detail in results:
-                out.append(self._finish(session, self._lock(session, job_id), code, host, now, detail))
+            for job_id, attempt, code, detail in results:
+                job = self._lock(session, job_id)
+                if job.attempts != attempt or job.job_state not in HOLDING or (host and job.host != host):
+                    continue
+                out.append(self._finish(session, job, code, host, now, detail))
         return out
 
     def requeue(self, job_id: int, reason: str, host: Optional[str] = None) -> Job:

@@ -24,7 +24,8 @@ def log_of(service, job_id) -> str:
 def test_preemption_end_to_end(make_service):
     service = make_service("cpu:2", preempt_after=0)
     low = [api.submit(ckpt_job(400, priority=0, name=f"low{i}"))[0].id for i in range(2)]
-    wait_for(lambda: all(state(service, j) == "RUNNING" for j in low), what="both low jobs running")
+    # Running and past start-up (its SIGTERM handler installed), as a real trainer would be after a while.
+    wait_for(lambda: all("starts at step" in log_of(service, j) for j in low), what="both low jobs running")
     high = api.submit(ckpt_job(10, priority=50, name="high"))[0].id
     wait_for(lambda: state(service, high) == "RUNNING", what="the high job to start")
     victims = [j for j in low if service.store.get(j).preemptions == 1]

@@ -1,0 +1,221 @@
+"""Queue throughput and submit-to-start latency, side by side with Debian's task-spooler (`tsp`).
+
+    python benchmarks/queue_throughput.py [--jobs 500] [--slots 8] [--latency-jobs 40]
+
+Both queues get the same work in the same run:
+1. throughput: N no-op jobs (`true`) on 8 slots, submitted back to back from another process, timed from the
+   first submit to the last job's end (tsp: one `tsp` call per job, as users do; autoresearch: `autoresearch
+   serve` in its own process, and one submitter process calling the library `api.submit`, the agent's path;
+   the per-call cost of the `autoresearch submit` CLI is reported separately);
+2. latency on an idle queue: one job at a time that records when it started; submit-to-start p50 and p95.
+autoresearch runs with MLflow tracking off (`track=False`, `submit --no-track`) for the no-op jobs and, in a
+third row, with a tracked MLflow run per job (the default), which costs an MLflow `create_run` per job.
+Prints ratios; absolute times on a shared 2-core machine are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+# ---- task-spooler ---------------------------------------------------------------------------------------
+
+def tsp_env(tmp: Path) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TS_SOCKET": str(tmp / "tsp.sock"), "TS_MAXFINISHED": "100000", "TMPDIR": str(tmp)}
+
+
+def tsp(env, *args) -> str:
+    return subprocess.run(["tsp", *args], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def tsp_throughput(jobs: int, slots: int, tmp: Path) -> float:
+    env = tsp_env(tmp)
+    tsp(env, "-S", str(slots))
+    start = time.perf_counter()
+    last = None
+    for _ in range(jobs):
+        last = tsp(env, "-n", "true").strip()
+    while True:
+        state = tsp(env, "-s", last).strip()
+        if state == "finished":
+            out = tsp(env, "-l")
+            if out.count(" finished ") >= jobs:
+                break
+        time.sleep(0.002)
+    elapsed = time.perf_counter() - start
+    tsp(env, "-K")
+    return elapsed
+
+
+def tsp_latency(n: int, tmp: Path) -> list[float]:
+    env = tsp_env(tmp)
+    tsp(env, "-S", "8")
+    lat = []
+    for i in range(n):
+        mark = tmp / f"tsp-start-{i}"
+        t0 = time.time()
+        tsp(env, "-n", "sh", "-c", f"date +%s.%N > {mark}")
+        while not mark.exists() or not mark.read_text().strip():
+            time.sleep(0.001)
+        lat.append(float(mark.read_text()) - t0)
+    tsp(env, "-K")
+    return lat
+
+
+# ---- autoresearch ----------------------------------------------------------------------------------------
+
+SUBMITTER = """
+import sys
+from orchestrator import api
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.store import JobStore
+from orchestrator.config import Settings
+store = JobStore(Settings.load().db_url)
+spec = JobSpec(argv=["true"], track=sys.argv[2] == "1")
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(int(sys.argv[1])):
+    api.submit(spec, store=store)
+"""
+
+
+class Served:
+    """`autoresearch serve` in its own process on a fresh home, as users run it."""
+
+    def __init__(self, home: Path, slots: int):
+        home.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "AUTORESEARCH_HOME": str(home),
+                    "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
+        os.environ.update(self.env)
+        from orchestrator.config import Settings
+        from orchestrator.queue.store import JobStore
+
+        self.store = JobStore(Settings.load().db_url)
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices",
+                                      f"cpu:{slots}", "--preempt-after", "0"], env=self.env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not self.store.services(max_age=10):
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("autoresearch serve did not come up")
+            time.sleep(0.05)
+        time.sleep(3.0)  # let the service finish its start-up (MLflow import and schema) before timing
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def ar_throughput(jobs: int, slots: int, home: Path, track: bool) -> float:
+    from orchestrator.queue.states import JobState
+
+    served = Served(home, slots)
+    try:
+        sub = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "1" if track else "0"],
+                               env=served.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert sub.stdout.readline().strip() == "ready"
+        start = time.perf_counter()
+        sub.stdin.write("go\n")
+        sub.stdin.flush()
+        while served.store.count_in(JobState.SUCCEEDED) < jobs:
+            time.sleep(0.005)
+        elapsed = time.perf_counter() - start
+        sub.wait(timeout=60)
+        return elapsed
+    finally:
+        served.close()
+
+
+def ar_latency(n: int, home: Path) -> list[float]:
+    from orchestrator import api
+    from orchestrator.queue.models import JobSpec
+
+    served = Served(home, 8)
+    lat = []
+    try:
+        for i in range(n):
+            mark = home / f"ar-start-{i}"
+            t0 = time.time()
+            api.submit(JobSpec(argv=["sh", "-c", f"date +%s.%N > {mark}"], track=False), store=served.store)
+            while not mark.exists() or not mark.read_text().strip():
+                time.sleep(0.001)
+            lat.append(float(mark.read_text()) - t0)
+    finally:
+        served.close()
+    return lat
+
+
+def cli_submit_seconds(n: int, home: Path) -> float:
+    env = {**os.environ, "AUTORESEARCH_HOME": str(home)}
+    start = time.perf_counter()
+    for _ in range(n):
+        subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--no-track", "--", "true"], env=env,
+                       check=True, capture_output=True)
+    return (time.perf_counter() - start) / n
+
+
+def tsp_submit_seconds(n: int, tmp: Path) -> float:
+    env = tsp_env(tmp)
+    tsp(env, "-S", "1")
+    tsp(env, "-n", "sleep", "30")
+    start = time.perf_counter()
+    for _ in range(n):
+        tsp(env, "-n", "true")
+    elapsed = (time.perf_counter() - start) / n
+    tsp(env, "-K")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--latency-jobs", type=int, default=40)
+    parser.add_argument("--cli-submits", type=int, default=10)
+    args = parser.parse_args()
+    if shutil.which("tsp") is None:
+        sys.exit("task-spooler is not installed (apt-get install task-spooler)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
+    try:
+        t_tsp = tsp_throughput(args.jobs, args.slots, tmp / "tsp1")
+        t_ar = ar_throughput(args.jobs, args.slots, tmp / "ar1", track=False)
+        t_ar_tracked = ar_throughput(args.jobs, args.slots, tmp / "ar2", track=True)
+        l_tsp = tsp_latency(args.latency_jobs, tmp / "tsp2")
+        l_ar = ar_latency(args.latency_jobs, tmp / "ar3")
+        s_tsp = tsp_submit_seconds(args.cli_submits, tmp / "tsp3")
+        s_ar = cli_submit_seconds(args.cli_submits, tmp / "ar4")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    n = args.jobs
+    print(f"throughput, {n} no-op jobs on {args.slots} slots (jobs/s):")
+    print(f"  task-spooler                         {n / t_tsp:8.1f}")
+    print(f"  autoresearch (untracked)             {n / t_ar:8.1f}   ratio vs tsp {t_tsp / t_ar:5.2f}x")
+    print(f"  autoresearch (MLflow run per job)    {n / t_ar_tracked:8.1f}   ratio vs tsp {t_tsp / t_ar_tracked:5.2f}x")
+    print(f"submit-to-start on an idle queue, {args.latency_jobs} jobs (ms):")
+    print(f"  task-spooler     p50 {1000 * statistics.median(l_tsp):7.1f}  p95 {1000 * pct(l_tsp, 95):7.1f}")
+    print(f"  autoresearch     p50 {1000 * statistics.median(l_ar):7.1f}  p95 {1000 * pct(l_ar, 95):7.1f}"
+          f"   p50 ratio vs tsp {statistics.median(l_ar) / statistics.median(l_tsp):5.2f}x")
+    print(f"one CLI submit call: autoresearch/tsp time ratio {s_ar / s_tsp:6.1f}x "
+          f"(python start-up + imports vs a C client)")
+
+
+if __name__ == "__main__":
+    main()
