@@ -1,0 +1,401 @@
+"""The Ray executor: each attempt is a Ray job (the Jobs API), so Ray places it on any node of the cluster.
+
+Placement. The service still plans with slots (policy, priorities, preemption are the same as on one host);
+Ray decides where a job runs:
+- `--devices auto` (the default): the slots are the cluster's GPUs (`ray:0`, `ray:1`, ...; the total of every
+  alive node, read at start), and a job asks for `entrypoint_num_gpus = --gpus`. Ray sets
+  CUDA_VISIBLE_DEVICES on the node it picks. One entrypoint request lives on one node, so a multi-GPU job
+  gets all its GPUs on one node or waits in Ray (PENDING) until a node has them: all-or-nothing.
+- `--devices cpu:N`: N virtual slots, and each slot is one Ray CPU (`entrypoint_num_cpus = --gpus`). Real CPUs
+  rather than a custom resource, so any stock cluster works and jobs spread by free cores; N above the
+  cluster's CPU count only makes the extra jobs wait in Ray.
+
+Environment. The runtime env carries the Contract 3 variables and the job's own overrides, not the
+service's whole environment (that belongs to another machine). The job's grace period is passed as
+`RAY_JOB_STOP_WAIT_TIME_S`, which the job's supervisor reads when it stops it: stop = SIGTERM to every
+process of the job, SIGKILL after the grace.
+
+Exit codes. Ray reports SUCCEEDED/FAILED with the entrypoint's exit code, but a stopped job (cancel,
+preemption) has none. The entrypoint runs under the local executor's kind of `/bin/sh` wrapper, which
+survives the stop's SIGTERM and prints the job's exit code as the last line of its output; a stopped job's code
+is read back from there (none: killed after the grace, reported as SIGKILL). A job's own exit 75 thus still
+means "requeue me". Ray-side failures map to codes the queue understands: a lost node or a start timeout to
+75 (requeue without spending an attempt), a job that could not be started at all to 127.
+
+Logs. A watcher thread follows each attempt's Ray log (a websocket tail) into the job's log file, so
+`autoresearch logs` works as with local jobs; `logs()`/`stream_logs()` read Ray directly for hosts without
+that file. After a service restart, `adopt()` finds the Ray job again by its submission id, which is derived
+from the job (`autoresearch-ID-ATTEMPT-TAG`) and recorded as `ray:SID@ADDRESS` in the job's `proc_start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import re
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from orchestrator import devices as devspec
+from orchestrator.errors import BadInput
+from orchestrator.executors.base import Exit, Launched, OnExit, describe, job_argv
+from orchestrator.queue.models import Job
+from runtime import protocol
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ray:"
+# Like the local wrapper: `trap :` keeps the shell alive through the stop's SIGTERM so it can print the code.
+# The job runs in the submit directory when that exists on the node Ray picked, else where Ray starts it.
+WRAPPER = ('cd -- "$1" 2>/dev/null; shift; trap : TERM INT; "$@"; rc=$?; '
+           'printf "\\n=== autoresearch: exit code %s\\n" "$rc"; exit $rc')
+EXIT_LINE = re.compile(r"=== autoresearch: exit code (-?\d+)")
+PROTOCOL_KEYS = (protocol.JOB_ID, protocol.ATTEMPT, protocol.CHECKPOINT_DIR, protocol.PARAMS, protocol.HOME,
+                 protocol.HEARTBEAT_FILE, protocol.TRACKING_URI, protocol.RUN_ID, protocol.VISIBLE_DEVICES,
+                 protocol.DEVICE_ORDER)
+# Ray could not run the attempt for reasons outside the job: requeue it without spending an attempt.
+REQUEUE_ERRORS = {"JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_START_TIMEOUT",
+                  "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE"}
+
+
+def submission_id(job: Job, attempt: Optional[int] = None) -> str:
+    """The Ray submission id of an attempt: derived from the job alone (no extra column), unique across
+    queues sharing one cluster thanks to a tag of the job's id and submit time."""
+    tag = hashlib.sha1(f"{job.id}:{job.submitted_at!r}".encode()).hexdigest()[:8]
+    return f"autoresearch-{job.id}-{job.attempts if attempt is None else attempt}-{tag}"
+
+
+def parse_handle(proc_start: Optional[str]) -> Optional[tuple[str, str]]:
+    """(submission id, dashboard address) from a job's `proc_start` (`ray:SID@ADDRESS`), None if not Ray's."""
+    if not proc_start or not proc_start.startswith(PREFIX):
+        return None
+    sid, _, address = proc_start[len(PREFIX):].partition("@")
+    return sid, address
+
+
+def normalize_address(address: str) -> str:
+    """The Ray dashboard URL (the Jobs API endpoint): `HOST:8265` gets `http://`."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def client_for(address: str):
+    """A JobSubmissionClient, with clear one-line errors for a missing extra or an unreachable cluster."""
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError:
+        raise BadInput("--executor ray needs Ray: pip install 'autoresearch[ray]'") from None
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise BadInput(f"cannot reach the Ray cluster at {address} (the dashboard address, e.g. "
+                       f"http://HEAD:8265): {first}") from None
+
+
+def exit_of(info: Any, log_text: str = "") -> tuple[int, str]:
+    """The queue's exit code and a detail for a finished Ray job (`JobInfo`), see the module docstring."""
+    status = str(getattr(info.status, "value", info.status))
+    if info.driver_exit_code is not None:
+        code = int(info.driver_exit_code)
+        return code, f"exit code {code} (ray {status.lower()})"
+    found = EXIT_LINE.findall(log_text[-4096:])
+    if found:
+        return int(found[-1]), f"exit code {found[-1]} (ray {status.lower()})"
+    if status == "STOPPED":
+        return -signal.SIGKILL, "stopped by ray; killed after the grace period"
+    if status == "SUCCEEDED":
+        return 0, "exit code 0 (ray succeeded)"
+    error = str(getattr(info.error_type, "value", info.error_type) or "")
+    message = (info.message or "").strip().splitlines()[:1]
+    detail = f"ray {status.lower()} ({error or 'no exit code'}): {message[0] if message else ''}".strip()
+    if error in REQUEUE_ERRORS:
+        return protocol.EX_TEMPFAIL, detail
+    return 127, detail
+
+
+@dataclass
+class _Watch:
+    job_id: int
+    attempt: int
+    sid: str
+    log_path: Optional[Path]
+    task: Any = None
+    written: int = 0  # characters of the attempt's Ray log already in the log file
+
+
+class RayExecutor:
+    """Runs attempts as Ray jobs on the cluster at `settings.extra["ray_address"]` (or RAY_ADDRESS)."""
+
+    name = "ray"
+
+    def __init__(self, settings: Any, on_exit: OnExit, *, address: Optional[str] = None, poll: float = 0.5):
+        address = address or settings.extra.get("ray_address") or os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise BadInput("--executor ray needs --ray-address http://HEAD:8265 (the Ray dashboard) or RAY_ADDRESS")
+        self.address = normalize_address(str(address))
+        self.client = client_for(self.address)
+        self.device_spec = str(settings.devices or "auto")
+        self.cpu_slots = self.device_spec.startswith("cpu:")
+        self.poll = poll
+        self._on_exit = on_exit
+        self._closed = False
+        self._watches: dict[str, _Watch] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ray-executor-watch", daemon=True)
+        self._thread.start()
+
+    # ---- the Executor protocol ----------------------------------------------------------------------------
+
+    def inventory(self) -> Optional[list[str]]:
+        if self.cpu_slots:
+            return devspec.parse(self.device_spec)
+        if self.device_spec != "auto":
+            raise BadInput(f"with --executor ray, --devices is auto (the cluster's GPUs) or cpu:N, not "
+                           f"{self.device_spec!r}: Ray picks the GPUs itself")
+        gpus = int(sum(node.get("GPU", 0.0) for node in self.cluster_resources()))
+        if gpus < 1:
+            raise BadInput(f"the Ray cluster at {self.address} has no GPUs; use --devices cpu:N for N "
+                           "CPU slots")
+        return [f"{PREFIX}{i}" for i in range(gpus)]
+
+    def cluster_resources(self) -> list[dict[str, float]]:
+        """The total resources of each alive node of the cluster."""
+        from ray.util.state import list_nodes
+
+        nodes = list_nodes(address=self.address, detail=True, raise_on_missing_output=False)
+        return [dict(n.resources_total or {}) for n in nodes if str(n.state) in ("ALIVE", "NodeState.ALIVE")]
+
+    def launch(self, job: Job, env: dict[str, str]) -> Launched:
+        sid = submission_id(job)
+        argv = job_argv(job)
+        log_path = Path(job.log_path) if job.log_path else None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                out.write(self._header(job, sid, argv).encode())
+        if job.checkpoint_dir:
+            os.makedirs(job.checkpoint_dir, exist_ok=True)  # visible to other nodes on a shared home
+        resources = ({"entrypoint_num_cpus": job.gpus} if self.cpu_slots else {"entrypoint_num_gpus": job.gpus})
+        entrypoint = describe(["/bin/sh", "-c", WRAPPER, "autoresearch-job", job.cwd or "", *argv])
+        try:
+            self.client.submit_job(entrypoint=entrypoint, submission_id=sid,
+                                   runtime_env={"env_vars": self._env_vars(job, env)},
+                                   metadata={"autoresearch_job": str(job.id), "attempt": str(job.attempts)},
+                                   **resources)
+        except Exception:
+            if self._info(sid) is None:  # an id already taken means an earlier try of this launch got through
+                raise
+        self._watch(_Watch(job.id, job.attempts, sid, log_path))
+        return Launched(0, f"{PREFIX}{sid}@{self.address}")
+
+    def signal(self, job: Job, sig: int) -> None:
+        # Ray stops a job with SIGTERM and SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S (the job's grace); a
+        # later SIGKILL from the service finds it stopping already, so both map to stop_job.
+        if sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+            log.debug("ray executor: signal %s not supported; ignored for job %s", sig, job.id)
+            return
+        try:
+            self.client.stop_job(self._sid(job))
+        except Exception as exc:  # already finished or gone: the watcher reports it
+            log.debug("stop_job for job %s: %s", job.id, exc)
+
+    def adopt(self, job: Job) -> bool:
+        sid = self._sid(job)
+        info = self._info(sid)
+        log_path = Path(job.log_path) if job.log_path else None
+        watch = _Watch(job.id, job.attempts, sid, log_path)
+        if info is None:
+            self._report(watch, -signal.SIGKILL, f"the Ray job {sid} is gone")
+            return False
+        if info.status.is_terminal():
+            self._truncate_attempt(watch)
+            self._report(watch, *self._finish(watch, info))
+            return False
+        self._truncate_attempt(watch)  # the tail restarts from the beginning of the attempt's output
+        self._watch(watch)
+        return True
+
+    def find_attempt(self, job: Job) -> Optional[Launched]:
+        """The Ray job of the job's current attempt, when the service died before recording it."""
+        sid = submission_id(job)
+        return Launched(0, f"{PREFIX}{sid}@{self.address}") if self._info(sid) is not None else None
+
+    def close(self) -> None:
+        self._closed = True
+
+        def cancel_all() -> None:
+            for watch in self._watches.values():
+                if watch.task is not None:
+                    watch.task.cancel()
+            self._loop.call_soon(self._loop.stop)
+
+        self._loop.call_soon_threadsafe(cancel_all)
+        self._thread.join(timeout=5)
+
+    # ---- logs -------------------------------------------------------------------------------------------
+
+    def logs(self, job: Job, attempt: Optional[int] = None) -> str:
+        """The Ray log of one attempt of `job` (default: the current one)."""
+        return self.client.get_job_logs(submission_id(job, attempt))
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _sid(self, job: Job) -> str:
+        handle = parse_handle(job.proc_start)
+        return handle[0] if handle else submission_id(job)
+
+    def _info(self, sid: str):
+        try:
+            return self.client.get_job_info(sid)
+        except RuntimeError as exc:
+            if "does not exist" in str(exc) or "404" in str(exc):
+                return None
+            raise
+
+    @staticmethod
+    def _header(job: Job, sid: str, argv: list[str]) -> str:
+        return (f"=== autoresearch: attempt {job.attempts} of job {job.id} on ray ({sid}, "
+                f"{','.join(job.devices) or '-'}): {describe(argv)}\n")
+
+    def _env_vars(self, job: Job, env: dict[str, str]) -> dict[str, str]:
+        keep = set(PROTOCOL_KEYS) | set(job.env or {})
+        out = {k: str(v) for k, v in env.items() if k in keep or os.environ.get(k) != v}
+        if not self.cpu_slots:
+            out.pop(protocol.VISIBLE_DEVICES, None)  # Ray sets it for the GPUs it assigned on its node
+        out["RAY_JOB_STOP_WAIT_TIME_S"] = str(int(math.ceil(job.grace)))
+        return out
+
+    def _watch(self, watch: _Watch) -> None:
+        def start() -> None:
+            watch.task = self._loop.create_task(self._follow(watch))
+            self._watches[watch.sid] = watch
+
+        self._loop.call_soon_threadsafe(start)
+
+    async def _follow(self, watch: _Watch) -> None:
+        """Mirror the attempt's log into its file while polling Ray for its end, then report its exit.
+
+        The status is polled rather than inferred from the log tail ending: Ray closes a tail seconds after
+        the job ends, and the slot should free at once."""
+        tail = asyncio.ensure_future(self._tail(watch))
+        info = None
+        try:
+            while not self._closed:
+                info = await asyncio.to_thread(self._info_or_none, watch.sid)
+                if info is None or info.status.is_terminal():
+                    break
+                if tail.done():  # the connection dropped: follow again (it skips what was written)
+                    tail = asyncio.ensure_future(self._tail(watch))
+                await asyncio.sleep(self.poll)
+            try:
+                await asyncio.wait_for(asyncio.shield(tail), 0.5)
+            except (asyncio.TimeoutError, Exception):
+                tail.cancel()
+        except asyncio.CancelledError:
+            tail.cancel()
+            return
+        self._watches.pop(watch.sid, None)
+        if self._closed:
+            return
+        if info is None:
+            self._report(watch, -signal.SIGKILL, f"the Ray job {watch.sid} is gone")
+            return
+        code, detail = await asyncio.to_thread(self._finish, watch, info)
+        self._report(watch, code, detail)
+
+    async def _tail(self, watch: _Watch) -> None:
+        seen = 0
+        try:
+            async for chunk in self.client.tail_job_logs(watch.sid):
+                # After a reconnect the tail starts over: skip what the file already has.
+                fresh = chunk[max(0, watch.written - seen):]
+                seen += len(chunk)
+                if fresh:
+                    self._append(watch, fresh)
+                    watch.written += len(fresh)
+        except Exception as exc:
+            log.debug("log tail of %s: %s", watch.sid, exc)
+
+    def _finish(self, watch: _Watch, info: Any) -> tuple[int, str]:
+        """Complete the mirrored log from Ray's full copy and work out the exit code."""
+        text = ""
+        try:
+            text = self.client.get_job_logs(watch.sid)
+        except Exception as exc:
+            log.warning("ray: no log for %s: %s", watch.sid, exc)
+        if len(text) > watch.written:
+            self._append(watch, text[watch.written:])
+            watch.written = len(text)
+        return exit_of(info, text)
+
+    def _info_or_none(self, sid: str):
+        try:
+            return self._info(sid)
+        except Exception as exc:  # the dashboard is briefly unreachable: keep watching
+            log.warning("ray: cannot read job %s: %s", sid, exc)
+            return _Unknown()
+
+    def _append(self, watch: _Watch, text: str) -> None:
+        if watch.log_path is not None:
+            with open(watch.log_path, "ab") as out:
+                out.write(text.encode(errors="replace"))
+
+    def _truncate_attempt(self, watch: _Watch) -> None:
+        """Drop what an earlier service mirrored of this attempt (it is streamed again from the start)."""
+        if watch.log_path is None or not watch.log_path.exists():
+            return
+        data = watch.log_path.read_bytes()
+        marker = f"=== autoresearch: attempt {watch.attempt} of job {watch.job_id} on ray ({watch.sid},".encode()
+        at = data.rfind(marker)
+        if at < 0:
+            return
+        end = data.find(b"\n", at)
+        if end >= 0:
+            with open(watch.log_path, "r+b") as fh:
+                fh.truncate(end + 1)
+
+    def _report(self, watch: _Watch, code: int, detail: str) -> None:
+        try:
+            self._on_exit(Exit(watch.job_id, watch.attempt, code, detail))
+        except Exception:  # the service logs and recovers on its next reconcile
+            log.exception("on_exit failed for job %s", watch.job_id)
+
+
+class _Unknown:
+    """A status read that failed: not terminal, so the watcher keeps going."""
+
+    class status:  # noqa: N801 - mimics JobInfo.status
+        @staticmethod
+        def is_terminal() -> bool:
+            return False
+
+
+def stream_logs(job: Job, out: IO[bytes], *, follow: bool = False) -> None:
+    """Print every attempt's Ray log of `job` to `out` (for `autoresearch logs` where its log file is absent)."""
+    handle = parse_handle(job.proc_start)
+    if handle is None:
+        raise BadInput(f"job {job.id} did not run on Ray")
+    client = client_for(handle[1])
+    for attempt in range(1, job.attempts + 1):
+        sid = submission_id(job, attempt)
+        if attempt < job.attempts or not follow:
+            try:
+                out.write(client.get_job_logs(sid).encode())
+            except RuntimeError:
+                continue  # an attempt that never reached Ray
+            continue
+
+        async def tail() -> None:
+            async for chunk in client.tail_job_logs(sid):
+                out.write(chunk.encode())
+                out.flush()
+
+        asyncio.run(tail())
+    out.flush()

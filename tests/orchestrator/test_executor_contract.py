@@ -1,0 +1,240 @@
+"""One contract for every executor: the same scenarios pass on the local executor and on a real Ray cluster.
+
+The Ray cluster is a local head started once for the session (`ray start --head` on free ports, 2 CPUs and
+2 logical GPUs); it is skipped with a reason when Ray is not installed. Services run in-process on cpu:2
+slots (one Ray CPU per slot), except the GPU-inventory test, which uses the cluster's logical GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import api
+from orchestrator.config import Settings
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import HOLDING
+from tests.orchestrator.helpers import ckpt_job, kill_leftovers, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """The dashboard address of a local Ray head (2 CPUs, 2 logical GPUs) for the whole test session."""
+    pytest.importorskip("ray.job_submission", reason="Ray is not installed (pip install 'autoresearch[ray]')")
+    ray_bin = Path(sys.executable).with_name("ray")
+    if not ray_bin.exists():
+        pytest.skip(f"no `ray` command next to {sys.executable}")
+    temp = tempfile.mkdtemp(prefix="rayt-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    dash = free_port()
+    ports = ["--port", free_port(), "--dashboard-port", dash, "--ray-client-server-port", free_port(),
+             "--dashboard-agent-listen-port", free_port(), "--dashboard-agent-grpc-port", free_port(),
+             "--metrics-export-port", free_port(), "--runtime-env-agent-port", free_port(),
+             "--node-manager-port", free_port(), "--object-manager-port", free_port()]
+    cmd = [str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+           "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", "2", "--num-gpus", "2",
+           "--temp-dir", temp, "--disable-usage-stats", *map(str, ports)]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    out = open(Path(temp) / "head.log", "wb")
+    # `ray start --block` owns every process of the head and takes them down on SIGTERM: stopping it stops
+    # only this cluster (`ray stop` would stop every Ray on the machine).
+    head = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        def up():
+            if head.poll() is not None:
+                raise RuntimeError(f"ray start exited: {(Path(temp) / 'head.log').read_text()[-2000:]}")
+            try:
+                JobSubmissionClient(address).list_jobs()
+                return True
+            except Exception:
+                return False
+
+        wait_for(up, timeout=90, interval=0.5, what="the Ray head")
+        yield address
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        out.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(params=["local", "ray"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def start_service(home, kind, request):
+    """start_service(devices="cpu:2"): an in-process service with the executor under test, on this home."""
+    from orchestrator.service import Service
+
+    address = request.getfixturevalue("ray_head") if kind == "ray" else None
+    started = []
+
+    def start(devices="cpu:2"):
+        settings = Settings.load(devices=devices, executor=kind)
+        if address:
+            settings.extra["ray_address"] = address
+        service = Service(settings, devices=devices, executor=kind, preempt_after=0, tick=0.2).start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        if service._lock_fh is None:
+            continue
+        if kind == "ray":  # stop what the test left running on the cluster
+            for job in service.store.list(HOLDING):
+                service.executor.signal(job, signal.SIGTERM)
+        else:
+            kill_leftovers(service.store)
+        service.stop()
+
+
+def state(service, job_id):
+    return service.store.get(job_id).state
+
+
+def log_of(service, job_id) -> str:
+    path = service.store.get(job_id).log_path
+    return Path(path).read_text(errors="replace") if path and os.path.exists(path) else ""
+
+
+def submit(spec: JobSpec) -> int:
+    return api.submit(spec)[0].id
+
+
+def test_exit_codes_retries_and_exit_75(start_service, tmp_path):
+    service = start_service()
+    env_out = tmp_path / "env"
+    ok = submit(JobSpec(argv=["sh", "-c", f'echo "$AUTORESEARCH_JOB_ID:$AUTORESEARCH_ATTEMPT:'
+                                          f'[$CUDA_VISIBLE_DEVICES]:$FOO" > {env_out}; echo hello'],
+                        env={"FOO": "bar"}, track=False))
+    bad = submit(JobSpec(argv=["sh", "-c", "exit 3"], track=False))
+    temp = submit(JobSpec(argv=["sh", "-c", 'test "$AUTORESEARCH_ATTEMPT" -ge 2 || exit 75'], track=False))
+    done = ("SUCCEEDED", "FAILED", "CANCELLED")
+    wait_for(lambda: all(state(service, j) in done for j in (ok, bad, temp)), timeout=60, what="three jobs")
+    assert (state(service, ok), service.store.get(ok).exit_code) == ("SUCCEEDED", 0)
+    assert env_out.read_text().strip() == f"{ok}:1:[]:bar"  # Contract 3 env and overrides reach the job
+    assert "hello" in log_of(service, ok)
+    assert (state(service, bad), service.store.get(bad).exit_code) == ("FAILED", 3)
+    job = service.store.get(temp)
+    assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
+
+
+def test_cancel_queued_and_running_and_sigkill_after_grace(start_service):
+    service = start_service("cpu:2")
+    running = submit(ckpt_job(1000))
+    stubborn = submit(JobSpec(argv=["sh", "-c", "trap '' TERM; echo up; sleep 60"], grace=1, track=False))
+    queued = submit(ckpt_job(1000))
+    wait_for(lambda: "starts at step" in log_of(service, running) and "up" in log_of(service, stubborn),
+             timeout=60, what="both jobs to start")
+    assert api.cancel(queued).state == "CANCELLED"
+    assert api.cancel(running).state == "CANCELLING"
+    api.cancel(stubborn)
+    wait_for(lambda: state(service, running) == "CANCELLED", timeout=30, what="the cancel")
+    job = service.store.get(running)
+    assert job.exit_code == 143 and "checkpointed" in log_of(service, running)  # it checkpointed on SIGTERM
+    wait_for(lambda: state(service, stubborn) == "CANCELLED", timeout=20, what="SIGKILL after the grace")
+    assert service.store.get(stubborn).exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+def test_preemption_checkpoints_requeues_and_resumes(start_service):
+    service = start_service("cpu:2")
+    low = [submit(ckpt_job(400, priority=0, name=f"low{i}")) for i in range(2)]
+    wait_for(lambda: all("starts at step" in log_of(service, j) for j in low), timeout=60, what="low jobs")
+    high = submit(ckpt_job(10, priority=50, name="high"))
+    wait_for(lambda: state(service, high) == "SUCCEEDED", timeout=60, what="the high job")
+    victims = [j for j in low if service.store.get(j).preemptions == 1]
+    assert len(victims) == 1
+    victim = victims[0]
+    events = [(e.src, e.dst) for e in service.store.events(victim)]
+    assert ("RUNNING", "PREEMPTING") in events and ("PREEMPTING", "QUEUED") in events
+    text = wait_for(lambda: "attempt 2 starts" in log_of(service, victim) and log_of(service, victim),
+                    timeout=60, what="the victim to resume")
+    assert "checkpointed at step" in text.split("attempt 2 starts")[0]
+    assert int(text.split("attempt 2 starts at step ")[1].split()[0]) > 0  # resumed from its marker
+    for job_id in low:
+        service.store.cancel(job_id)
+    wait_for(lambda: all(state(service, j) == "CANCELLED" for j in low), timeout=30)
+
+
+def test_multi_slot_job_is_all_or_nothing(start_service):
+    service = start_service("cpu:2")
+    blocker = submit(ckpt_job(1000, priority=0, preemptible=False))
+    wait_for(lambda: "starts at step" in log_of(service, blocker), timeout=60)
+    code = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)"
+    pair = submit(JobSpec(argv=[sys.executable, "-c", code], gpus=2, priority=20, track=False))
+    time.sleep(1.0)
+    assert state(service, pair) == "QUEUED"  # one free slot is not enough
+    api.cancel(blocker)
+    wait_for(lambda: state(service, pair) == "SUCCEEDED", timeout=120, what="the two-slot job")
+    assert sorted(service.store.get(pair).devices) == ["cpu:0", "cpu:1"]
+    text = log_of(service, pair)
+    assert "rank 0 of 2" in text and "rank 1 of 2" in text
+
+
+def test_adoption_after_service_restart(start_service):
+    service = start_service("cpu:2")
+    long_id = submit(ckpt_job(100))  # 5 s: still running when the next service starts
+    short_id = submit(JobSpec(argv=["sh", "-c", "sleep 1; exit 4"], track=False))  # ends while none runs
+    wait_for(lambda: state(service, long_id) == "RUNNING" and state(service, short_id) == "RUNNING"
+             and "starts at step" in log_of(service, long_id), timeout=60)
+    service.stop()  # running jobs keep running
+    time.sleep(2.0)
+    again = start_service("cpu:2")
+    wait_for(lambda: state(again, short_id) == "FAILED", timeout=30, what="the ended job to be recorded")
+    assert again.store.get(short_id).exit_code == 4
+    wait_for(lambda: state(again, long_id) == "SUCCEEDED", timeout=60, what="the adopted job to finish")
+    job = again.store.get(long_id)
+    assert job.attempts == 1 and log_of(again, long_id).count("done") == 1
+
+
+def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path):
+    from orchestrator.service import Service
+
+    settings = Settings.load(devices="auto", executor="ray")
+    settings.extra["ray_address"] = ray_head
+    service = Service(settings, executor="ray", preempt_after=0, tick=0.2).start()
+    try:
+        assert service.device_names == ["ray:0", "ray:1"]
+        out = tmp_path / "cuda"
+        ids = [submit(JobSpec(argv=["sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" >> {out}; sleep 2'],
+                              track=False)) for _ in range(2)]
+        wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in ids), timeout=60)
+        assert sorted(out.read_text().split()) == ["0", "1"]  # Ray assigned one logical GPU to each
+    finally:
+        service.stop()
+
+
+def test_ray_needs_an_address(home, monkeypatch):
+    pytest.importorskip("ray.job_submission", reason="Ray is not installed")
+    from orchestrator.errors import BadInput
+    from orchestrator.executors.ray import RayExecutor
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(BadInput, match="--ray-address"):
+        RayExecutor(Settings.load(devices="cpu:1"), lambda _exit: None)
+    with pytest.raises(BadInput, match="cannot reach the Ray cluster"):
+        RayExecutor(Settings.load(devices="cpu:1"), lambda _exit: None, address=f"127.0.0.1:{free_port()}")
