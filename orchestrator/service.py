@@ -30,6 +30,7 @@ from orchestrator import devices as devspec
 from orchestrator.config import Settings
 from orchestrator.errors import ServiceAlreadyRunning
 from orchestrator.executors.base import Exit, Executor, job_env
+from orchestrator.health import Health, HealthConfig
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.queue.store import JobStore
@@ -55,7 +56,8 @@ class Service:
 
     def __init__(self, settings: Settings, *, devices: Optional[str] = None, executor: Optional[str] = None,
                  preempt_after: Optional[float] = None, tick: float = 0.5,
-                 executor_factory: Optional[Callable[["Service"], Executor]] = None):
+                 executor_factory: Optional[Callable[["Service"], Executor]] = None,
+                 health: Optional["HealthConfig"] = None):
         self.settings = settings
         self.home = Path(settings.home)
         self.store = JobStore(settings.db_url)
@@ -77,6 +79,8 @@ class Service:
         self._dispatcher: Optional[threading.Thread] = None
         self._started_at = time.time()
         self._base_env = dict(os.environ)
+        self.health = Health(health or HealthConfig.from_env(), paths=[self.home / "checkpoints"])
+        self.recheck_every = self.health.config.recheck_every or 600.0
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
 
@@ -130,6 +134,10 @@ class Service:
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_tracking, name="warm-tracking", daemon=True).start()
             self._listener = Listener(self.home, self.wake)
+            if self.store.is_postgres:  # other hosts' submits arrive as NOTIFY
+                from orchestrator.cluster import PgListener
+
+                self._pg_listener = PgListener(self.settings.db_url, self.wake)
             self._start_scheduler()
             self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
             self._dispatcher.start()
@@ -166,8 +174,6 @@ class Service:
         sched.start()
         self._scheduler = sched
 
-    recheck_every = 300.0
-
     def stop(self) -> None:
         """Stop dispatching. Running jobs keep running; the next service on this home adopts them."""
         self._stop.set()
@@ -178,6 +184,8 @@ class Service:
             self._dispatcher.join(timeout=10)
         if self._listener is not None:
             self._listener.close()
+        if getattr(self, "_pg_listener", None) is not None:
+            self._pg_listener.close()
         if self.executor is not None:
             self.executor.close()
         try:
@@ -294,9 +302,25 @@ class Service:
             self.tracking = JobRuns(self.settings.tracking_uri, self.home / "mlartifacts")
         return self.tracking
 
-    # hook for device health (issue 4): return False after requeueing the job elsewhere
     def _preflight_ok(self, job: Job) -> bool:
-        return True
+        """Quick checks on the job's devices; on a failure quarantine them and put the job back in line
+        without spending an attempt (the next pass places it on healthy devices)."""
+        verdict = self.health.preflight(list(job.devices or []))
+        for device in job.devices or []:
+            if device in verdict.failed:
+                self._quarantine(device, f"preflight: {verdict.failed[device]}", verdict)
+            elif verdict.results:
+                self.store.record_check(self.host, device, verdict.for_device(device))
+        if verdict.ok:
+            return True
+        bad = ",".join(sorted(verdict.failed))
+        self.store.requeue(job.id, f"preflight failed on {bad}; requeued without spending an attempt", self.host)
+        self.wake()
+        return False
+
+    def _quarantine(self, device: str, why: str, verdict) -> None:
+        log.warning("quarantining %s: %s", device, why)
+        self.store.set_device_state(self.host, device, "quarantined", why, verdict.for_device(device))
 
     # ---- stopping jobs ----------------------------------------------------------------------------------
 
@@ -336,15 +360,46 @@ class Service:
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             if requeued:
                 self.wake()
+            from orchestrator.cluster import reap_dead_hosts
+
+            if reap_dead_hosts(self.store, self.host, SERVICE_STALE_AFTER):  # a crashed host's jobs
+                self.wake()
             self._monitor()
         except Exception:
             log.exception("housekeeping failed")
 
     def _monitor(self) -> None:
-        """Run-time health of running jobs' devices and heartbeats (filled in by the health module)."""
+        """Run-time health: a device fault under a running job, or a job without progress, stops the job
+        (SIGTERM: it checkpoints) and puts it back in line; a faulty device is quarantined first."""
+        if not self.health.monitor_due():
+            return
+        for job in self.store.list([S.RUNNING], host=self.host):
+            verdict = self.health.sample(list(job.devices or []))
+            why = None
+            if not verdict.ok:
+                for device, fault in verdict.failed.items():
+                    self._quarantine(device, f"monitor: {fault}", verdict)
+                why = "device fault: " + "; ".join(f"{d}: {f}" for d, f in sorted(verdict.failed.items()))
+            else:
+                why = self.health.hung(self.home / "run" / f"{job.id}.heartbeat", job.started_at)
+            if why:
+                for stopping in self.store.preempt([job.id], f"{why}; requeued", self.host):
+                    self._send_stop(stopping)
+                self.wake()
 
     def _recheck_idle_devices(self) -> None:
-        """Periodic deeper checks of idle devices (filled in by the health module)."""
+        """The deeper checks on devices no job holds; failures are quarantined."""
+        try:
+            held = {d for job in self.store.list(HOLDING, host=self.host) for d in job.devices or []}
+            idle = [d.name for d in self.store.devices(self.host) if d.state == "available" and d.name not in held]
+            verdict = self.health.recheck(idle)
+            for device in idle:
+                if device in verdict.failed:
+                    self._quarantine(device, f"idle check: {verdict.failed[device]}", verdict)
+                else:
+                    self.store.record_check(self.host, device, verdict.for_device(device))
+        except Exception:
+            log.exception("idle device re-check failed")
 
     def status(self) -> dict[str, Any]:
         return {"host": self.host, "home": str(self.home), "devices": self.device_names,

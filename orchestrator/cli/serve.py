@@ -20,6 +20,12 @@ def serve(
     preempt_after: Optional[float] = typer.Option(None, "--preempt-after",
                                                   help="Minimum runtime (s) before a job may be preempted."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray)."),
+    preflight: Optional[str] = typer.Option(None, "--preflight", help="quick (before every start, default) | off"),
+    hang_timeout: Optional[float] = typer.Option(
+        None, "--hang-timeout", help="Seconds without a heartbeat before a job is stopped and requeued "
+                                     "(default 1800; 0: never)."),
+    recheck_every: Optional[float] = typer.Option(None, "--recheck-every",
+                                                  help="Seconds between checks of idle devices (default 600)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the queue service (stops on SIGINT/SIGTERM; running jobs keep running and are adopted on restart)."""
@@ -39,7 +45,16 @@ def serve(
         settings.extra["ray_address"] = ray_address
     if settings.executor == "local":
         devspec.parse(settings.devices)  # bad spec: exit 2 before anything is touched
-    service = Service(settings)
+    from dataclasses import replace
+
+    from orchestrator.health import HealthConfig
+
+    given = dict(preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
+    try:
+        health = replace(HealthConfig.from_env(), **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    service = Service(settings, health=health)
     info(f"autoresearch: serving {settings.home} (executor {settings.executor}, devices {settings.devices}); "
          "Ctrl-C stops (running jobs keep running)")
     service.serve_forever()

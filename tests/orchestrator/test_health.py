@@ -1,0 +1,78 @@
+"""Device health through the service, end to end with injected faults on cpu slots (AUTORESEARCH_FAULTS):
+preflight quarantine, the run-time monitor, hang detection, idle re-checks, and `gpus enable`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from orchestrator import api
+from orchestrator.health import HealthConfig
+from orchestrator.queue.models import JobSpec
+from tests.orchestrator.helpers import ckpt_job, wait_for
+
+
+def test_preflight_failure_quarantines_the_device_and_the_job_lands_on_a_healthy_one(make_service, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:matmul")
+    service = make_service("cpu:2", health=HealthConfig(preflight="quick", recheck_every=3600))
+    ids = [api.submit(JobSpec(argv=["true"], track=False))[0].id for _ in range(3)]
+    wait_for(lambda: all(service.store.get(j).state == "SUCCEEDED" for j in ids), timeout=60)
+    for job_id in ids:
+        job = service.store.get(job_id)
+        assert job.devices == ["cpu:1"] and job.attempts == 1 and job.failures == 0
+    devs = {d.name: d for d in service.store.devices(service.host)}
+    assert devs["cpu:0"].state == "quarantined" and "matmul" in devs["cpu:0"].reason
+    assert devs["cpu:0"].last_check["status"] == "fail"
+    assert any("preflight failed on cpu:0" in e.reason for e in service.store.events(ids[0]))
+    # A person returns the device once it is fixed.
+    monkeypatch.delenv("AUTORESEARCH_FAULTS")
+    service.store.set_device_state(service.host, "cpu:0", "available")
+    service.store.set_device_state(service.host, "cpu:1", "disabled", "test")
+    job = api.submit(JobSpec(argv=["true"], track=False))[0].id
+    wait_for(lambda: service.store.get(job).state == "SUCCEEDED", timeout=30)
+    assert service.store.get(job).devices == ["cpu:0"]
+
+
+def test_a_fault_under_a_running_job_checkpoints_it_and_moves_it(make_service, monkeypatch):
+    service = make_service("cpu:2", health=HealthConfig(preflight="off", monitor_every=0.2, recheck_every=3600))
+    job_id = api.submit(ckpt_job(120))[0].id
+    wait_for(lambda: service.store.get(job_id).state == "RUNNING")
+    first = service.store.get(job_id).devices[0]
+    wait_for(lambda: "starts at step" in open(service.store.get(job_id).log_path).read())
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", f"{first}:ecc")
+    wait_for(lambda: service.store.get(job_id).preemptions == 1, timeout=30, what="the monitor to act")
+    wait_for(lambda: service.store.get(job_id).state == "SUCCEEDED", timeout=60)
+    job = service.store.get(job_id)
+    assert job.devices != [first]
+    log = open(job.log_path).read()
+    assert "checkpointed at step" in log and "attempt 2 starts at step" in log
+    assert {d.name: d.state for d in service.store.devices(service.host)}[first] == "quarantined"
+
+
+HANGS_ONCE = """
+import json, os, sys, time
+path = os.environ["AUTORESEARCH_HEARTBEAT_FILE"]
+json.dump({"step": 1, "time": time.time(), "pid": os.getpid()}, open(path, "w"))
+if os.environ["AUTORESEARCH_ATTEMPT"] == "1":
+    time.sleep(300)  # hung: no more heartbeats
+"""
+
+
+def test_a_job_without_progress_is_stopped_and_requeued(make_service):
+    service = make_service("cpu:1", health=HealthConfig(preflight="off", monitor_every=0.2, hang_timeout=1.0,
+                                                        recheck_every=3600))
+    job_id = api.submit(JobSpec(argv=[sys.executable, "-c", HANGS_ONCE], grace=1.0, track=False))[0].id
+    wait_for(lambda: service.store.get(job_id).state == "SUCCEEDED", timeout=60, what="requeue after the hang")
+    job = service.store.get(job_id)
+    assert job.attempts == 2 and job.preemptions == 1
+    assert any("no progress" in e.reason for e in service.store.events(job_id))
+
+
+def test_idle_devices_are_rechecked_on_a_schedule(make_service, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:1:alloc")
+    service = make_service("cpu:2", health=HealthConfig(preflight="off", recheck_level="quick", recheck_every=0.5))
+    wait_for(lambda: {d.name: d.state for d in service.store.devices(service.host)}["cpu:1"] == "quarantined",
+             timeout=30, what="the idle re-check")
+    devs = {d.name: d for d in service.store.devices(service.host)}
+    assert devs["cpu:0"].state == "available" and devs["cpu:0"].last_check["status"] == "pass"
+    assert "idle check" in devs["cpu:1"].reason
