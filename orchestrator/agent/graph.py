@@ -179,7 +179,8 @@ class Agent:
                 job = self.store.submit(spec)
                 self.notify()
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status="queued", submitted_at=time.time())
-            self.tracker.set_tags(t["run_id"], {"autoresearch.job_id": job.id})
+            if t["run_id"]:
+                self.tracker.set_tags(t["run_id"], {"autoresearch.job_id": job.id})
             self._event("submitted", {**state, "trials": trials}, trial=t["n"], job=job.id, proposer=t["proposer"],
                         params=t["params"], rationale=t["rationale"])
         return {"trials": trials}

@@ -1,0 +1,220 @@
+"""Agent sessions end to end through the real queue service, real processes, real MLflow and SQLite.
+
+The experiment is `tests.agent.synthetic` (a noisy bowl logged over a few fast steps), so a session of a handful
+of trials takes seconds; `test_agent_digits.py` runs the real digits experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import runner
+from orchestrator.agent.session import Registry, SessionConfig
+from orchestrator.config import Settings
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.store import JobStore
+from tests.agent.fake_llm import FakeLLM, ok, sleep, status
+from tests.agent.synthetic import SPEC
+
+pytestmark = pytest.mark.slow
+EXP = "tests.agent.synthetic:SPEC"
+KEY = "sk-test-DO-NOT-LEAK-91ab7c"
+ROOT = Path(__file__).resolve().parents[2]
+INJECT = ["$(touch /tmp/pwned-by-llm)", "1; rm -rf ~", "`id`"]
+
+
+def config(**kw) -> SessionConfig:
+    base = dict(goal="minimise the synthetic loss", experiment=EXP, proposer="tpe", trials=6, parallel=2, poll=0.2)
+    return SessionConfig(**{**base, **kw})
+
+
+def session_jobs(home: Path, session: str):
+    return JobStore(Settings.load().db_url).list(owner=session)
+
+
+def llm_answer(body: dict) -> object:
+    x = random.uniform(-4, 4)
+    return ok({"proposals": [{"params": {"x": x, "y": -2.0, "kind": "b"}, "rationale": f"try x={x:.2f}"}]})
+
+
+def tracker_tag(run_id: str, tag: str) -> str:
+    from orchestrator.tracking import Tracker
+
+    return Tracker.from_settings(Settings.load()).client.get_run(run_id).data.tags[tag]
+
+
+def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, monkeypatch):
+    script = [
+        status(429), status(500), sleep(2.0, ok("{}")),                 # retried with backoff, then answered:
+        ok({"proposals": [{"params": {"x": 1.0, "y": -1.0, "kind": "b"}, "rationale": "near the centre"},
+                          {"params": {"x": 0.0, "y": 0.0, "kind": "a"}, "rationale": "the default"}]}),
+        ok("Sure! Here are some params: x=3"),                          # malformed JSON: re-asked,
+        ok({"proposals": [{"params": {"x": 50.0, "y": 0.0, "kind": "a"}}]}),   # out of range: re-asked,
+        ok({"proposals": [{"params": {"x": INJECT[0], "y": INJECT[1], "kind": INJECT[2]}}]}),  # -> sampler
+    ]
+    with FakeLLM(script, default=llm_answer) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        summary = runner.start(config(proposer="llm", trials=4, llm={"timeout": 1.0, "backoff": 0.01}),
+                               devices="cpu:2")
+    assert summary["trials"] == 4 and summary["winner"] is not None
+    jobs = session_jobs(home, summary["session"])
+    assert len(jobs) == 4
+    assert [t for t in ("llm", "llm", "tpe", "confirm")] == [
+        tracker_tag(j.mlflow_run_id, "autoresearch.proposer") for j in jobs]
+    for job in jobs:
+        assert SPEC.space.validate(job.params) == job.params
+        assert not any(s in json.dumps(job.params) + json.dumps(job.argv) for s in INJECT)
+    assert not Path("/tmp/pwned-by-llm").exists()
+    assert all(r["authorization"] == f"Bearer {KEY}" for r in fake.requests)
+    usage = summary["usage"]
+    assert usage["calls"] == 4 and usage["prompt_tokens"] > 0 and usage["retries"] == 3
+    assert usage["rejected"] == 3 and usage["fallbacks"] == 1
+    # Tokens and cost are on the session's MLflow run; rationales on the trials' runs.
+    from orchestrator.tracking import Tracker
+
+    tracker = Tracker.from_settings(Settings.load())
+    parent = tracker.client.get_run(summary["mlflow_run_id"])
+    assert parent.data.metrics["llm_prompt_tokens"] > 0 and "llm_cost_usd" in parent.data.metrics
+    first = tracker.client.get_run(jobs[0].mlflow_run_id)
+    assert first.data.tags["autoresearch.rationale"] == "near the centre"
+    assert first.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
+    # The key never reaches a file under the home: queue, MLflow, agent checkpoints, logs, artifacts.
+    leaks = [p for p in home.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+    assert leaks == []
+
+
+def test_hand_submitted_run_informs_the_sampler_and_the_leaderboard(home):
+    from orchestrator.service import Service
+
+    settings = Settings.load()
+    service = Service(settings, devices="cpu:2").start()
+    try:
+        store = JobStore(settings.db_url)
+        hand = store.submit(JobSpec(argv=SPEC.argv(), name="by-hand", experiment=SPEC.name, owner="ann",
+                                    params=SPEC.space.validate({"x": 1.5, "y": -2.0, "kind": "b"}),
+                                    cwd=str(ROOT)))
+        deadline = time.time() + 60
+        while store.get(hand.id).state != "SUCCEEDED" and time.time() < deadline:
+            time.sleep(0.2)
+        assert store.get(hand.id).state == "SUCCEEDED"
+
+        seen: list[list] = []
+
+        class Recording:
+            name = "tpe"
+
+            def __init__(self):
+                from orchestrator.agent.proposers.optuna_ import SamplerProposer
+                from orchestrator.agent.search import fixed_params, reduced
+
+                self.inner = SamplerProposer(reduced(SPEC, fixed_params(SPEC, {}, 0)), "tpe")
+
+            def propose(self, n, history):
+                seen.append(list(history))
+                return self.inner.propose(n, history)
+
+        summary = runner.start(config(trials=2, parallel=2, confirm_seeds=0), proposer=Recording())
+    finally:
+        service.stop()
+    first = seen[0]
+    assert any(o.state == "complete" and o.source == "by hand (ann)" and o.params["x"] == 1.5 for o in first)
+    board = runner.leaderboard(EXP)[0]
+    assert board["entries"][0]["sources"] == ["by hand (ann)"]  # the hand run sits at the optimum
+    assert {s for e in board["entries"] for s in e["sources"]} >= {"by hand (ann)", f"session {summary['session']}"}
+
+
+def test_target_stops_the_search_then_confirms_on_fresh_seeds(home):
+    summary = runner.start(config(trials=10, target=6.0, confirm_seeds=2), devices="cpu:2")
+    assert summary["stop_reason"] == "target reached"
+    jobs = session_jobs(home, summary["session"])
+    assert len(jobs) < 10
+    confirm = [j for j in jobs if j.params["seed"] != 0]
+    assert len(confirm) == 2 and summary["winner"]["n"] == 3 and summary["winner"]["spread"] is not None
+    assert all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
+
+
+def test_time_budget_is_honoured(home):
+    t0 = time.time()
+    summary = runner.start(config(trials=None, budget_minutes=0.2, confirm_seeds=0), devices="cpu:2")
+    assert summary["elapsed_s"] <= 12 + 1.5  # one poll and one monitor pass of slack
+    assert time.time() - t0 < 60
+    jobs = session_jobs(home, summary["session"])
+    assert jobs and all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from orchestrator.cli import main; main()", *args]
+
+
+def test_kill_9_then_resume_without_duplicates_or_overrun(home):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(_cli("start", "--goal", "g", "--experiment", EXP, "--trials", "5", "--parallel", "2",
+                                 "--devices", "cpu:2", "--confirm-seeds", "1", "--json"),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    store = JobStore(Settings.load().db_url)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        jobs = [j for j in store.list() if j.owner.startswith("s-")]
+        if len(jobs) >= 3:  # the first two finished, the third just queued
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the session submitted fewer than 3 trials in 90 s: " + proc.stderr.read().decode()[-2000:])
+    os.killpg(proc.pid, signal.SIGKILL)  # the session and its embedded service, mid-flight
+    proc.wait()
+    registry = Registry(Settings.load().home)
+    (row,) = registry.all()
+    assert row["status"] == "interrupted"
+    done = subprocess.run(_cli("resume", row["id"], "--devices", "cpu:2", "--json"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    jobs = store.list(owner=row["id"])
+    keys = [j.idempotency_key for j in jobs]
+    assert len(keys) == len(set(keys)) == 5  # exactly the budget: nothing twice, nothing extra
+    assert sorted(keys) == sorted(f"{row['id']}:{n}" for n in range(5))
+    assert summary["trials"] == 5 and registry.get(row["id"])["status"] == "finished"
+    # One MLflow child run per trial, even for trials whose run was made just before the kill.
+    from orchestrator.tracking import Tracker
+
+    tracker = Tracker.from_settings(Settings.load())
+    runs = tracker.client.search_runs([tracker.experiment_id(SPEC.name)], "tags.`autoresearch.kind` = 'trial'")
+    assert sorted(r.data.tags["autoresearch.key"] for r in runs) == sorted(keys)
+    again = subprocess.run(_cli("resume", row["id"]), cwd=ROOT, env=env, capture_output=True, text=True)
+    assert again.returncode == 2 and "already finished" in again.stderr
+
+
+def test_submit_after_a_crash_adopts_what_was_already_made(home):
+    """The submit node re-run after a crash: a run made but no job, and a job made but not checkpointed."""
+    from orchestrator.agent.graph import Agent
+    from orchestrator.tracking import Tracker
+
+    settings = Settings.load()
+    store, tracker = JobStore(settings.db_url), Tracker.from_settings(settings)
+    sid = "s-0000abcd"
+    agent = Agent(session_id=sid, config=config(), spec=SPEC, store=store, tracker=tracker, parallel=2,
+                  proposer=object())
+    parent = tracker.session_run(sid, SPEC.name, {})
+    a, b, fresh = (SPEC.space.validate({"x": x}) for x in (1.0, 2.0, 3.0))
+    run0 = tracker.trial_run(parent, SPEC.name, key=f"{sid}:0", name="t0", params=a)
+    job1 = store.submit(JobSpec(argv=["true"], owner=sid, experiment=SPEC.name, params=b, idempotency_key=f"{sid}:1"))
+    state = {"session": sid, "parent_run": parent, "phase": "search", "elapsed": 0.0,
+             "trials": [agent._record(0, "search", fresh, "tpe", ""), agent._record(1, "search", fresh, "tpe", "")]}
+    t0, t1 = agent.submit(state)["trials"]
+    assert t0["params"] == a and t0["run_id"] == run0 and store.get(t0["job_id"]).params == a
+    assert t1["params"] == b and t1["job_id"] == job1.id
+    again = agent.submit({**state, "trials": [dict(t0, status="proposed"), dict(t1, status="proposed")]})
+    assert [t["job_id"] for t in again["trials"]] == [t0["job_id"], job1.id]
+    assert len(store.list()) == 2

@@ -1,0 +1,112 @@
+"""Pure parts of the agent: ASHA rungs and decisions, the leaderboard's noise flag, the searched space, budgets."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments.registry import get
+from orchestrator.agent.search import confirm_seeds, fixed_params, full, reduced
+from orchestrator.agent.session import SessionConfig
+from orchestrator.agent.stopping import ASHA
+from orchestrator.errors import BadInput
+from orchestrator.tracking import best_so_far, leaderboard
+from tests.agent.synthetic import SPEC
+
+
+def test_rungs_follow_grace_times_eta_powers_below_the_budget():
+    assert ASHA(grace=1, eta=3, max_step=15).rungs() == [1, 3, 9]
+    assert ASHA.for_budget(300, "minimize").rungs() == [11, 33, 99]
+    assert ASHA(grace=2, eta=2, max_step=20).rungs() == [2, 4, 8]
+
+
+def test_rung_value_is_the_first_logged_at_or_past_the_rung():
+    asha = ASHA(grace=2, eta=3, max_step=30)
+    assert asha.rung_values([(1, 9.0), (3, 5.0), (5, 4.0), (7, 3.0)]) == {2: 5.0, 6: 3.0}
+
+
+def test_stop_outside_top_third_only_with_enough_peers():
+    asha = ASHA(grace=1, eta=3, max_step=15, direction="minimize")
+    trials = [{"rungs": {"1": v}, "judged": []} for v in (1.0, 2.0)]
+    assert [asha.judge(t, trials) for t in trials] == [None, None]  # two peers < eta: no decision yet
+    trials = [{"rungs": {"1": v}, "judged": []} for v in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)]
+    assert [asha.judge(t, trials) for t in trials] == [None, None, 1, 1, 1, 1]
+    assert asha.judge({"rungs": {"1": 6.0}, "judged": [1]}, trials) is None  # judged once per rung
+
+
+def test_maximize_keeps_the_largest():
+    asha = ASHA(grace=1, eta=3, max_step=15, direction="maximize")
+    trials = [{"rungs": {"1": v}} for v in (0.1, 0.9, 0.5)]
+    assert [asha.judge(t, trials) for t in trials] == [1, None, 1]
+
+
+def test_paused_trial_is_promoted_when_later_peers_did_worse():
+    asha = ASHA(grace=1, eta=3, max_step=15, direction="minimize")
+    paused = {"rungs": {"1": 2.0}, "stopped_at": 1}
+    early = [paused] + [{"rungs": {"1": v}} for v in (1.0, 1.5)]
+    assert asha.promotable([paused], early) == []
+    later = early + [{"rungs": {"1": v}} for v in (5.0, 6.0, 7.0, 8.0, 9.0, 10.0)]  # now in the top 3 of 9
+    assert asha.promotable([paused], later) == [paused]
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=3, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_at_least_the_top_fraction_always_continues(values):
+    asha = ASHA(grace=1, eta=3, max_step=15)
+    trials = [{"rungs": {"1": v}} for v in values]
+    kept = [t for t in trials if asha.judge(t, trials) is None]
+    assert len(kept) >= max(1, len(values) // 3)
+    assert min(values) in [t["rungs"]["1"] for t in kept]
+
+
+def test_leaderboard_pools_seeds_and_flags_a_lead_within_noise():
+    rows = [{"params": {"a": 1, "seed": s}, "value": v, "job_id": i, "source": "session s-1"}
+            for i, (s, v) in enumerate([(0, 0.90), (1, 0.80), (2, 0.85)])]
+    rows.append({"params": {"a": 2, "seed": 0}, "value": 0.84, "job_id": 9, "source": "by hand (ann)"})
+    board = leaderboard(rows, "maximize")
+    top = board["entries"][0]
+    assert top["params"] == {"a": 1} and top["n"] == 3 and top["mean"] == pytest.approx(0.85)
+    assert top["spread"] == pytest.approx(0.05)
+    assert board["lead_within_noise"] is True  # 0.85 vs 0.84 is inside a 0.05 spread
+    clear = leaderboard(rows[:3] + [{"params": {"a": 2}, "value": 0.5}], "maximize")
+    assert clear["lead_within_noise"] is False
+    single = leaderboard([{"params": {"a": 1}, "value": 1.0}, {"params": {"a": 2}, "value": 2.0}], "minimize")
+    assert single["entries"][0]["params"] == {"a": 1} and single["lead_within_noise"] is None
+
+
+def test_best_so_far_skips_failures():
+    assert best_so_far([3.0, None, 2.0, 4.0], "minimize") == [3.0, 3.0, 2.0, 2.0]
+    assert best_so_far([None, 0.5, 0.4], "maximize") == [None, 0.5, 0.5]
+
+
+def test_search_space_holds_seed_and_budget_fixed():
+    digits = get("digits")
+    fixed = fixed_params(digits, {"scale": "1", "arch": "mlp"}, seed=0)
+    assert fixed == {"epochs": 15, "seed": 0, "scale": 1, "arch": "mlp"}
+    searched = reduced(digits, fixed)
+    assert "seed" not in searched.space and "epochs" not in searched.space and "channels" not in searched.space
+    assert searched.space.dims["hidden"].when is None  # its condition is settled by the fixed arch
+    params = full(digits, searched.space.validate({}), fixed)
+    assert params["epochs"] == 15 and params["arch"] == "mlp"
+    with pytest.raises(BadInput):
+        fixed_params(digits, {"nope": 1}, seed=0)
+    with pytest.raises(BadInput):
+        fixed_params(digits, {"epochs": "many"}, seed=0)
+
+
+def test_confirm_seeds_are_fresh_and_stable():
+    seeds = confirm_seeds("s-1", 3, avoid=0)
+    assert len(set(seeds)) == 3 and 0 not in seeds and seeds == confirm_seeds("s-1", 3, avoid=0)
+
+
+def test_trial_budget_includes_the_confirmation_reruns():
+    assert SessionConfig(goal="g", experiment="x", trials=10).split() == (8, 2)
+    assert SessionConfig(goal="g", experiment="x", trials=4).split() == (3, 1)
+    assert SessionConfig(goal="g", experiment="x", trials=2).split() == (2, 0)
+    assert SessionConfig(goal="g", experiment="x").split() == (18, 2)  # no budget at all: 20 trials
+    assert SessionConfig(goal="g", experiment="x", budget_minutes=5).split() == (None, 2)
+    for bad in (dict(trials=0), dict(budget_minutes=-1), dict(parallel=0), dict(goal=" ")):
+        with pytest.raises(BadInput):
+            SessionConfig(**{"goal": "g", "experiment": "x", **bad})
+    assert SPEC.metric == "loss"
