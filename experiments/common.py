@@ -98,7 +98,13 @@ def setup_torch(device: Any, seed: int):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    torch.use_deterministic_algorithms(True)
+    # The public torch.use_deterministic_algorithms(True) also imports torch._inductor.config (seconds of
+    # import time on a small box) to configure compiled kernels, which these experiments never use.
+    set_deterministic = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_deterministic is not None:
+        set_deterministic(True)
+    else:
+        torch.use_deterministic_algorithms(True)
     return contextlib.nullcontext
 
 
@@ -120,3 +126,50 @@ def lr_at(step: int, total: int, peak: float, warmup: int, schedule: str, floor:
 def evenly_spaced(total: int, count: int) -> set[int]:
     """`count` step numbers spread over 1..total, always including the last one (for evals and progress)."""
     return {max(1, round(total * (i + 1) / count)) for i in range(count)}
+
+
+def distribute(model: Any, ctx: Any) -> Any:
+    """Wrap `model` in DistributedDataParallel when the job runs on several ranks (torchrun), else as is."""
+    if ctx.world_size <= 1:
+        return model
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = torch.device(ctx.device)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def loader_workers(device: Any) -> int:
+    """DataLoader worker processes: decoding runs beside the GPU there; on a small CPU box worker processes
+    would only compete with the training threads for the same cores, and the dataset's copy threads already
+    fetch ahead."""
+    return 2 if str(device).startswith("cuda") else 0
+
+
+def read_all(dataset: Any, decode: Callable[[str], Any]) -> list[Any]:
+    """Every file of a VolumeDataset, decoded, in file order, on every rank (no partitioning): for small
+    validation sets that each rank scores whole, so no all-reduce of metrics is needed."""
+    from runtime.data import warm
+
+    warm(dataset)  # parallel copies into the cache, then cheap sequential reads
+    out = []
+    for info in dataset.files:
+        with dataset.fetch(info) as pin:
+            out.append(decode(pin.path))
+    return out
+
+
+class WithCounters:
+    """A data loader plus a few loop counters (running train-loss sums), checkpointed together: TrainState
+    carries one `loader` object, and the counters must resume exactly too."""
+
+    def __init__(self, loader: Any, **counters: Any):
+        self.loader = loader
+        self.counters = dict(counters)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.counters.update(state["counters"])

@@ -1,8 +1,9 @@
 """Build the digits volume: scikit-learn's bundled 8x8 handwritten digits, one grayscale PNG per image.
 
 No network: `sklearn.datasets.load_digits` ships inside scikit-learn. The 1,797 images (pixel values 0-16)
-are scaled to 0-255 and written as files whose name carries the label, split by a seeded shuffle into
-1,437 train and 360 validation images (stratified, so every class is in both):
+are scaled to 0-255 and written as files whose name carries the label for people, and whose PNG text chunk
+`label` carries it for the training job (it reads a cached copy whose name is a hash). A seeded,
+stratified split gives 1,437 train and 360 validation images, every class in both:
 
     $AUTORESEARCH_HOME/volumes/digits/train/d0007-label3.png ... val/... MANIFEST.json
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from experiments.common import prepare_once
 
 NAME = "digits"
-VERSION = 1  # bump when the layout changes: old volumes are rebuilt
+VERSION = 2  # bump when the layout changes: old volumes are rebuilt
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0
 LABEL = re.compile(r"label(\d)\.png$")
@@ -37,6 +38,7 @@ def build(out: Path) -> dict:
     """Write train/ and val/ PNG files into the empty directory `out`; return facts for the manifest."""
     import numpy as np
     from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -48,7 +50,10 @@ def build(out: Path) -> dict:
     for split, ids in (("train", train_idx), ("val", val_idx)):
         (out / split).mkdir()
         for i in sorted(ids):
-            Image.fromarray(images[i]).save(out / split / f"d{i:04d}-label{digits.target[i]}.png")
+            info = PngInfo()
+            info.add_text("label", str(digits.target[i]))
+            name = f"d{i:04d}-label{digits.target[i]}.png"
+            Image.fromarray(images[i]).save(out / split / name, pnginfo=info)
     return {"train_images": int(len(train_idx)), "val_images": int(len(val_idx)), "size": [8, 8],
             "classes": 10}
 

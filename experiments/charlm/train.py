@@ -1,0 +1,168 @@
+"""Train the charlm byte-level GPT: one trial, resumable, metrics to MLflow.
+
+The queue runs it as `python -m experiments.charlm.train` with the trial's params in AUTORESEARCH_PARAMS
+(Contract 3). By hand, with the defaults or a few overrides:
+
+    AUTORESEARCH_PARAMS='{"max_steps": 50}' python -m experiments.charlm.train
+
+Data: every step reads the next training shard(s) from the volume through VolumeDataset and DataLoader
+(shuffled per epoch from the seed), and cuts `batch_size` random windows out of them at offsets drawn from
+(seed, step). The loader position, the RNG and the counters live in the checkpoint and the learning rate
+is a function of the step, so a trial stopped by SIGTERM and resumed finishes bitwise the same on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from experiments.charlm import prepare
+from experiments.charlm.model import GPT, GPTConfig
+from experiments.charlm.spec import SPEC
+from experiments.common import (WithCounters, distribute, evenly_spaced, loader_workers, lr_at, read_all,
+                                setup_torch)
+from runtime.checkpoint import CheckpointManager, TrainState
+from runtime.context import JobContext
+from runtime.data import VolumeDataset
+from runtime.loader import DataLoader
+
+EVALS = 10  # evaluations per trial, evenly spaced: the agent's early stopping reads val_loss at each
+EVAL_BYTES = 32 * 1024  # the same leading slice of the validation stream scores every trial
+EVAL_TOKENS = 16 * 1024  # positions per forward pass at eval (no backward, so memory allows more)
+KEEP_CHECKPOINTS = 2
+
+
+def read_shard(path: str) -> torch.Tensor:
+    """VolumeDataset transform: a shard file's bytes as a uint8 tensor."""
+    with open(path, "rb") as fh:
+        return torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
+
+
+def windows(shards: torch.Tensor, rows: int, block: int, seed: int, step: int) -> tuple[torch.Tensor, ...]:
+    """`rows` random (input, target) windows of `block` bytes from shards (k, shard_bytes). The offsets
+    come from a generator seeded by (seed, step), so no RNG state has to survive a preemption."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    which = torch.randint(shards.shape[0], (rows, 1), generator=g)
+    start = torch.randint(shards.shape[1] - block, (rows, 1), generator=g)
+    chunk = shards[which, start + torch.arange(block + 1)].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, rows: torch.Tensor, batch: int, autocast) -> float:
+    """Mean cross-entropy (nats per byte) over the fixed validation rows (n, block+1)."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        with autocast():
+            _, loss = model(chunk[:, :-1], chunk[:, 1:])
+        total += loss.item() * len(chunk)
+    model.train()
+    return total / len(rows)
+
+
+def main() -> None:
+    with JobContext.from_env() as ctx:
+        params = SPEC.validate(ctx.params)  # the CLI validated already; by hand this fills the defaults
+        train(ctx, params)
+
+
+def train(ctx: JobContext, p: dict) -> None:
+    # -- settings derived from the params ---------------------------------------------------------------
+    heads, block = p["heads"], p["block_size"]
+    width = math.ceil(p["width"] * p["scale"] / (2 * heads)) * (2 * heads)  # rope rotates channel pairs
+    batch = p["batch_size"] * p["scale"]  # sequences per step, per rank
+    tokens_per_step = batch * block * ctx.world_size
+    total = math.ceil(p["max_tokens"] / tokens_per_step) if p["max_tokens"] else p["max_steps"]
+    warmup = int(p["warmup"] * total)
+    eval_steps = evenly_spaced(total, EVALS)
+    device = torch.device(ctx.device)
+    autocast = setup_torch(device, p["seed"])
+
+    # -- data: training shards through the volume loader, a fixed validation slice in memory -----------
+    data_dir = prepare.ensure()
+    shards_per_step = math.ceil(batch * (block + 1) / prepare.SHARD_BYTES)
+    train_ds = VolumeDataset(data_dir, pattern="train-*.bin", seed=p["seed"], transform=read_shard)
+    # A private generator: the loader draws worker seeds from it, not from the global RNG dropout uses.
+    loader = DataLoader(train_ds, batch_size=shards_per_step, num_workers=loader_workers(device),
+                        generator=torch.Generator().manual_seed(p["seed"]))
+    val_stream = torch.cat(read_all(VolumeDataset(data_dir, pattern="val-*.bin", shuffle=False), read_shard))
+    n_rows = min(EVAL_BYTES, len(val_stream)) // (block + 1)
+    val_rows = val_stream[:n_rows * (block + 1)].view(n_rows, block + 1).long().to(device)
+    eval_batch = max(batch, EVAL_TOKENS // block)  # few, large forward passes: per-call overhead dominates
+
+    # -- model, optimizer, checkpoint -------------------------------------------------------------------
+    cfg = GPTConfig(block_size=block, layers=p["layers"], heads=heads, width=width, mlp_ratio=p["mlp_ratio"],
+                    activation=p["activation"], norm=p["norm"], positions=p["positions"],
+                    dropout=p["dropout"], tied=p["tied"])
+    model = GPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.param_groups(p["weight_decay"]), lr=p["lr"],
+                                  betas=(p["beta1"], p["beta2"]))
+    net = distribute(model, ctx)
+    stream = WithCounters(loader, loss_sum=0.0, loss_steps=0)
+    state = TrainState(net, optimizer, stream)
+    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS,
+                             interval_steps=max(1, total // 4))
+    step = ckpt.load_latest(state) or 0
+    if step == 0:
+        ctx.log_params({**p, "model_width": width, "model_params": model.num_params(), "total_steps": total})
+    print(f"charlm: {model.num_params():,} params, {total} steps of {tokens_per_step:,} tokens, "
+          f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    val_loss = None
+    t0 = time.perf_counter()
+    batches = iter(loader)
+    while step < total:
+        shards = next(batches, None)
+        if shards is None:  # end of an epoch: the loader has moved on to the next one
+            batches = iter(loader)
+            continue
+        x, y = windows(shards, batch, block, p["seed"], step)
+        lr = lr_at(step, total, p["lr"], warmup, p["schedule"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast():
+            _, loss = net(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if p["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), p["grad_clip"])
+        optimizer.step()
+        step += 1
+        state.step = step
+        stream.counters["loss_sum"] += loss.item()
+        stream.counters["loss_steps"] += 1
+
+        if step in eval_steps:
+            val_loss = evaluate(model, val_rows, eval_batch, autocast)
+            train_loss = stream.counters["loss_sum"] / stream.counters["loss_steps"]
+            stream.counters.update(loss_sum=0.0, loss_steps=0)
+            ctx.log_metrics({"train_loss": train_loss, "val_loss": val_loss, "val_bpb": val_loss / math.log(2),
+                             "lr": lr, "tokens": step * tokens_per_step}, step)
+            print(f"step {step}/{total}: train {train_loss:.4f} val {val_loss:.4f} "
+                  f"({val_loss / math.log(2):.3f} bpb) {time.perf_counter() - t0:.1f}s", flush=True)
+        ckpt.maybe_save(step, state)
+        ctx.heartbeat(step)
+        if ctx.should_stop():
+            ckpt.save_now(step, state)
+            print(f"charlm: stopped on request at step {step}; checkpoint saved", flush=True)
+            ckpt.close()
+            ctx.exit_preempted()
+
+    # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op ----------
+    ckpt.save_now(total, state)
+    ckpt.close()
+    if val_loss is None:  # resumed at the end: report the final metric again
+        val_loss = evaluate(model, val_rows, eval_batch, autocast)
+        ctx.log_metrics({"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}, total)
+    print(f"charlm: final val_loss {val_loss:.6f} ({val_loss / math.log(2):.4f} bits per byte)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,96 @@
+"""A few real training steps of each experiment, in process: the loss goes down, metrics reach MLflow,
+and every architecture switch builds and trains."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from experiments import registry  # noqa: E402
+from runtime.context import ContextConfig, JobContext  # noqa: E402
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """One AUTORESEARCH_HOME for the module: the MLflow store's schema and the data volumes cost seconds
+    to create, and these tests only add runs to them."""
+    root = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTORESEARCH_HOME", str(root))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        for var in ("AUTORESEARCH_VOLUMES", "AUTORESEARCH_DB_URL", "MLFLOW_RUN_ID"):
+            mp.delenv(var, raising=False)
+        yield root
+
+
+TINY_CHARLM = {"layers": 1, "heads": 2, "width": 32, "block_size": 32, "batch_size": 8, "lr": 0.01,
+               "max_steps": 30}
+
+
+def run_trial(name: str, params: dict, ckpt_dir, home):
+    """Train one trial in this process; return {metric: [values by step]} read back from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    module = __import__(f"experiments.{name}.train", fromlist=["train"])
+    spec = registry.get(name)
+    ctx = JobContext(job_id=None, attempt=0, params=params, checkpoint_dir=ckpt_dir,
+                     tracking_uri=f"sqlite:///{home / 'mlflow.db'}", config=ContextConfig(handle_signals=False))
+    try:
+        module.train(ctx, spec.validate(params))
+    finally:
+        ctx.close()
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    run = client.get_run(ctx.run_id)
+    return {key: [m.value for m in sorted(client.get_metric_history(ctx.run_id, key), key=lambda m: m.step)]
+            for key in run.data.metrics}, run.data.params
+
+
+def test_charlm_few_steps_lower_the_loss(home, tmp_path):
+    metrics, params = run_trial("charlm", TINY_CHARLM, tmp_path / "ckpt", home)
+    val = metrics["val_loss"]
+    assert len(val) == 10  # one value per eval: what early stopping reads
+    assert val[0] < 5.6  # below uniform over 256 bytes (ln 256 = 5.55) after the first eval
+    assert val[-1] < val[0] - 0.5, val
+    assert metrics["train_loss"][-1] < metrics["train_loss"][0]
+    assert metrics["val_bpb"][-1] == pytest.approx(val[-1] / 0.6931471805599453)
+    assert params["model_width"] == "32" and int(params["model_params"]) > 0
+
+
+def test_digits_few_epochs_learn(home, tmp_path):
+    metrics, _ = run_trial("digits", {"epochs": 3, "batch_size": 32}, tmp_path / "ckpt", home)
+    assert len(metrics["val_accuracy"]) == 3
+    assert metrics["val_loss"][-1] < metrics["val_loss"][0]
+    assert metrics["val_accuracy"][-1] > 0.8  # chance is 0.1
+
+
+@pytest.mark.parametrize("params", [
+    {"activation": "swiglu", "norm": "rmsnorm", "positions": "rope", "tied": False, "dropout": 0.1,
+     "schedule": "linear", "grad_clip": 0.0},
+    {"activation": "relu", "positions": "rope", "heads": 3, "width": 40, "schedule": "constant", "max_tokens": 2000},
+])
+def test_charlm_variants_train(home, tmp_path, params):
+    metrics, run_params = run_trial("charlm", {**TINY_CHARLM, "max_steps": 8, **params}, tmp_path / "ckpt", home)
+    assert metrics["val_loss"][-1] < 5.6
+    width = int(run_params["model_width"])
+    assert width % (2 * int(run_params["heads"])) == 0 and width >= int(run_params["width"])
+    if params.get("max_tokens"):
+        assert int(run_params["total_steps"]) == -(-2000 // (8 * 32))  # budget in tokens, rounded up to steps
+
+
+@pytest.mark.parametrize("params", [
+    {"arch": "cnn", "norm": "batchnorm", "activation": "gelu", "optimizer": "sgd", "lr": 0.05},
+    {"arch": "mlp", "norm": "layernorm", "activation": "silu", "depth": 1, "label_smoothing": 0.1,
+     "schedule": "constant"},
+    {"arch": "cnn", "norm": "layernorm", "activation": "tanh", "channels": 4, "batch_size": 359},
+])
+def test_digits_variants_train(home, tmp_path, params):
+    metrics, _ = run_trial("digits", {"epochs": 1, **params}, tmp_path / "ckpt", home)
+    assert 0.0 <= metrics["val_accuracy"][-1] <= 1.0 and metrics["val_loss"][-1] < 2.4
+
+
+def test_finished_trial_rerun_reports_same_metric(home, tmp_path):
+    # A job that finished but whose exit the service missed may be run again: it must not retrain.
+    first, _ = run_trial("digits", {"epochs": 1}, tmp_path / "ckpt", home)
+    again, _ = run_trial("digits", {"epochs": 1}, tmp_path / "ckpt", home)
+    assert again["val_accuracy"] == first["val_accuracy"]
+    assert "train_loss" not in again  # no training step ran the second time
