@@ -71,8 +71,9 @@ class Agent:
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
                             llm_options=config.llm)
         self.proposer = proposer
-        budget = next((int(self.fixed[k]) for k in spec.budget if k in self.fixed), None)
-        self.asha = ASHA.for_budget(budget, spec.direction, eta=config.eta)
+        # Rungs count progress reports (evaluations), not optimizer steps: trials with different batch sizes
+        # then meet at the same fraction of their budget (digits reports once per epoch).
+        self.asha = ASHA(grace=1, eta=config.eta, direction=spec.direction)
         self.progress_metric = spec.progress_metric or spec.metric
         self._tick = time.time()
 
@@ -207,7 +208,7 @@ class Agent:
                     history = self.tracker.history(t["run_id"], self.progress_metric)
                     if history:
                         t["last_step"] = history[-1][0]
-                    rungs = {str(k): v for k, v in self.asha.rung_values(history).items()}
+                    rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
                     if rungs.keys() - t["rungs"].keys():
                         t["rungs"] = rungs
                         changed = True
@@ -341,6 +342,14 @@ class Agent:
         except Exception as exc:  # a plot is not worth failing the session over
             self._event("warning", state, message=f"best-so-far plot failed: {exc}")
         return {"trials": trials, "phase": "done", "route": "end"}
+
+
+def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(report number, value) from (step, value): one report per distinct step (a resumed job may re-log one)."""
+    seen: dict[int, float] = {}
+    for step, value in history:
+        seen.setdefault(step, value)
+    return [(i + 1, seen[step]) for i, step in enumerate(sorted(seen))]
 
 
 def _project(obs: Observation, searched: Any) -> Observation:

@@ -26,7 +26,7 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
           proposer: Any = None) -> dict[str, Any]:
     """Run a new session to its end; returns its summary."""
     settings = settings or Settings.load()
-    check(config)
+    check(config, settings, devices)
     registry = Registry(settings.home)
     session_id = session_id or new_id()
     registry.create(session_id, config)
@@ -77,13 +77,20 @@ def load_spec(name: str) -> Any:
         raise BadInput(str(exc)) from None
 
 
-def check(config: SessionConfig) -> None:
-    """BadInput unless the experiment and proposer exist."""
+def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
+    """BadInput unless the experiment, proposer, fixed params and (with no service running) devices are valid."""
+    from orchestrator import devices as devspec
     from orchestrator.agent.proposers.base import NAMES
+    from orchestrator.agent.search import fixed_params, reduced
+    from orchestrator.service import Service
 
-    load_spec(config.experiment)
+    spec = load_spec(config.experiment)
     if config.proposer not in NAMES:
         raise BadInput(f"unknown proposer {config.proposer!r}; choose from {', '.join(NAMES)}")
+    reduced(spec, fixed_params(spec, config.fixed, config.seed))
+    settings = settings or Settings.load()
+    if not Service.running(settings):
+        devspec.parse(devices or settings.devices)  # an embedded service will need them
 
 
 def _run(session_id: str, config: SessionConfig, settings: Settings, registry: Registry, devices: str | None,

@@ -1,7 +1,8 @@
 """Asynchronous successive halving (ASHA) over intermediate MLflow metrics.
 
-Rungs sit at `grace * eta**k` steps of the experiment's progress metric, below the trial's full budget. When a
-trial first logs a step at or past a rung, the value it logged there is its rung value; once at least `eta`
+Rungs sit at `grace * eta**k` progress reports (the agent numbers a trial's evaluations 1, 2, 3, ...; digits
+reports once per epoch), below the trial's full budget when that is known. When a trial first reports at or
+past a rung, the value it reported there is its rung value; once at least `eta`
 trials have a value at that rung, a trial outside the top `1/eta` of them is stopped. Stopping is a pause: the
 agent demotes the job, so it checkpoints and waits in line, and `promotable` later picks paused trials that
 the rung has since come to rank in its top `1/eta` (later trials did worse), to resume from their checkpoint.

@@ -120,7 +120,7 @@ def start(
                            budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
                            model=model or Settings.load().llm_model, fixed=api.parse_params(param),
                            confirm_seeds=confirm_seeds, early_stopping=not no_early_stop)
-    runner.check(config)
+    runner.check(config, devices=devices)
     session_id = new_id()
     info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
     info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")

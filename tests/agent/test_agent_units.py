@@ -110,3 +110,9 @@ def test_trial_budget_includes_the_confirmation_reruns():
         with pytest.raises(BadInput):
             SessionConfig(**{"goal": "g", "experiment": "x", **bad})
     assert SPEC.metric == "loss"
+
+
+def test_reports_number_distinct_steps():
+    from orchestrator.agent.graph import reports
+
+    assert reports([(22, 0.5), (44, 0.7), (44, 0.7), (66, 0.8)]) == [(1, 0.5), (2, 0.7), (3, 0.8)]
