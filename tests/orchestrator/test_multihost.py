@@ -1,0 +1,178 @@
+"""Several services on one PostgreSQL queue: LISTEN/NOTIFY wake-ups, reaping a crashed host exactly once, and
+two real `autoresearch serve` processes (different homes and node names) sharing 200 jobs, one of them
+killed with SIGKILL mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from orchestrator import api
+from orchestrator.cluster import PgListener, reap_dead_hosts
+from orchestrator.executors.base import proc_start_time
+from orchestrator.executors.local import EXIT_FILE_VAR, WRAPPER
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import HOLDING
+from orchestrator.queue.store import JobStore
+from tests.orchestrator.helpers import kill_leftovers, wait_for
+
+
+def test_pg_listener_wakes_on_notify_and_survives_a_dropped_connection(pg_url):
+    store = JobStore(pg_url)
+    woken = threading.Event()
+    listener = PgListener(pg_url, woken.set)
+    try:
+        assert listener.connected.wait(10)
+        store.submit(JobSpec(argv=["true"]))
+        assert woken.wait(5), "no wake-up on NOTIFY"
+        woken.clear()
+        backend = listener._conn.get_backend_pid()
+        with store.engine.connect() as conn:  # kill the listener's backend, as a server restart would
+            from sqlalchemy import text
+
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": backend})
+        wait_for(lambda: not listener.connected.is_set() or woken.is_set(), timeout=40, what="the drop")
+        assert listener.connected.wait(20), "no reconnect"
+        woken.clear()
+        store.submit(JobSpec(argv=["true"]))
+        assert woken.wait(5), "no wake-up after reconnecting"
+    finally:
+        listener.close()
+
+
+def _dead_host(store: JobStore, host: str, home: Path) -> None:
+    store.heartbeat(host, 999999, str(home), ["cpu:0", "cpu:1", "cpu:2"], time.time() - 60)
+    from sqlmodel import Session
+
+    from orchestrator.queue.models import ServiceRecord
+
+    with Session(store.engine) as session:  # its last heartbeat was a minute ago
+        rec = session.get(ServiceRecord, host)
+        rec.heartbeat_at = time.time() - 60
+        session.add(rec)
+        session.commit()
+
+
+def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
+    store = JobStore(pg_url)
+    dead_home = tmp_path / "dead"
+    (dead_home / "run").mkdir(parents=True)
+    _dead_host(store, "dead", dead_home)
+    ids = [store.submit(JobSpec(argv=["x"], track=False)).id for _ in range(3)]
+    store.claim([(ids[0], ["cpu:0"]), (ids[1], ["cpu:1"]), (ids[2], ["cpu:2"])], "dead")
+    # ids[0]: ended on its own with exit 0 while its service was dead (its wrapper recorded the code).
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    store.mark_running(ids[0], gone.pid, None, "dead")
+    (dead_home / "run" / f"{ids[0]}.1.exit").write_text("0")
+    # ids[1]: no trace here (another machine went down): requeued.
+    store.mark_running(ids[1], gone.pid, None, "dead")
+    # ids[2]: still running on this machine: stopped first (SIGTERM), settled once it is gone.
+    env = dict(os.environ, **{EXIT_FILE_VAR: str(dead_home / "run" / f"{ids[2]}.1.exit")})
+    orphan = subprocess.Popen(["/bin/sh", "-c", WRAPPER, "autoresearch-job", str(tmp_path), "sleep", "60"],
+                              env=env, start_new_session=True)
+    try:
+        store.mark_running(ids[2], orphan.pid, proc_start_time(orphan.pid), "dead")
+        results: list = []
+        reapers = [threading.Thread(target=lambda: results.extend(reap_dead_hosts(store, f"live{i}", 10)))
+                   for i in range(4)]
+        for t in reapers:
+            t.start()
+        for t in reapers:
+            t.join()
+        assert sorted(j.id for j in results) == ids[:2]  # each settled by one reaper only
+        assert store.get(ids[0]).state == "SUCCEEDED"
+        assert store.get(ids[1]).state == "QUEUED" and "host dead lost" in store.get(ids[1]).reason
+        assert store.get(ids[2]).state == "RUNNING"  # not requeued while its process lives
+        assert orphan.wait(timeout=10) == 143  # it got SIGTERM
+        assert [j.id for j in reap_dead_hosts(store, "live0", 10)] == [ids[2]]
+        job = store.get(ids[2])
+        assert job.state == "QUEUED" and job.attempts == 1 and job.failures == 0  # no attempt spent
+        assert reap_dead_hosts(store, "live0", 10) == []
+        assert [s.host for s in store.services()] == []  # the dead host's row is gone once settled
+        for job_id in ids:
+            assert sum(e.reason.startswith("host dead lost") or "recorded after host dead lost" in e.reason
+                       for e in store.events(job_id)) == 1
+    finally:
+        if orphan.poll() is None:
+            os.killpg(orphan.pid, signal.SIGKILL)
+
+
+def _serve(home: Path, node: str, db_url: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_DB_URL=db_url, AUTORESEARCH_NODE=node,
+               TEST_HOST=node, MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
+    home.mkdir(parents=True, exist_ok=True)
+    exe = Path(sys.executable).with_name("autoresearch")
+    return subprocess.Popen([str(exe), "serve", "--devices", "cpu:4", "--preempt-after", "0"], env=env,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_two_hosts_share_200_jobs_and_survive_kill_9(pg_url, tmp_path, home):
+    store = JobStore(pg_url)
+    out = tmp_path / "ran.txt"
+    line = f'echo "$AUTORESEARCH_JOB_ID $TEST_HOST" >> {out}'
+    services: dict[str, subprocess.Popen] = {}
+    try:
+        services["A"] = _serve(tmp_path / "homeA", "A", pg_url, tmp_path / "A.log")
+        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A"}, timeout=60, what="host A")
+        # Two long jobs land on A first (only A runs); killed with A, they must finish on B.
+        long_ids = [api.submit(JobSpec(argv=["sh", "-c", f'[ "$AUTORESEARCH_ATTEMPT" = 1 ] && sleep 300; {line}'],
+                                       priority=20, track=False), store=store)[0].id for _ in range(2)]
+        wait_for(lambda: all(store.get(j).state == "RUNNING" for j in long_ids), timeout=30)
+        long_pids = [store.get(j).pid for j in long_ids]
+        services["B"] = _serve(tmp_path / "homeB", "B", pg_url, tmp_path / "B.log")
+        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A", "B"}, timeout=60, what="host B")
+        short = JobSpec(argv=["sh", "-c", f"sleep 0.2; {line}"], track=False)
+        short_ids = [api.submit(short, store=store)[0].id for _ in range(200)]
+
+        def ran_on(host):
+            return sum(1 for ln in out.read_text().splitlines() if ln.endswith(f" {host}")) if out.exists() else 0
+
+        wait_for(lambda: ran_on("A") >= 15 and ran_on("B") >= 15, timeout=60, what="both hosts to run jobs")
+        services["A"].send_signal(signal.SIGKILL)
+        services["A"].wait()
+        # A's orphans live on until B reaps A (heartbeat stale for 10 s): no job runs twice meanwhile.
+        assert all(store.get(j).state == "RUNNING" and store.get(j).host == "A" for j in long_ids)
+        every = long_ids + short_ids
+        wait_for(lambda: store.count_in("SUCCEEDED") == len(every), timeout=150, interval=0.5,
+                 what="every job to succeed")
+        counts = Counter(int(ln.split()[0]) for ln in out.read_text().splitlines())
+        twice = {j: [(round(e.at, 2), e.src, e.dst, e.reason, e.host) for e in store.events(j)]
+                 for j, n in counts.items() if n > 1}
+        assert not twice, f"ran more than once: {twice} {[ln for ln in out.read_text().splitlines() if int(ln.split()[0]) in twice]}"
+        assert sorted(counts) == sorted(every)  # each ran exactly once
+        for job_id, pid in zip(long_ids, long_pids):
+            job = store.get(job_id)
+            assert job.host == "B" and job.attempts == 2 and job.failures == 0
+            assert any("host A lost" in e.reason for e in store.events(job_id))
+            assert not os.path.exists(f"/proc/{pid}")  # the orphan was stopped before the job ran again
+        assert {s.host for s in store.services()} == {"B"}
+    finally:
+        for proc in services.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        kill_leftovers(store)
+        store.close()
+
+
+def test_reaper_on_sqlite(tmp_path):
+    """The reaper also works on SQLite (services of one machine sharing a file): a lease elects one."""
+    store = JobStore(f"sqlite:///{tmp_path / 'q.db'}")
+    _dead_host(store, "dead", tmp_path)
+    job_id = store.submit(JobSpec(argv=["x"], track=False)).id
+    store.claim([(job_id, ["cpu:0"])], "dead")
+    assert [j.id for j in reap_dead_hosts(store, "live", 10)] == [job_id]
+    assert store.get(job_id).state == "QUEUED" and reap_dead_hosts(store, "live", 10) == []
+    assert not [j for j in store.list(HOLDING)]
