@@ -48,7 +48,7 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     if spec.cwd is None:
         spec = replace(spec, cwd=os.getcwd())
     services = live_services(store)
-    if services:
+    if services and spec.gpus > 1:
         most = max(len(s.devices) for s in services)
         if spec.gpus > most:
             raise BadInput(f"--gpus {spec.gpus} is more than any running service has (at most {most})")

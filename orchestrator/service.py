@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -79,6 +80,7 @@ class Service:
         self._dispatcher: Optional[threading.Thread] = None
         self._started_at = time.time()
         self._base_env = dict(os.environ)
+        self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
         self.health = Health(health or HealthConfig.from_env(), paths=[self.home / "checkpoints"])
         self.recheck_every = self.health.config.recheck_every or 600.0
         self._tracking_lock = threading.Lock()
@@ -186,6 +188,7 @@ class Service:
             self._listener.close()
         if getattr(self, "_pg_listener", None) is not None:
             self._pg_listener.close()
+        self._spawner.shutdown(wait=True)
         if self.executor is not None:
             self.executor.close()
         try:
@@ -266,24 +269,35 @@ class Service:
     def _start_jobs(self, starts) -> None:
         claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.home / "checkpoints"),
                                    log_root=str(self.home / "logs"))
-        launched = []
+        ready = []
         for job in claimed:
             try:
                 if job.track and not job.mlflow_run_id:
                     job.mlflow_run_id = self._tracking().ensure_job_run(job)
                     self.store.set_run_id(job.id, job.mlflow_run_id)
-                if not self._preflight_ok(job):
-                    continue
-                env = job_env(job, base=self._base_env, home=str(self.home),
-                              tracking_uri=self.settings.tracking_uri,
-                              heartbeat_file=str(self.home / "run" / f"{job.id}.heartbeat"))
-                started = self.executor.launch(job, env)
+                if self._preflight_ok(job):
+                    ready.append(job)
             except Exception as exc:
-                log.exception("could not start job %s", job.id)
+                log.exception("could not prepare job %s", job.id)
                 self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")
-                continue
-            launched.append((job.id, started.pid, started.proc_start))
+        # Spawning waits on the kernel (vfork + exec) with the GIL released: several at once overlap.
+        outcomes = list(self._spawner.map(self._launch, ready)) if len(ready) > 1 else [self._launch(j) for j in ready]
+        launched = []
+        for job, outcome in zip(ready, outcomes):
+            if isinstance(outcome, Exception):
+                self.store.finish(job.id, 127, self.host, detail=f"could not start: {outcome}")
+            else:
+                launched.append((job.id, outcome.pid, outcome.proc_start))
         self.store.mark_running_many(launched, self.host)
+
+    def _launch(self, job: Job):
+        try:
+            env = job_env(job, base=self._base_env, home=str(self.home), tracking_uri=self.settings.tracking_uri,
+                          heartbeat_file=str(self.home / "run" / f"{job.id}.heartbeat"))
+            return self.executor.launch(job, env)
+        except Exception as exc:  # reported by the caller as a failed start
+            log.exception("could not start job %s", job.id)
+            return exc
 
     def _warm_tracking(self) -> None:
         try:

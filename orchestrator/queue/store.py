@@ -101,6 +101,13 @@ class JobStore:
             with session.begin():
                 yield session
 
+    def _lock_many(self, session: Session, job_ids: Sequence[int]) -> dict[int, Job]:
+        """Load (and on PostgreSQL row-lock) several jobs in one query: batches stay one round trip."""
+        stmt = select(Job).where(Job.id.in_(list(job_ids)))
+        if self.is_postgres:
+            stmt = stmt.with_for_update()
+        return {job.id: job for job in session.exec(stmt)}
+
     def _lock(self, session: Session, job_id: int) -> Job:
         stmt = select(Job).where(Job.id == job_id)
         if self.is_postgres:
@@ -261,9 +268,10 @@ class JobStore:
         out: list[Job] = []
         if not launched:
             return out
-        with self._tx() as session:
+        with self._tx() as session, session.no_autoflush:
+            rows = self._lock_many(session, [job_id for job_id, _, _ in launched])
             for job_id, pid, proc_start in launched:
-                job = self._lock(session, job_id)
+                job = rows[job_id]
                 if job.job_state is not S.STARTING:
                     job.pid, job.proc_start = pid, proc_start
                     session.add(job)
@@ -326,10 +334,11 @@ class JobStore:
         out = []
         if not results:
             return out
-        with self._tx() as session:
+        with self._tx() as session, session.no_autoflush:
+            rows = self._lock_many(session, [r[0] for r in results])
             for job_id, attempt, code, detail in results:
-                job = self._lock(session, job_id)
-                if job.attempts != attempt or job.job_state not in HOLDING or (host and job.host != host):
+                job = rows.get(job_id)
+                if job is None or job.attempts != attempt or job.job_state not in HOLDING or (host and job.host != host):
                     continue
                 out.append(self._finish(session, job, code, host, now, detail))
         return out
