@@ -101,6 +101,11 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
     store = api.open_store()
     job = store.get(job_id)
     path = job.log_path
+    if (not path or not os.path.exists(path)) and (job.proc_start or "").startswith("ray:"):
+        from orchestrator.executors.ray import stream_logs  # ran on a Ray cluster; its log file is elsewhere
+
+        stream_logs(job, sys.stdout.buffer, follow=follow)
+        return
     if follow:
         while not path or not os.path.exists(path):
             if job.job_state.finished:

@@ -230,13 +230,18 @@ class RayExecutor:
     def close(self) -> None:
         self._closed = True
 
-        def cancel_all() -> None:
-            for watch in self._watches.values():
-                if watch.task is not None:
-                    watch.task.cancel()
-            self._loop.call_soon(self._loop.stop)
+        async def shutdown() -> None:
+            # Cancel the watchers and their log tails and let them unwind (closing their HTTP sessions).
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-        self._loop.call_soon_threadsafe(cancel_all)
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        except Exception as exc:
+            log.debug("ray executor shutdown: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
     # ---- logs -------------------------------------------------------------------------------------------

@@ -211,8 +211,12 @@ def test_adoption_after_service_restart(start_service):
     assert job.attempts == 1 and log_of(again, long_id).count("done") == 1
 
 
-def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path):
+def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path, monkeypatch):
     from orchestrator.service import Service
+
+    # The service's local device preflight cannot check GPUs on other nodes (it reads `ray:N` as a local
+    # index); this test is about Ray's placement, so it runs without it.
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
 
     settings = Settings.load(devices="auto", executor="ray")
     settings.extra["ray_address"] = ray_head
@@ -224,6 +228,13 @@ def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path):
                               track=False)) for _ in range(2)]
         wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in ids), timeout=60)
         assert sorted(out.read_text().split()) == ["0", "1"]  # Ray assigned one logical GPU to each
+        # `autoresearch logs` on a host without the mirrored log file reads the output from Ray.
+        job = service.store.get(ids[0])
+        assert "exit code 0" in Path(job.log_path).read_text()
+        os.unlink(job.log_path)
+        cli = Path(sys.executable).with_name("autoresearch")
+        shown = subprocess.run([str(cli), "logs", str(ids[0])], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "=== autoresearch: exit code 0" in shown.stdout, shown.stderr
     finally:
         service.stop()
 
