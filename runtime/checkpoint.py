@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoint_io import METADATA, SnapshotStager, VolumeReader, VolumeWriter
+from runtime.checkpoint_io import METADATA, SnapshotStager, VolumeReader, VolumeWriter, sweep_stage
 from runtime.errors import CheckpointError
 
 __all__ = ["CheckpointConfig", "CheckpointManager", "TrainState", "VolumeReader", "VolumeWriter"]
@@ -155,6 +155,7 @@ class CheckpointManager:
         # A group of our own: the upload thread's collectives must not interleave with the loop's.
         self._pg = dist.new_group(backend="gloo") if distributed else None
         self._stager = SnapshotStager()
+        sweep_stage(Path(stage_dir) if stage_dir else None)
         self._inflight: Future | None = None  # the save in flight: done once committed and retention ran
         self._hooks: dict[int, Any] = {}
         self.stats = {"saves": 0, "blocked_s": 0.0, "staging_wait_s": 0.0, "last_call_s": 0.0}
@@ -210,7 +211,7 @@ class CheckpointManager:
             return True
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight: its upload owns the staging buffers
-        if (self.path_for(step) / METADATA).exists():
+        if self._agree((self.path_for(step) / METADATA).exists()):
             return False
         sd = _as_dict(state)
         self._guard(sd)
@@ -236,7 +237,7 @@ class CheckpointManager:
         """Save `step` synchronously (for preemption: returns once the checkpoint is committed)."""
         t0 = time.perf_counter()
         self.wait()
-        if not (self.path_for(step) / METADATA).exists():
+        if not self._agree((self.path_for(step) / METADATA).exists()):
             dcp.save(_as_dict(state), process_group=self._pg, no_dist=self._pg is None,
                      storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step))
             self._retain()
@@ -247,6 +248,11 @@ class CheckpointManager:
         self.stats["saves"] += 1
         self.stats["blocked_s"] += dt
         self.stats["last_call_s"] = dt
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save was started and is not committed yet."""
+        return self._inflight is not None and not self._inflight.done()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise CheckpointError if it failed."""

@@ -56,6 +56,21 @@ def default_stage_root() -> Path:
     return Path(os.environ.get("AUTORESEARCH_CKPT_STAGE") or tempfile.gettempdir()) / "autoresearch-ckpt-stage"
 
 
+def sweep_stage(root: Path | None = None) -> None:
+    """Remove staging dirs left by processes that died mid-save (their names carry the writer's pid)."""
+    root = root or default_stage_root()
+    for entry in root.iterdir() if root.is_dir() else ():
+        parts = entry.name.rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def _same_filesystem(a: Path, b: Path) -> bool:
     try:
         return a.stat().st_dev == b.stat().st_dev

@@ -246,3 +246,16 @@ def test_config_is_validated():
         CheckpointConfig(keep_last=0)
     with pytest.raises(ValueError):
         CheckpointConfig(interval_steps=0)
+
+
+def test_load_latest_through_a_slow_fuse_volume(tmp_path, slow_volume):
+    src = tmp_path / "ck"
+    mgr = CheckpointManager(src, keep_last=2, interval_steps=2)
+    state = _state()
+    _train(state, 4, mgr)
+    (mgr.path_for(6)).mkdir()  # a torn newer attempt on the volume
+    saved = {k: v.clone() for k, v in state.model.state_dict().items()}
+    vol = slow_volume(src, open_latency=0.01)
+    fresh = _state()
+    assert CheckpointManager(vol.mountpoint).load_latest(fresh) == 4
+    assert all(torch.equal(saved[k], v) for k, v in fresh.model.state_dict().items())
