@@ -60,6 +60,9 @@ class Agent:
         self.store = store
         self.tracker = tracker
         self.parallel = parallel
+        # One proposal more than there are devices waits in the queue: a freed device starts the next trial at
+        # once (no round trip through the agent), and a demoted trial (lower priority) never slips into it.
+        self.capacity = parallel + 1
         self.notify = notify
         self.on_event = on_event
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
@@ -113,7 +116,7 @@ class Agent:
         """Fill free slots: promoted paused trials first, then new proposals (search) or re-runs (confirm)."""
         self._elapsed(state)
         trials = [dict(t) for t in state["trials"]]
-        free = self.parallel - sum(1 for t in trials if t["status"] in ACTIVE)
+        free = self.capacity - sum(1 for t in trials if t["status"] in ACTIVE)
         search_max, n_confirm = self.cfg.split()
         if state["phase"] == "search" and free > 0:
             if self.cfg.early_stopping:
@@ -309,9 +312,9 @@ class Agent:
         active = [t for t in trials if t["status"] in ACTIVE]
         if phase == "done":
             route = "finish"
-        elif phase == "confirm" and not any(t["phase"] == "confirm" for t in trials) and len(active) < self.parallel:
+        elif phase == "confirm" and not any(t["phase"] == "confirm" for t in trials) and len(active) < self.capacity:
             route = "propose"
-        elif phase == "search" and len(active) < self.parallel and (
+        elif phase == "search" and len(active) < self.capacity and (
                 search_max is None or sum(t["phase"] == "search" for t in trials) < search_max
                 or any(t["status"] == "paused" for t in trials)):
             route = "propose"

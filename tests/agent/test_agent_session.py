@@ -54,22 +54,21 @@ def tracker_tag(run_id: str, tag: str) -> str:
 
 def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, monkeypatch):
     script = [
-        status(429), status(500), sleep(2.0, ok("{}")),                 # retried with backoff, then answered:
-        ok({"proposals": [{"params": {"x": 1.0, "y": -1.0, "kind": "b"}, "rationale": "near the centre"},
-                          {"params": {"x": 0.0, "y": 0.0, "kind": "a"}, "rationale": "the default"}]}),
-        ok("Sure! Here are some params: x=3"),                          # malformed JSON: re-asked,
+        status(429), status(500), sleep(6.0, ok("{}")),                 # retried with backoff, then answered:
+        ok({"proposals": [{"params": {"x": 1.0, "y": -1.0, "kind": "b"}, "rationale": "near the centre"}]}),
+        ok("Sure! Here are some params: x=3"),                          # 2 short; malformed JSON: re-asked,
         ok({"proposals": [{"params": {"x": 50.0, "y": 0.0, "kind": "a"}}]}),   # out of range: re-asked,
-        ok({"proposals": [{"params": {"x": INJECT[0], "y": INJECT[1], "kind": INJECT[2]}}]}),  # -> sampler
+        ok({"proposals": [{"params": {"x": INJECT[0], "y": INJECT[1], "kind": INJECT[2]}}]}),  # re-asks used up: the sampler fills 2
     ]
     with FakeLLM(script, default=llm_answer) as fake:
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
         monkeypatch.setenv("OPENAI_API_KEY", KEY)
-        summary = runner.start(config(proposer="llm", trials=4, llm={"timeout": 1.0, "backoff": 0.01}),
-                               devices="cpu:2")
+        llm = {"timeout": 3.0, "backoff": 0.01, "max_reasks": 3}
+        summary = runner.start(config(proposer="llm", trials=4, llm=llm), devices="cpu:2")
     assert summary["trials"] == 4 and summary["winner"] is not None
     jobs = session_jobs(home, summary["session"])
     assert len(jobs) == 4
-    assert [t for t in ("llm", "llm", "tpe", "confirm")] == [
+    assert ["llm", "tpe", "tpe", "confirm"] == [
         tracker_tag(j.mlflow_run_id, "autoresearch.proposer") for j in jobs]
     for job in jobs:
         assert SPEC.space.validate(job.params) == job.params
@@ -77,8 +76,8 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
     assert not Path("/tmp/pwned-by-llm").exists()
     assert all(r["authorization"] == f"Bearer {KEY}" for r in fake.requests)
     usage = summary["usage"]
-    assert usage["calls"] == 4 and usage["prompt_tokens"] > 0 and usage["retries"] == 3
-    assert usage["rejected"] == 3 and usage["fallbacks"] == 1
+    assert usage["calls"] == 4 and usage["prompt_tokens"] > 0 and usage["retries"] >= 3  # more if the box is slow
+    assert usage["rejected"] == 3 and usage["fallbacks"] == 2
     # Tokens and cost are on the session's MLflow run; rationales on the trials' runs.
     from orchestrator.tracking import Tracker
 
@@ -166,12 +165,12 @@ def test_kill_9_then_resume_without_duplicates_or_overrun(home):
     deadline = time.time() + 90
     while time.time() < deadline:
         jobs = [j for j in store.list() if j.owner.startswith("s-")]
-        if len(jobs) >= 3:  # the first two finished, the third just queued
+        if len(jobs) >= 4:  # three went in at once (2 devices + 1 waiting); the 4th after a trial finished
             break
         time.sleep(0.1)
     else:
         proc.kill()
-        pytest.fail("the session submitted fewer than 3 trials in 90 s: " + proc.stderr.read().decode()[-2000:])
+        pytest.fail("the session submitted fewer than 4 trials in 90 s: " + proc.stderr.read().decode()[-2000:])
     os.killpg(proc.pid, signal.SIGKILL)  # the session and its embedded service, mid-flight
     proc.wait()
     registry = Registry(Settings.load().home)

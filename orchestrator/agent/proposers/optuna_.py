@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class SamplerProposer:
     """`tpe`, `cmaes` or `random` proposals for one experiment."""
 
-    def __init__(self, spec: ExperimentSpec, kind: str = "tpe", *, seed: int = 0, n_startup_trials: int = 8):
+    def __init__(self, spec: ExperimentSpec, kind: str = "tpe", *, seed: int = 0, n_startup_trials: int = 5):
         if kind not in ("tpe", "cmaes", "random"):
             raise ValueError(f"unknown sampler {kind!r}")
         self.spec = spec
@@ -31,6 +31,7 @@ class SamplerProposer:
         self.n_startup_trials = n_startup_trials
 
     def _sampler(self, n_seen: int) -> Any:
+        # 5 random start-up points rather than Optuna's 10: sessions here run tens of trials, not hundreds.
         import optuna
 
         # A different seed per history length: the same history gives the same proposals (reproducible runs),

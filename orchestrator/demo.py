@@ -1,0 +1,57 @@
+"""`make demo`: one research-agent session on the bundled digits experiment, on 2 CPU slots, then the leaderboard.
+
+    python -m orchestrator.demo [--trials 12] [--minutes 4] [--devices cpu:2]
+
+Uses the LLM proposer when `OPENAI_BASE_URL`/`OPENAI_API_KEY` are set, Optuna TPE otherwise. Trials train for
+6 epochs at scale 1 (seconds each on a laptop core); ASHA stops weak ones after their first epochs, and the best
+configuration is re-run on two fresh seeds before it is called the winner. Everything lands in
+`AUTORESEARCH_HOME` (default ~/.autoresearch): browse it with `autoresearch ui`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo session and print its leaderboard; the exit code says whether it worked."""
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=12, help="jobs in all, re-runs included (default 12)")
+    parser.add_argument("--minutes", type=float, default=4.0, help="time budget (default 4)")
+    parser.add_argument("--devices", default="cpu:2", help="devices of the embedded service (default cpu:2)")
+    args = parser.parse_args(argv)
+
+    from orchestrator.agent import runner
+    from orchestrator.agent.proposers.base import default_name
+    from orchestrator.agent.session import SessionConfig, new_id
+    from orchestrator.cli.agent import _print_summary, _proposer_note, progress, show
+    from orchestrator.config import Settings
+    from orchestrator.errors import BadInput
+
+    settings = Settings.load()
+    proposer = default_name()
+    config = SessionConfig(goal="Maximise validation accuracy on handwritten digits with a small, fast model.",
+                           experiment="digits", proposer=proposer, trials=args.trials,
+                           budget_minutes=args.minutes, fixed={"epochs": 6, "scale": 1}, model=settings.llm_model)
+    try:
+        runner.check(config, settings, args.devices)
+    except BadInput as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    session_id = new_id()
+    print(f"autoresearch demo: session {session_id} on digits, {args.trials} trials or {args.minutes:g} minutes "
+          f"on {args.devices}; {_proposer_note(proposer)}", flush=True)
+    print(f"home: {settings.home}", flush=True)
+    summary = runner.start(config, settings=settings, session_id=session_id, devices=args.devices,
+                           on_event=progress)
+    print()
+    _print_summary(summary)
+    print()
+    show(runner.leaderboard("digits", settings), top=8)
+    print(f"\nbrowse the runs: autoresearch ui   (MLflow on {settings.tracking_uri})")
+    return 0 if summary.get("winner") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
