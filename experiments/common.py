@@ -98,6 +98,12 @@ def setup_torch(device: Any, seed: int):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    # One intra-op thread per CPU job unless OMP_NUM_THREADS says otherwise: `serve --devices cpu:N` runs
+    # N jobs side by side on the same cores, and torch's default of a thread per core then oversubscribes
+    # them; OpenMP's spinning barriers make that up to 10x slower than one thread each. A fixed count also
+    # keeps float reductions in the same order on every attempt of a trial.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     # The public torch.use_deterministic_algorithms(True) also imports torch._inductor.config (seconds of
     # import time on a small box) to configure compiled kernels, which these experiments never use.
     set_deterministic = getattr(torch._C, "_set_deterministic_algorithms", None)

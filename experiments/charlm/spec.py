@@ -23,7 +23,7 @@ SPACE = SearchSpace({
     "positions": Categorical(("learned", "rope"), default="learned"),
     "dropout": Float(0.0, 0.5, default=0.0),
     "tied": Categorical((True, False), default=True, help="share the input embedding and the output head"),
-    "block_size": Int(16, 2048, log=True, default=128, help="context length in bytes"),
+    "block_size": Int(16, 2048, log=True, default=64, help="context length in bytes"),
     # optimisation
     "lr": Float(1e-4, 3e-2, log=True, default=3e-3, help="peak AdamW learning rate"),
     "warmup": Float(0.0, 0.5, default=0.05, help="linear warmup, as a fraction of the step budget"),
