@@ -287,8 +287,9 @@ class Agent:
             exhausted = search_max is not None and n_search >= search_max
             reserve = 0.0
             if n_confirm and self.cfg.budget_minutes:
+                # Room for one more round: the slowest finished trial, with a margin for a busy machine.
                 took = [t["device_s"] for t in trials if t["status"] == "succeeded"]
-                reserve = 1.25 * (sum(took) / len(took)) if took else 0.0
+                reserve = 1.25 * max(took) if took else 0.0
             late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
             if hit or late or (exhausted and not active):
                 reason = ("target reached" if hit else "time budget reached" if self._time_up(state)

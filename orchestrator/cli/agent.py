@@ -199,17 +199,20 @@ def show(boards: list[dict], top: int = 10) -> None:
 def ui(
     port: int = typer.Option(5000, "--port"),
     host: str = typer.Option("127.0.0.1", "--host"),
+    workers: int = typer.Option(1, "--workers", help="Server worker processes (one serves a person well)."),
 ) -> None:
     """The MLflow UI on this home's tracking store (a real `mlflow server`; Ctrl-C stops it)."""
     from orchestrator.config import Settings
 
     if not 0 < port < 65536:
         raise BadInput(f"--port must be in 1..65535, got {port}")
+    if workers < 1:
+        raise BadInput(f"--workers must be >= 1, got {workers}")
     settings = Settings.load()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", settings.tracking_uri,
             "--default-artifact-root", settings.artifacts_dir.as_uri(), "--no-serve-artifacts",
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), "--workers", str(workers)]
     info(f"MLflow UI for {settings.home} at http://{host}:{port}")
     sys.stdout.flush()
     os.execv(sys.executable, argv)
