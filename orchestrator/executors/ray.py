@@ -141,6 +141,7 @@ class RayExecutor:
             raise BadInput("--executor ray needs --ray-address http://HEAD:8265 (the Ray dashboard) or RAY_ADDRESS")
         self.address = normalize_address(str(address))
         self.client = client_for(self.address)
+        logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # a line per log tail
         self.device_spec = str(settings.devices or "auto")
         self.cpu_slots = self.device_spec.startswith("cpu:")
         self.poll = poll
@@ -293,7 +294,12 @@ class RayExecutor:
         info = None
         try:
             while not self._closed:
-                info = await asyncio.to_thread(self._info_or_none, watch.sid)
+                try:
+                    info = await asyncio.to_thread(self._info, watch.sid)
+                except Exception as exc:  # the dashboard is briefly unreachable: keep watching
+                    log.warning("ray: cannot read job %s: %s", watch.sid, exc)
+                    await asyncio.sleep(self.poll)
+                    continue
                 if info is None or info.status.is_terminal():
                     break
                 if tail.done():  # the connection dropped: follow again (it skips what was written)
@@ -340,13 +346,6 @@ class RayExecutor:
             watch.written = len(text)
         return exit_of(info, text)
 
-    def _info_or_none(self, sid: str):
-        try:
-            return self._info(sid)
-        except Exception as exc:  # the dashboard is briefly unreachable: keep watching
-            log.warning("ray: cannot read job %s: %s", sid, exc)
-            return _Unknown()
-
     def _append(self, watch: _Watch, text: str) -> None:
         if watch.log_path is not None:
             with open(watch.log_path, "ab") as out:
@@ -371,15 +370,6 @@ class RayExecutor:
             self._on_exit(Exit(watch.job_id, watch.attempt, code, detail))
         except Exception:  # the service logs and recovers on its next reconcile
             log.exception("on_exit failed for job %s", watch.job_id)
-
-
-class _Unknown:
-    """A status read that failed: not terminal, so the watcher keeps going."""
-
-    class status:  # noqa: N801 - mimics JobInfo.status
-        @staticmethod
-        def is_terminal() -> bool:
-            return False
 
 
 def stream_logs(job: Job, out: IO[bytes], *, follow: bool = False) -> None:

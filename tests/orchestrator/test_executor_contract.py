@@ -85,9 +85,12 @@ def kind(request):
 
 
 @pytest.fixture
-def start_service(home, kind, request):
+def start_service(home, kind, request, monkeypatch):
     """start_service(devices="cpu:2"): an in-process service with the executor under test, on this home."""
     from orchestrator.service import Service
+
+    # Device preflight (tested with the health module) imports torch at the first start: seconds per test.
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
 
     address = request.getfixturevalue("ray_head") if kind == "ray" else None
     started = []
@@ -197,18 +200,20 @@ def test_multi_slot_job_is_all_or_nothing(start_service):
 
 def test_adoption_after_service_restart(start_service):
     service = start_service("cpu:2")
-    long_id = submit(ckpt_job(100))  # 5 s: still running when the next service starts
-    short_id = submit(JobSpec(argv=["sh", "-c", "sleep 1; exit 4"], track=False))  # ends while none runs
-    wait_for(lambda: state(service, long_id) == "RUNNING" and state(service, short_id) == "RUNNING"
-             and "starts at step" in log_of(service, long_id), timeout=60)
+    long_id = submit(ckpt_job(160))  # 8 s: likely still running when the next service starts
+    # Ends while no service runs; prints "ready" (not in its command line, which heads the log).
+    short_id = submit(JobSpec(argv=["sh", "-c", "printf 'rea%s\\n' dy; sleep 2; exit 4"], track=False))
+    wait_for(lambda: "ready" in log_of(service, short_id) and "starts at step" in log_of(service, long_id),
+             timeout=90, what="both jobs to start")
     service.stop()  # running jobs keep running
-    time.sleep(2.0)
+    time.sleep(3.0)
     again = start_service("cpu:2")
     wait_for(lambda: state(again, short_id) == "FAILED", timeout=30, what="the ended job to be recorded")
     assert again.store.get(short_id).exit_code == 4
     wait_for(lambda: state(again, long_id) == "SUCCEEDED", timeout=60, what="the adopted job to finish")
     job = again.store.get(long_id)
     assert job.attempts == 1 and log_of(again, long_id).count("done") == 1
+    assert log_of(again, short_id).count("ready") == 1  # the log mirror does not repeat itself on adoption
 
 
 def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path, monkeypatch):

@@ -108,7 +108,8 @@ def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
 
 def _serve(home: Path, node: str, db_url: str, log: Path) -> subprocess.Popen:
     env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_DB_URL=db_url, AUTORESEARCH_NODE=node,
-               TEST_HOST=node, MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
+               TEST_HOST=node, MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}",
+               AUTORESEARCH_PREFLIGHT="off")  # device preflight is the health suite's; it costs a torch import
     home.mkdir(parents=True, exist_ok=True)
     exe = Path(sys.executable).with_name("autoresearch")
     return subprocess.Popen([str(exe), "serve", "--devices", "cpu:4", "--preempt-after", "0"], env=env,
