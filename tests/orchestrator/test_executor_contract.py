@@ -254,3 +254,35 @@ def test_ray_needs_an_address(home, monkeypatch):
         RayExecutor(Settings.load(devices="cpu:1"), lambda _exit: None)
     with pytest.raises(BadInput, match="cannot reach the Ray cluster"):
         RayExecutor(Settings.load(devices="cpu:1"), lambda _exit: None, address=f"127.0.0.1:{free_port()}")
+
+
+def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_path):
+    """A service that ran a Ray job died: the job still runs on the cluster, so the reaper stops it through
+    the Jobs API first and requeues it only once Ray says it ended."""
+    from ray.job_submission import JobSubmissionClient
+    from sqlmodel import Session
+
+    from orchestrator.cluster import reap_dead_hosts
+    from orchestrator.queue.models import ServiceRecord
+    from orchestrator.queue.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'q.db'}")
+    job_id = store.submit(JobSpec(argv=["sleep", "60"], track=False)).id
+    store.claim([(job_id, ["cpu:0"])], "lost")
+    client = JobSubmissionClient(ray_head)
+    sid = client.submit_job(entrypoint="sleep 60", entrypoint_num_cpus=1,
+                            runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "1"}})
+    wait_for(lambda: str(client.get_job_status(sid)) in ("RUNNING", "JobStatus.RUNNING"), timeout=60)
+    store.mark_running(job_id, 0, f"ray:{sid}@{ray_head}", "lost")
+    store.heartbeat("lost", 1, str(tmp_path), ["cpu:0"], 0.0)
+    with Session(store.engine) as session:
+        rec = session.get(ServiceRecord, "lost")
+        rec.heartbeat_at = time.time() - 60
+        session.add(rec)
+        session.commit()
+    assert reap_dead_hosts(store, "live", 10) == []  # still running on the cluster: stopped, not requeued
+    assert store.get(job_id).state == "RUNNING"
+    wait_for(lambda: client.get_job_status(sid).is_terminal(), timeout=30, what="Ray to stop the job")
+    wait_for(lambda: reap_dead_hosts(store, "live", 10), timeout=15, what="the reaper to settle it")
+    job = store.get(job_id)
+    assert job.state == "QUEUED" and "host lost lost" in job.reason and job.failures == 0
