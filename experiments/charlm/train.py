@@ -81,6 +81,7 @@ def train(ctx: JobContext, p: dict) -> None:
     warmup = int(p["warmup"] * total)
     eval_steps = evenly_spaced(total, EVALS)
     device = torch.device(ctx.device)
+    say = print if ctx.is_main else (lambda *args, **kwargs: None)  # one copy of the log under torchrun
     autocast = setup_torch(device, p["seed"])
 
     # -- data: training shards through the volume loader, a fixed validation slice in memory -----------
@@ -110,7 +111,7 @@ def train(ctx: JobContext, p: dict) -> None:
     step = ckpt.load_latest(state) or 0
     if step == 0:
         ctx.log_params({**p, "model_width": width, "model_params": model.num_params(), "total_steps": total})
-    print(f"charlm: {model.num_params():,} params, {total} steps of {tokens_per_step:,} tokens, "
+    say(f"charlm: {model.num_params():,} params, {total} steps of {tokens_per_step:,} tokens, "
           f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
 
     # -- the loop ---------------------------------------------------------------------------------------
@@ -144,13 +145,13 @@ def train(ctx: JobContext, p: dict) -> None:
             stream.counters.update(loss_sum=0.0, loss_steps=0)
             ctx.log_metrics({"train_loss": train_loss, "val_loss": val_loss, "val_bpb": val_loss / math.log(2),
                              "lr": lr, "tokens": step * tokens_per_step}, step)
-            print(f"step {step}/{total}: train {train_loss:.4f} val {val_loss:.4f} "
+            say(f"step {step}/{total}: train {train_loss:.4f} val {val_loss:.4f} "
                   f"({val_loss / math.log(2):.3f} bpb) {time.perf_counter() - t0:.1f}s", flush=True)
         ckpt.maybe_save(step, state)
         ctx.heartbeat(step)
         if ctx.should_stop():
             ckpt.save_now(step, state)
-            print(f"charlm: stopped on request at step {step}; checkpoint saved", flush=True)
+            say(f"charlm: stopped on request at step {step}; checkpoint saved", flush=True)
             ckpt.close()
             ctx.exit_preempted()
 
@@ -160,7 +161,7 @@ def train(ctx: JobContext, p: dict) -> None:
     if val_loss is None:  # resumed at the end: report the final metric again
         val_loss = evaluate(model, val_rows, eval_batch, autocast)
         ctx.log_metrics({"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}, total)
-    print(f"charlm: final val_loss {val_loss:.6f} ({val_loss / math.log(2):.4f} bits per byte)", flush=True)
+    say(f"charlm: final val_loss {val_loss:.6f} ({val_loss / math.log(2):.4f} bits per byte)", flush=True)
 
 
 if __name__ == "__main__":

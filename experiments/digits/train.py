@@ -36,7 +36,7 @@ KEEP_CHECKPOINTS = 2
 
 def decode(path: str) -> tuple[torch.Tensor, int]:
     """VolumeDataset transform: a PNG file -> (normalised 1x8x8 float image, label from its text chunk)."""
-    with Image.open(path) as img:
+    with Image.open(path, formats=("PNG",)) as img:
         pixels = np.asarray(img, dtype=np.float32) / 255.0
         label = int(img.text["label"])
     return torch.from_numpy((pixels - MEAN) / STD).unsqueeze(0), label
@@ -69,6 +69,7 @@ def main() -> None:
 
 def train(ctx: JobContext, p: dict) -> None:
     device = torch.device(ctx.device)
+    say = print if ctx.is_main else (lambda *args, **kwargs: None)  # one copy of the log under torchrun
     autocast = setup_torch(device, p["seed"])
 
     # -- data: training images through the volume loader, the validation set in memory -----------------
@@ -97,7 +98,7 @@ def train(ctx: JobContext, p: dict) -> None:
     n_params = sum(q.numel() for q in model.parameters())
     if step == 0:
         ctx.log_params({**p, "model_params": n_params, "total_steps": total})
-    print(f"digits: {p['arch']} with {n_params:,} params, {p['epochs']} epochs of {steps_per_epoch} steps, "
+    say(f"digits: {p['arch']} with {n_params:,} params, {p['epochs']} epochs of {steps_per_epoch} steps, "
           f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
 
     # -- the loop: one pass of the loader is the rest of the current epoch --------------------------------
@@ -122,7 +123,7 @@ def train(ctx: JobContext, p: dict) -> None:
             ctx.heartbeat(step)
             if ctx.should_stop():
                 ckpt.save_now(step, state)
-                print(f"digits: stopped on request at step {step}; checkpoint saved", flush=True)
+                say(f"digits: stopped on request at step {step}; checkpoint saved", flush=True)
                 ckpt.close()
                 ctx.exit_preempted()
         # End of an epoch (the loader has moved on to the next one): score it.
@@ -132,7 +133,7 @@ def train(ctx: JobContext, p: dict) -> None:
         stream.counters.update(loss_sum=0.0, loss_steps=0)
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss, "train_loss": train_loss,
                          "lr": lr_at(step - 1, total, p["lr"], 0, p["schedule"]), "epoch": epoch}, step)
-        print(f"epoch {epoch}/{p['epochs']} step {step}: train {train_loss:.4f} val {val_loss:.4f} "
+        say(f"epoch {epoch}/{p['epochs']} step {step}: train {train_loss:.4f} val {val_loss:.4f} "
               f"accuracy {accuracy:.4f} {time.perf_counter() - t0:.1f}s", flush=True)
 
     # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op ----------
@@ -141,7 +142,7 @@ def train(ctx: JobContext, p: dict) -> None:
     if accuracy is None:  # resumed at the end: report the final metric again
         accuracy, val_loss = evaluate(model, val_images, val_labels, autocast)
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss}, total)
-    print(f"digits: final val_accuracy {accuracy:.6f}", flush=True)
+    say(f"digits: final val_accuracy {accuracy:.6f}", flush=True)
 
 
 if __name__ == "__main__":
