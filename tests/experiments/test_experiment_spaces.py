@@ -1,5 +1,6 @@
 """The bundled experiments' specs: registry lookup, defaults, and params validation naming key and range."""
 
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,18 @@ def test_conditional_params_follow_their_parent():
 def test_cli_strings_coerce():
     params = registry.get("charlm").validate({"tied": "false", "width": "96", "positions": "rope"})
     assert params["tied"] is False and params["width"] == 96 and params["positions"] == "rope"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--experiment", "charlm", "--param", "layers=99"],
+     "parameter 'layers': '99' is out of range: expected an integer in [1, 16]"),
+    (["--experiment", "digits", "--param", "lr=fast"], "parameter 'lr'"),
+    (["--experiment", "digits", "--param", "arch=resnet"], "one of 'mlp', 'cnn'"),
+])
+def test_cli_rejects_bad_params_with_exit_2_and_queues_nothing(home, args, says):
+    cli = [sys.executable, "-m", "orchestrator.cli"]
+    bad = subprocess.run([*cli, "submit", *args, "--json"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1  # one line, no traceback
+    listed = subprocess.run([*cli, "queue", "--all", "--json"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []
