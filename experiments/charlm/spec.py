@@ -55,6 +55,6 @@ SPEC = ExperimentSpec(
     metric="val_loss",
     direction="minimize",
     entrypoint="experiments.charlm.train",
-    budget={"max_steps": 300},
+    budget={"max_steps": 300, "max_tokens": 0, "scale": 1},  # held fixed while searching
     progress_metric="val_loss",
 )

@@ -47,6 +47,6 @@ SPEC = ExperimentSpec(
     metric="val_accuracy",
     direction="maximize",
     entrypoint="experiments.digits.train",
-    budget={"epochs": 15},
+    budget={"epochs": 15, "scale": 1},  # held fixed while searching
     progress_metric="val_accuracy",
 )

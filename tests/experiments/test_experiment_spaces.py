@@ -28,6 +28,7 @@ def test_defaults_are_valid_and_complete(name):
     defaults = spec.space.defaults()
     assert spec.validate(defaults) == defaults
     assert {"seed", "lr", "batch_size", "scale"} <= defaults.keys()
+    assert {k: defaults[k] for k in spec.budget} == dict(spec.budget)  # the agent holds these fixed
     for row in spec.space.describe():  # what the agent's prompt shows: every dimension explained by its range
         assert row["range"]
 

@@ -66,7 +66,8 @@ def test_digits_few_epochs_learn(home, tmp_path):
 @pytest.mark.parametrize("params", [
     {"activation": "swiglu", "norm": "rmsnorm", "positions": "rope", "tied": False, "dropout": 0.1,
      "schedule": "linear", "grad_clip": 0.0},
-    {"activation": "relu", "positions": "rope", "heads": 3, "width": 40, "schedule": "constant", "max_tokens": 2000},
+    {"activation": "relu", "positions": "rope", "heads": 3, "width": 40, "schedule": "constant",
+     "max_tokens": 2000},
 ])
 def test_charlm_variants_train(home, tmp_path, params):
     metrics, run_params = run_trial("charlm", {**TINY_CHARLM, "max_steps": 8, **params}, tmp_path / "ckpt", home)
