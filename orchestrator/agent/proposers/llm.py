@@ -146,11 +146,14 @@ class LLMProposer:
             got += accepted
             if len(got) >= n:
                 break
-            self.usage["rejected"] += 1
+            if errors:
+                self.usage["rejected"] += 1
             if round_ < self.max_reasks:
+                why = ("That answer was rejected: " + "; ".join(errors)[:2000] if errors
+                       else f"That answer had {len(accepted)} usable proposal(s)")
                 messages += [{"role": "assistant", "content": text[:4000]},
-                             {"role": "user", "content": "That answer was rejected: " + "; ".join(errors)[:2000]
-                              + f". Reply again with JSON only, {n - len(got)} proposal(s)."}]
+                             {"role": "user", "content": why + f". Reply again with JSON only, "
+                              f"{n - len(got)} more proposal(s)."}]
         if len(got) < n:
             self.usage["fallbacks"] += n - len(got)
             fallback = self.fallback.propose(n - len(got), list(history) + [

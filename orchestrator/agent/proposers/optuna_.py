@@ -36,7 +36,8 @@ class SamplerProposer:
 
         # A different seed per history length: the same history gives the same proposals (reproducible runs),
         # a longer one gives new points even though the study is rebuilt each time.
-        seed = zlib.crc32(f"{self.seed}:{n_seen}".encode())
+        # The sampler's name is in the seed so random search and TPE's random start-up draw different points.
+        seed = zlib.crc32(f"{self.name}:{self.seed}:{n_seen}".encode())
         if self.name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if self.name == "cmaes":
