@@ -122,7 +122,10 @@ class Agent:
             if self.cfg.early_stopping:
                 paused = [t for t in trials if t["status"] == "paused"]
                 for t in self.asha.promotable(paused, [t for t in trials if t["phase"] == "search"])[:free]:
-                    self.store.demote(t["job_id"], self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
+                    try:
+                        self.store.demote(t["job_id"], self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
+                    except Exception:  # it ended meanwhile; the next monitor pass records how
+                        continue
                     self.notify()
                     t.update(status="queued", stopped_at=None)
                     free -= 1

@@ -41,7 +41,9 @@ class SamplerProposer:
         if self.name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if self.name == "cmaes":
-            return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=self.n_startup_trials)
+            # Categorical params go to the independent sampler by design; no need to warn about each.
+            return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=self.n_startup_trials,
+                                                warn_independent_sampling=False)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.n_startup_trials, multivariate=True,
                                           group=True, constant_liar=True)
 
