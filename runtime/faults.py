@@ -9,8 +9,8 @@ contain one:
     AUTORESEARCH_FAULTS="checkpoint@20:crash"    # the checkpoint writer SIGKILLs its own process
                                                  # after writing step 20's data, before its metadata
 
-Targets are device strings as `runtime.preflight.parse_devices` returns them ("cpu:0", "0", ...), ``*``
-for every device, or ``checkpoint@STEP`` for the checkpoint writer. Check names are those in
+Targets are device strings as `runtime.preflight.parse_devices` returns them ("cpu:0", "0", ...), ``host``
+for the disk/volume checks, ``*`` for every target, or ``checkpoint@STEP`` for the checkpoint writer. Check names are those in
 `runtime.preflight.CHECKS`; an injected fault turns that check's result into ``fail`` with the message
 "injected fault (AUTORESEARCH_FAULTS)" without running the real measurement, on that device only. The
 service, the CLI and the tests use this to drill quarantine on cpu slots, where no real GPU can fail.

@@ -12,7 +12,8 @@ slots "cpu:0". Checks, per device:
 On a cpu slot the GPU-only checks are "skipped", never "pass"; ``visible``/``alloc``/``matmul`` and the
 all-reduce run for real on the CPU. Faults from AUTORESEARCH_FAULTS (see `runtime.faults`) replace a check's
 result with "fail" on the named device only. `healthy()` and `reason()` summarise for the service;
-`monitor_sample()` is the cheap NVML-only sample it takes while a job runs.
+`run_isolated()` runs the checks in a child process (so the service never holds a CUDA context on a GPU it
+hands out); `monitor_sample()` is the cheap NVML-only sample it takes while a job runs.
 """
 
 from __future__ import annotations
@@ -335,3 +336,44 @@ def monitor_sample(devices: Sequence[str], *, allowed_pids: Iterable[int] | None
                       "throttle": lambda: nv.throttle(idx), "foreign_procs": lambda: nv.foreign_processes(idx, allowed)}[c]
                 out.append(_result(c, device, fn))
     return out
+
+
+def run_isolated(devices: Sequence[str], level: str = "quick", *, paths: Iterable[str | os.PathLike] = (),
+                 timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[CheckResult]:
+    """`run()` in a child process, so the caller (the service) never holds a CUDA context on a GPU it hands
+    to jobs, and a hung driver call cannot hang it. A child that dies or times out fails every device."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "runtime.preflight", "--level", level, "--names", ",".join(devices)]
+    for p in paths:
+        cmd += ["--path", str(p)]
+    root = str(Path(__file__).resolve().parents[1])
+    child_env = dict(env if env is not None else os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env)
+        return [CheckResult(**r) for r in json.loads(proc.stdout)]
+    except subprocess.TimeoutExpired:
+        why = f"preflight did not finish within {timeout_s:.0f}s"
+    except (ValueError, TypeError):
+        why = f"preflight process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return [CheckResult("preflight", d, "fail", message=why) for d in devices]
+
+
+def _main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.preflight", description="device preflight, JSON out")
+    ap.add_argument("--names", default="", help="device names, comma-separated: cpu:0,cpu:1 or 0,1")
+    ap.add_argument("--level", default="quick", choices=("quick", "full"))
+    ap.add_argument("--path", action="append", default=[])
+    a = ap.parse_args()
+    devices = [d for d in a.names.split(",") if d]
+    print(json.dumps([r.to_dict() for r in run(devices, a.level, paths=a.path)]))
+
+
+if __name__ == "__main__":
+    _main()

@@ -123,3 +123,12 @@ def test_cli_exit_codes(home):
     if not HAS_GPU:
         auto = _cli([], home)
         assert auto.returncode == 2 and "cpu:N" in auto.stderr
+
+
+def test_run_isolated_in_a_child_process(tmp_path):
+    env = dict(os.environ, AUTORESEARCH_FAULTS="cpu:0:alloc")
+    results = pf.run_isolated(["cpu:0", "cpu:1"], "quick", paths=[tmp_path], env=env)
+    assert [(r.device, r.check) for r in results if r.status == "fail"] == [("cpu:0", "alloc")]
+    assert {r.device for r in results} == {"cpu:0", "cpu:1", "host"}
+    dead = pf.run_isolated(["cpu:0"], "quick", timeout_s=0.01)
+    assert [(r.check, r.status) for r in dead] == [("preflight", "fail")]
