@@ -3,7 +3,7 @@ datasets of small files whose content names them, so order, duplicates and torn 
 
 from __future__ import annotations
 
-import hashlib
+import random
 from pathlib import Path
 
 
@@ -25,12 +25,7 @@ def write_files(root: Path, count: int, size: int = 2048, *, subdirs: int = 3, p
 def file_bytes(index: int, size: int) -> bytes:
     """The expected content of file `index` written by write_files."""
     head = f"{index:08d}".encode()
-    body = b""
-    seed = hashlib.sha256(head).digest()
-    while len(head) + len(body) < size:
-        seed = hashlib.sha256(seed).digest()
-        body += seed
-    return (head + body)[:size]
+    return (head + random.Random(index).randbytes(max(size - len(head), 0)))[:size]
 
 
 def sample_index(path: str) -> int:

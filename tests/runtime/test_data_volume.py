@@ -1,0 +1,144 @@
+"""VolumeDataset over a real slow FUSE volume: prefetching, warm epochs, retries, a volume that goes away,
+a copy killed mid-file, and two jobs sharing one cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.data import VolumeDataset
+from runtime.errors import VolumeError
+from tests.support import checked_index, write_files
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cold_epoch_fetches_ahead_in_parallel_and_warm_epoch_never_touches_the_volume(data_dir, tmp_path, slow_volume):
+    rels = write_files(data_dir, 48, size=8192)
+    vol = slow_volume(data_dir, open_latency=0.05)
+    ds = VolumeDataset(vol.mountpoint, cache_dir=tmp_path / "cache", lookahead=8, copy_threads=8,
+                       transform=checked_index)
+    t0 = time.perf_counter()
+    first = list(ds)
+    cold = time.perf_counter() - t0
+    stats = vol.stats()
+    assert sorted(first) == list(range(48))
+    assert stats["opens"] == 48, "each file is read from the volume once"
+    assert stats["max_inflight"] >= 6, "lookahead keeps several opens in flight at once"
+    assert cold < 48 * 0.05 / 2, "a cold epoch runs at the volume's parallel rate, not its latency"
+
+    second = list(ds)
+    assert sorted(second) == list(range(48)) and second != first, "a new epoch, reshuffled"
+    assert vol.stats()["opens"] == 48, "a warm epoch is served from the cache alone"
+    assert len(rels) == 48
+
+
+def test_transient_read_errors_are_retried(data_dir, tmp_path, slow_volume):
+    write_files(data_dir, 6, size=4096)
+    vol = slow_volume(data_dir, open_latency=0.001, fail_reads=4)
+    ds = VolumeDataset(vol.mountpoint, cache_dir=tmp_path / "cache", retries=6, retry_backoff_s=0.005,
+                       transform=checked_index)
+    assert sorted(ds) == list(range(6))
+    assert vol.stats()["errors_injected"] >= 6 * 2, "the reads really failed before succeeding"
+
+
+def test_persistent_read_errors_give_one_error_naming_the_file(data_dir, tmp_path, slow_volume):
+    write_files(data_dir, 3, size=4096, subdirs=0)
+    vol = slow_volume(data_dir, open_latency=0.001, fail_reads=1000)
+    ds = VolumeDataset(vol.mountpoint, cache_dir=tmp_path / "cache", retries=2, retry_backoff_s=0.001,
+                       shuffle=False)
+    with pytest.raises(VolumeError, match=r"reading .*mnt0/00000\.bin failed after 2 attempts"):
+        list(ds)
+    assert not any((tmp_path / "cache" / "objects").rglob("*.bin")), "nothing half-read was cached"
+
+
+def test_missing_volume_is_one_clear_error_naming_the_path(tmp_path):
+    with pytest.raises(VolumeError) as err:
+        VolumeDataset(tmp_path / "no-such-volume", cache_dir=tmp_path / "cache")
+    assert str(err.value) == f"data volume not found: {tmp_path / 'no-such-volume'}"
+
+
+def test_no_matching_files_is_an_error_not_an_empty_epoch(data_dir, tmp_path):
+    write_files(data_dir, 3)
+    with pytest.raises(VolumeError, match=r"no files match '\*\.png'"):
+        VolumeDataset(data_dir, pattern="*.png", cache_dir=tmp_path / "cache")
+
+
+def test_a_volume_that_drops_away_is_one_clear_error(data_dir, tmp_path, slow_volume):
+    write_files(data_dir, 4, size=1024, subdirs=0)
+    vol = slow_volume(data_dir, open_latency=0.001)
+    ds = VolumeDataset(vol.mountpoint, cache_dir=tmp_path / "cache", retries=2, retry_backoff_s=0.001,
+                       shuffle=False)
+    vol.kill()  # the storage daemon dies: every access now fails with ENOTCONN
+    with pytest.raises(VolumeError, match=r"reading .*mnt0/00000\.bin failed after 2 attempts.*not connected"):
+        list(ds)
+    with pytest.raises(VolumeError) as err:
+        VolumeDataset(vol.mountpoint, cache_dir=tmp_path / "cache")
+    assert str(err.value) == f"data volume {vol.mountpoint} is unreadable: Transport endpoint is not connected"
+
+
+COPY_ONE = """
+import sys
+from runtime.data import VolumeDataset
+for path in VolumeDataset(sys.argv[1], cache_dir=sys.argv[2], lookahead=0):
+    print(path, flush=True)
+"""
+
+
+def test_a_copy_killed_mid_file_is_never_served(data_dir, tmp_path, slow_volume):
+    size = 4 << 20
+    write_files(data_dir, 1, size=size, subdirs=0)
+    vol = slow_volume(data_dir, open_latency=0.001, bandwidth=2 << 20)  # a 2 s copy
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", COPY_ONE, str(vol.mountpoint), str(cache)], cwd=ROOT,
+                            stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(p.stat().st_size > 0 for p in (cache / "tmp").glob("*.part")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the copy never started"
+            time.sleep(0.01)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    partial = list((cache / "tmp").glob("*.part"))
+    assert partial and partial[0].stat().st_size < size, "killed mid-file"
+    assert not list((cache / "objects").rglob("*.bin")), "nothing torn was published"
+
+    vol.configure(bandwidth=0)
+    ds = VolumeDataset(vol.mountpoint, cache_dir=cache)
+    (path,) = list(ds)  # the dead copier's lock is gone with it: no hang, a full fresh copy
+    assert checked_index(path) == 0 and os.path.getsize(path) == size
+    assert not list((cache / "tmp").glob("*.part")), "the orphaned partial copy was cleaned up"
+
+
+TWO_JOBS = """
+import json, sys
+from runtime.data import VolumeDataset
+from runtime.loader import DataLoader
+from tests.support import checked_index
+ds = VolumeDataset(sys.argv[1], cache_dir=sys.argv[2], seed=int(sys.argv[3]), transform=checked_index, lookahead=4)
+print(json.dumps([int(x) for batch in DataLoader(ds, batch_size=4, num_workers=2) for x in batch]))
+"""
+
+
+def test_two_jobs_sharing_a_cache_copy_each_file_once_and_both_read_intact_files(data_dir, tmp_path, slow_volume):
+    write_files(data_dir, 40, size=64 << 10)
+    vol = slow_volume(data_dir, open_latency=0.02)
+    cache = tmp_path / "shared-cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    jobs = [subprocess.Popen([sys.executable, "-c", TWO_JOBS, str(vol.mountpoint), str(cache), str(seed)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for seed in (1, 2)]
+    outputs = [job.communicate(timeout=120) for job in jobs]
+    for job, (out, err) in zip(jobs, outputs):
+        assert job.returncode == 0, err.decode()[-2000:]
+        assert sorted(json.loads(out)) == list(range(40))
+    opens = vol.stats()["opens_by_path"]
+    assert len(opens) == 40 and set(opens.values()) == {1}, "no file was copied twice"
