@@ -235,6 +235,10 @@ class Agent:
             t["device_s"] = device_seconds(self.store, job)
             t["finished_at"] = job.finished_at
             if job.state == "SUCCEEDED":
+                if t["phase"] == "search" and self.cfg.early_stopping:
+                    # A trial can finish between two looks; its rung values are what later trials meet there.
+                    history = self.tracker.history(t["run_id"], self.progress_metric)
+                    t["rungs"] = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
                 t["value"] = self.tracker.final(t["run_id"], self.spec.metric)
                 t["status"] = "succeeded" if t["value"] is not None else "failed"
                 t["error"] = "" if t["value"] is not None else f"no {self.spec.metric} logged"

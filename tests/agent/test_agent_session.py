@@ -217,3 +217,28 @@ def test_submit_after_a_crash_adopts_what_was_already_made(home):
     again = agent.submit({**state, "trials": [dict(t0, status="proposed"), dict(t1, status="proposed")]})
     assert [t["job_id"] for t in again["trials"]] == [t0["job_id"], job1.id]
     assert len(store.list()) == 2
+
+
+def test_asha_demotes_losers_and_the_session_cleans_them_up(home, monkeypatch):
+    """Two good trials finish; two bad ones meet them at the first rung and are demoted (not killed)."""
+    from orchestrator.agent.proposers.base import Proposal
+
+    monkeypatch.setenv("STEP_SECONDS", "0.5")  # jobs inherit the embedded service's environment
+    plan = [{"x": 1.5, "y": -2.0, "kind": "b"}, {"x": 1.4, "y": -2.0, "kind": "b"},
+            {"x": -5.0, "y": 5.0, "kind": "a"}, {"x": -4.9, "y": 5.0, "kind": "a"}]
+
+    class Scripted:
+        name = "tpe"
+
+        def propose(self, n, history):
+            return [Proposal(plan.pop(0), "tpe") for _ in range(n)]
+
+    summary = runner.start(config(trials=4, parallel=2, confirm_seeds=0), devices="cpu:2", proposer=Scripted())
+    assert summary["counts"] == {"succeeded": 2, "stopped": 2}
+    jobs = session_jobs(home, summary["session"])
+    good, bad = jobs[:2], jobs[2:]
+    assert all(j.state == "SUCCEEDED" for j in good)
+    for j in bad:  # demoted below the session's priority, preempted (checkpointed), cancelled at the end
+        assert j.state == "CANCELLED" and j.priority == -1
+        events = [e.reason for e in JobStore(Settings.load().db_url).events(j.id)]
+        assert any("ASHA" in r for r in events)
