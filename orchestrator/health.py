@@ -72,6 +72,16 @@ class Verdict:
         return {"at": time.time(), "status": "fail" if device in self.failed else "pass", "results": rows}
 
 
+def _run(devices: Sequence[str], level: str, paths: Sequence[str] = ()) -> list:
+    """Checks on GPUs run in a child process: the service must never hold a CUDA context (memory on every
+    GPU it hands to jobs) nor hang in a driver call. Virtual cpu slots are checked in-process (cheap)."""
+    from runtime import preflight
+
+    if any(not preflight.is_cpu(d) for d in devices):
+        return preflight.run_isolated(list(devices), level, paths=paths)
+    return preflight.run(list(devices), level, paths=paths)
+
+
 def summarize(results: Sequence) -> Verdict:
     """Group failed checks by device; a failed host check (disk, volume) fails no device but is logged."""
     verdict = Verdict(results=list(results))
@@ -93,7 +103,7 @@ class Health:
 
     def preflight(self, devices: Sequence[str]) -> Verdict:
         """Quick checks on the devices a job is about to get (recent passes are trusted for a while)."""
-        from runtime import faults, preflight
+        from runtime import faults
 
         if self.config.preflight == "off":
             return Verdict()
@@ -102,7 +112,7 @@ class Health:
                or any(f.target in (d, "*") for f in faults.active())]
         if not due:
             return Verdict()
-        verdict = summarize(preflight.run(due, "quick"))
+        verdict = summarize(_run(due, "quick"))
         for d in due:
             if d not in verdict.failed:
                 self._passed_at[d] = now
@@ -112,11 +122,9 @@ class Health:
 
     def recheck(self, devices: Sequence[str]) -> Verdict:
         """The deeper checks on idle devices, plus disk and volume checks of the home."""
-        from runtime import preflight
-
         if not devices:
             return Verdict()
-        return summarize(preflight.run(list(devices), self.config.recheck_level, paths=self.paths))
+        return summarize(_run(list(devices), self.config.recheck_level, paths=self.paths))
 
     def monitor_due(self) -> bool:
         now = time.monotonic()
