@@ -11,10 +11,12 @@ one machine can share, an atomic UPDATE gives it a short lease on that row). For
   the state that code earns, except that the code of a job this reaper stopped requeues it without spending
   an attempt (the loss was not the job's fault);
 - a Ray job (`proc_start` is `ray:SID@ADDRESS`): the Ray job is stopped through the Jobs API, and settled the
-  same way from Ray's status once it has ended;
+  same way from Ray's status once it has ended (while the cluster does not answer, the job waits);
 - otherwise (another machine that stopped answering, or a job not yet spawned) it is requeued, like Slurm
   requeues the jobs of a node that went down. A job whose machine is alive but unreachable from here would
   then run twice: the stale limit (10 s, five missed heartbeats) is the guard, as in every lease-based queue.
+When such a machine's service comes back, it does not adopt the jobs it lost (they are no longer its own);
+stopping their orphaned processes then is left to its reconcile step (not done yet).
 Once the dead host holds nothing, its `services` row is deleted. A service that stopped cleanly removes its
 own row and its jobs wait for it to come back (they are adopted), so only crashed hosts are reaped.
 """
@@ -100,12 +102,13 @@ def _settle(store: JobStore, host: str, self_host: str, home: Optional[str]) -> 
     reason = f"host {host} lost (no heartbeat)"
     for job in store.list(HOLDING, host=host):
         outcome = _probe(job, home)
-        if job.job_state is S.STARTING and outcome is not None:
+        if job.job_state is S.STARTING and outcome not in (None, "unknown"):
             # Spawned, but the dead service never recorded it: record it, then stop or settle it as the rest.
             pgid = _attempt_group(job, home) if outcome == "running" else None
             job = store.mark_running(job.id, pgid or 0, proc_start_time(pgid) if pgid else None, self_host)
-        if outcome == "running":
-            _stop(store, job, home)
+        if outcome in ("running", "unknown"):
+            if outcome == "running":
+                _stop(store, job, home)
             pending = True
             continue
         stopped_by_us = job.job_state is S.RUNNING and job.stop_sent_at is not None
@@ -126,8 +129,11 @@ def _probe(job: Job, home: Optional[str]):
     if handle is not None:
         try:
             info = ray_exec.client_for(handle[1]).get_job_info(handle[0])
-        except Exception:
-            return None  # the cluster or the job is gone
+        except Exception as exc:
+            if "does not exist" in str(exc):
+                return None  # the cluster forgot it (restarted): requeue
+            log.warning("cannot ask Ray about job %s (%s); trying again later", job.id, exc)
+            return "unknown"  # an unreachable cluster runs nothing new either: wait rather than risk a rerun
         if not info.status.is_terminal():
             return "running"
         return ray_exec.exit_of(info)[0] if info.driver_exit_code is not None else None

@@ -76,7 +76,7 @@ def mlflow_server(pg_database, tmp_path):
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn/gunicorn workers
-            proc.wait(timeout=15)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
