@@ -13,8 +13,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from orchestrator import api
 from orchestrator.cluster import PgListener, reap_dead_hosts
 from orchestrator.executors.base import proc_start_time
