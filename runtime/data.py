@@ -370,7 +370,7 @@ class VolumeDataset(IterableDataset):
         # Without a loader, a dataset iterated in this process keeps its own position.
         track = not managed and info is None
         delivered = 0
-        for item in self._stream(files, spec["trail"]):
+        for item in self._stream(files, spec["trail"], hold_at_end=info is not None):
             delivered += 1
             if track:  # counted when handed over, as the loader counts delivered batches
                 self._advance(spec["start"], delivered, spec["world"])
@@ -378,7 +378,7 @@ class VolumeDataset(IterableDataset):
         if track:
             self._end_epoch()
 
-    def _stream(self, files: list[FileInfo], trail: int) -> Iterator[Any]:
+    def _stream(self, files: list[FileInfo], trail: int, hold_at_end: bool) -> Iterator[Any]:
         cache, pool = self._resources()
         transform = self.config.transform
         # With a transform the file is read before the next sample is asked for; without one the path
@@ -387,6 +387,8 @@ class VolumeDataset(IterableDataset):
         pending: deque = deque()
         pins: deque[Pin] = deque()
         upcoming = iter(files)
+        self._release_held()
+        finished = False
         try:
             for info in upcoming:
                 pending.append(pool.submit(self.fetch, info))
@@ -401,16 +403,27 @@ class VolumeDataset(IterableDataset):
                 while len(pins) > keep:
                     pins.popleft().release()
                 yield pin.path if transform is None else transform(pin.path)
+            finished = True
         finally:
             for fut in pending:
                 if not fut.cancel():
                     fut.add_done_callback(lambda f: f.exception() is None and f.result().release())
-            for pin in pins:
-                pin.release()
+            if finished and hold_at_end and transform is None:
+                # A worker that ran out still has batches queued at the consumer: keep their files pinned
+                # until this process starts its next iteration.
+                self._held = pins
+            else:
+                for pin in pins:
+                    pin.release()
+
+    def _release_held(self) -> None:
+        held, self._held = getattr(self, "_held", None), None
+        for pin in held or ():
+            pin.release()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_cache=None, _pool=None, _owner_pid=-1)
+        state.update(_cache=None, _pool=None, _owner_pid=-1, _held=None)
         return state
 
 
