@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -81,8 +82,12 @@ class Service:
         self._started_at = time.time()
         self._base_env = dict(os.environ)
         self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
-        self.health = Health(health or HealthConfig.from_env(), paths=[self.home / "checkpoints"])
-        self.recheck_every = self.health.config.recheck_every or 600.0
+        config = health or HealthConfig.from_env()
+        if self._executor_name != "local":
+            # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
+            config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)
+        self.health = Health(config, paths=[self.home / "checkpoints"])
+        self.recheck_every = self.health.config.recheck_every
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
 
@@ -160,7 +165,7 @@ class Service:
         if self._executor_name == "ray":
             from orchestrator.executors.ray import RayExecutor  # optional extra
 
-            return RayExecutor(self.settings, self._on_exit)
+            return RayExecutor(replace(self.settings, devices=self.device_spec), self._on_exit)
         from orchestrator.errors import BadInput
 
         raise BadInput(f"unknown executor {self._executor_name!r}; expected local or ray")
@@ -172,7 +177,8 @@ class Service:
                                                                "misfire_grace_time": 5})
         sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
         sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
-        sched.add_job(self._recheck_idle_devices, "interval", seconds=self.recheck_every, id="recheck")
+        if self.recheck_every:
+            sched.add_job(self._recheck_idle_devices, "interval", seconds=self.recheck_every, id="recheck")
         sched.start()
         self._scheduler = sched
 
@@ -357,8 +363,14 @@ class Service:
     # ---- recovery and housekeeping ------------------------------------------------------------------------
 
     def _reconcile(self) -> None:
-        """Adopt or settle every job this host held when the last service stopped or died."""
-        for job in self.store.list(HOLDING, host=self.host):
+        """Adopt or settle every job this host held when the last service stopped or died, and stop attempts
+        still running here that the queue has since given back to the line (another host reaped us)."""
+        held = self.store.list(HOLDING, host=self.host)
+        stop_strays = getattr(self.executor, "stop_strays", None)
+        if stop_strays is not None:
+            for job_id in stop_strays({(j.id, j.attempts) for j in held}):
+                log.warning("reconcile: stopped a stray attempt of job %s (no longer ours in the queue)", job_id)
+        for job in held:
             if job.pid is None:
                 found = getattr(self.executor, "find_attempt", lambda _job: None)(job)
                 if found is None:
@@ -385,7 +397,7 @@ class Service:
     def _monitor(self) -> None:
         """Run-time health: a device fault under a running job, or a job without progress, stops the job
         (SIGTERM: it checkpoints) and puts it back in line; a faulty device is quarantined first."""
-        if not self.health.monitor_due():
+        if self._executor_name != "local" or not self.health.monitor_due():
             return
         for job in self.store.list([S.RUNNING], host=self.host):
             verdict = self.health.sample(list(job.devices or []))

@@ -110,23 +110,65 @@ class LocalExecutor:
         self._report(_Watch(job.id, job.attempts, job.pid or 0, self.exit_file(job.id, job.attempts)), None)
         return False
 
-    def find_attempt(self, job: Job) -> Optional[Launched]:
-        """The wrapper of the job's current attempt, found by its environment (the service died between
-        spawning it and recording its pid)."""
-        needle = f"{EXIT_FILE_VAR}={self.exit_file(job.id, job.attempts)}".encode()
+    def _wrappers(self) -> dict[Path, int]:
+        """Live attempt wrappers of this run dir (session leaders whose environment names an exit file here),
+        by exit file."""
+        prefix = f"{EXIT_FILE_VAR}={self.run_dir}/".encode()
+        found: dict[Path, int] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/environ", "rb") as fh:
                     env = fh.read().split(b"\0")
+                if os.getpgid(int(entry)) != int(entry):
+                    continue
             except OSError:
                 continue
-            if needle in env and os.getpgid(int(entry)) == int(entry):
-                return Launched(int(entry), proc_start_time(int(entry)))
+            for var in env:
+                if var.startswith(prefix):
+                    found[Path(var.split(b"=", 1)[1].decode())] = int(entry)
+        return found
+
+    def find_attempt(self, job: Job) -> Optional[Launched]:
+        """The wrapper of the job's current attempt, found by its environment (the service died between
+        spawning it and recording its pid)."""
+        pid = self._wrappers().get(self.exit_file(job.id, job.attempts))
+        if pid is not None:
+            return Launched(pid, proc_start_time(pid))
         if self.exit_file(job.id, job.attempts).exists():
             return Launched(0, None)  # it ran and ended: adopt() reads its recorded exit code
         return None
+
+    def stop_strays(self, current: set[tuple[int, int]], grace: float = 10.0) -> list[int]:
+        """Stop attempts still running here that the queue no longer gives to this host (another service
+        reaped this one while it was gone and requeued them): SIGTERM, SIGKILL after `grace`. A job whose
+        supervisor died is stopped, not left to run twice. Returns the job ids stopped."""
+        stopped = []
+        for exit_file, pid in self._wrappers().items():
+            try:
+                job_id, attempt = (int(x) for x in exit_file.name.split(".")[:2])
+            except ValueError:
+                continue
+            if (job_id, attempt) in current:
+                continue
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            stopped.append(job_id)
+            threading.Thread(target=self._kill_after, args=(pid, grace), daemon=True).start()
+        return stopped
+
+    @staticmethod
+    def _kill_after(pgid: int, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def close(self) -> None:
         self._closed = True

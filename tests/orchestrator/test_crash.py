@@ -83,3 +83,28 @@ def test_sigterm_stops_the_service_cleanly_and_leaves_jobs_for_the_next_one(home
         kill_leftovers(store)
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=20)
+
+
+def test_a_restarted_service_stops_attempts_the_queue_gave_away(home, tmp_path):
+    """Another host reaped this one while it was down and requeued its job: the old attempt must not keep
+    running next to the new one, so the restarted service stops it."""
+    store = JobStore(Settings.load().db_url)
+    serve = start_serve("cpu:1")
+    try:
+        wait_for(lambda: api.live_services(store), timeout=60)
+        marker = tmp_path / "stopped"
+        script = (f'if [ "$AUTORESEARCH_ATTEMPT" = 1 ]; then trap "echo 1 >> {marker}; exit 143" TERM; '
+                  'while :; do sleep 0.05; done; fi')
+        job = api.submit(JobSpec(argv=["sh", "-c", script], track=False))[0]
+        wait_for(lambda: store.get(job.id).state == "RUNNING")
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        store.requeue(job.id, "host lost (reaped by another service)")
+        serve = start_serve("cpu:1")
+        wait_for(lambda: marker.exists(), timeout=60, what="the stray attempt to be stopped")
+        wait_for(lambda: store.get(job.id).state == "SUCCEEDED", timeout=60, what="the requeued attempt")
+        assert store.get(job.id).attempts == 2
+    finally:
+        kill_leftovers(store)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=20)
