@@ -8,6 +8,7 @@ Kept free of torch at import time so `prepare.py` can run without it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -132,6 +133,18 @@ def lr_at(step: int, total: int, peak: float, warmup: int, schedule: str, floor:
 def evenly_spaced(total: int, count: int) -> set[int]:
     """`count` step numbers spread over 1..total, always including the last one (for evals and progress)."""
     return {max(1, round(total * (i + 1) / count)) for i in range(count)}
+
+
+def standalone_checkpoints(ctx: Any, experiment: str, params: dict[str, Any]) -> None:
+    """Run by hand (no AUTORESEARCH_CHECKPOINT_DIR), checkpoint under one dir per experiment and params.
+
+    The runtime's by-hand default is one dir per script name, and every experiment's script is `train`: a
+    digits run would then try to resume charlm's checkpoint, or a run with new params an old run's. A queued
+    job keeps the dir the service gave it (the same for every attempt)."""
+    if os.environ.get(protocol.CHECKPOINT_DIR):
+        return
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    ctx.checkpoint_dir = Path(ctx.checkpoint_dir).parent / f"{experiment}-{digest}"
 
 
 def distribute(model: Any, ctx: Any) -> Any:

@@ -23,7 +23,7 @@ from experiments.charlm import prepare
 from experiments.charlm.model import GPT, GPTConfig
 from experiments.charlm.spec import SPEC
 from experiments.common import (WithCounters, distribute, evenly_spaced, loader_workers, lr_at, read_all,
-                                setup_torch)
+                                setup_torch, standalone_checkpoints)
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
 from runtime.data import VolumeDataset
@@ -68,6 +68,7 @@ def evaluate(model: torch.nn.Module, rows: torch.Tensor, batch: int, autocast) -
 def main() -> None:
     with JobContext.from_env() as ctx:
         params = SPEC.validate(ctx.params)  # the CLI validated already; by hand this fills the defaults
+        standalone_checkpoints(ctx, SPEC.name, params)
         train(ctx, params)
 
 

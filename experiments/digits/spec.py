@@ -30,7 +30,7 @@ SPACE = SearchSpace({
     "batch_size": Int(8, 512, log=True, default=64),
     "seed": Int(0, 2**31 - 1, default=0),
     # budget and scale
-    "epochs": Int(1, 200, default=15, help="passes over the training images"),
+    "epochs": Int(1, 200, default=10, help="passes over the training images"),
     "scale": Int(1, 16, log=True, default=1,
                  help="multiplies width and batch size: 1 fits 2 CPU cores, 4-16 suits one GPU"),
 })
@@ -47,6 +47,6 @@ SPEC = ExperimentSpec(
     metric="val_accuracy",
     direction="maximize",
     entrypoint="experiments.digits.train",
-    budget={"epochs": 15, "scale": 1},  # held fixed while searching
+    budget={"epochs": 10, "scale": 1},  # held fixed while searching
     progress_metric="val_accuracy",
 )

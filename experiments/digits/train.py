@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from experiments.common import WithCounters, distribute, loader_workers, lr_at, read_all, setup_torch
+from experiments.common import (WithCounters, distribute, loader_workers, lr_at, read_all, setup_torch,
+                                standalone_checkpoints)
 from experiments.digits import prepare
 from experiments.digits.model import build
 from experiments.digits.spec import SPEC
@@ -64,6 +65,7 @@ def make_optimizer(model: torch.nn.Module, p: dict) -> torch.optim.Optimizer:
 def main() -> None:
     with JobContext.from_env() as ctx:
         params = SPEC.validate(ctx.params)  # the CLI validated already; by hand this fills the defaults
+        standalone_checkpoints(ctx, SPEC.name, params)
         train(ctx, params)
 
 
