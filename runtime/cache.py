@@ -31,6 +31,8 @@ from typing import Callable
 
 # Bounded, so a cache of millions of files does not also hold millions of lock files.
 _STRIPES = 4096
+# A hit refreshes the entry's mtime (its LRU age) only when older than this: saves a write per read.
+_TOUCH_AFTER_S = 60.0
 # Evict down to this share of the limit, so a full cache does not rescan on every insert.
 _LOW_WATER = 0.9
 
@@ -98,6 +100,7 @@ class FileCache:
         self._fds: set[int] = set()
         self._seq = itertools.count()
         self._estimate: int | None = None  # bytes of entries as last scanned plus our own inserts since
+        self._added = 0  # bytes this process has inserted, ever
         _live_caches.add(self)
         self.remove_orphans()
 
@@ -145,7 +148,8 @@ class FileCache:
             if st.st_nlink == 0 or os.stat(path).st_ino != st.st_ino or st.st_size != size:
                 self._close(fd)
                 return None
-            os.utime(fd)  # LRU: a hit makes the entry young again
+            if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                os.utime(fd)  # LRU: a hit makes the entry young again (at most once a minute: a metadata write)
             return Pin(str(path), size, fd, self, copied=False)
         except FileNotFoundError:
             self._close(fd)
@@ -153,6 +157,13 @@ class FileCache:
         except BaseException:
             self._close(fd)
             raise
+
+    def lookup(self, source_id: str, size: int, version: str, suffix: str) -> Pin | None:
+        """The entry pinned if it is cached and complete, else None; never touches the source."""
+        pin = self._try_pin(self.entry_path(self.key(source_id, size, version), suffix), size)
+        if pin is not None:
+            self.hits += 1
+        return pin
 
     def acquire(self, source_id: str, size: int, version: str, suffix: str,
                 fetch: Callable[[int], None]) -> Pin:
@@ -245,6 +256,7 @@ class FileCache:
                 self._estimate = sum(size for _, size, _ in self._entries())
             else:
                 self._estimate += added
+            self._added += added
             over = self._estimate > self.limit_bytes
         if over:
             self.evict(int(self.limit_bytes * _LOW_WATER))
@@ -260,6 +272,8 @@ class FileCache:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return self._estimate or 0
+            with self._lock:
+                added_before = self._added
             entries = sorted(self._entries())
             total = sum(size for _, size, _ in entries)
             for _, size, path in entries:
@@ -268,7 +282,8 @@ class FileCache:
                 if self._remove(path):
                     total -= size
             with self._lock:
-                self._estimate = total
+                # Copies finished by other threads during the scan may or may not be in it: count them.
+                self._estimate = total + self._added - added_before
             return total
         finally:
             self._close(lock)

@@ -30,7 +30,8 @@ def test_eviction_under_a_tiny_limit_never_removes_a_file_in_use(data_dir, tmp_p
         assert os.path.exists(pin.path), "a file in use was evicted"
         checked_index(pin.path)
     on_disk = sum(p.stat().st_size for p in cached_files(cache))
-    assert on_disk <= 5 * SIZE + 3 * SIZE, "the limit holds, give or take the files in use"
+    # In use at the last insert: the 3 held, lookahead + 1 in flight, and the current and previous file.
+    assert on_disk <= 5 * SIZE + (3 + 3 + 2) * SIZE, "the limit holds, give or take the files in use"
     ds.cache.evict(0)
     assert cached_files(cache) == sorted(Path(pin.path) for pin in held), "only files in use survive"
     for pin in held:
