@@ -113,7 +113,7 @@ def train(ctx: JobContext, p: dict) -> None:
     if step == 0:
         ctx.log_params({**p, "model_width": width, "model_params": model.num_params(), "total_steps": total})
     say(f"charlm: {model.num_params():,} params, {total} steps of {tokens_per_step:,} tokens, "
-          f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
+        f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
 
     # -- the loop ---------------------------------------------------------------------------------------
     val_loss = None
@@ -147,7 +147,7 @@ def train(ctx: JobContext, p: dict) -> None:
             ctx.log_metrics({"train_loss": train_loss, "val_loss": val_loss, "val_bpb": val_loss / math.log(2),
                              "lr": lr, "tokens": step * tokens_per_step}, step)
             say(f"step {step}/{total}: train {train_loss:.4f} val {val_loss:.4f} "
-                  f"({val_loss / math.log(2):.3f} bpb) {time.perf_counter() - t0:.1f}s", flush=True)
+                f"({val_loss / math.log(2):.3f} bpb) {time.perf_counter() - t0:.1f}s", flush=True)
         ckpt.maybe_save(step, state)
         ctx.heartbeat(step)
         if ctx.should_stop():

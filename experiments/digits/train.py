@@ -101,7 +101,7 @@ def train(ctx: JobContext, p: dict) -> None:
     if step == 0:
         ctx.log_params({**p, "model_params": n_params, "total_steps": total})
     say(f"digits: {p['arch']} with {n_params:,} params, {p['epochs']} epochs of {steps_per_epoch} steps, "
-          f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
+        f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
 
     # -- the loop: one pass of the loader is the rest of the current epoch --------------------------------
     accuracy = None
@@ -136,7 +136,7 @@ def train(ctx: JobContext, p: dict) -> None:
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss, "train_loss": train_loss,
                          "lr": lr_at(step - 1, total, p["lr"], 0, p["schedule"]), "epoch": epoch}, step)
         say(f"epoch {epoch}/{p['epochs']} step {step}: train {train_loss:.4f} val {val_loss:.4f} "
-              f"accuracy {accuracy:.4f} {time.perf_counter() - t0:.1f}s", flush=True)
+            f"accuracy {accuracy:.4f} {time.perf_counter() - t0:.1f}s", flush=True)
 
     # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op ----------
     ckpt.save_now(total, state)
