@@ -71,7 +71,7 @@ def loop(step, n: int, device: str, on_step=None) -> float:
     return time.perf_counter() - t0
 
 
-def run(params_m: float = 100, device: str = "cpu", saves: int = 3, interval: int = 6, batch: int = 16,
+def run(params_m: float = 100, device: str = "cpu", saves: int = 3, interval: int = 4, batch: int = 16,
         workdir: str | None = None, rounds: int = 2) -> dict:
     root = Path(workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -120,13 +120,18 @@ def run(params_m: float = 100, device: str = "cpu", saves: int = 3, interval: in
     n = saves * interval
     mgr = CheckpointManager(root / "mgr", keep_last=2, interval_steps=interval, stage_dir=str(root / "stage"))
     state = TrainState(model, opt)
-    calls, blocked, contention, base_t, extra_cpu = [], [], [], [], []
+    # The first save also allocates the reusable staging buffers (1.2 GB of page faults): once per run.
+    mgr.stats["staging_wait_s"] = 0.0
+    t0 = time.perf_counter()
+    mgr.maybe_save(interval, state)
+    first_call = time.perf_counter() - t0
+    step()  # its optimizer.step() waits for the first copy
+    mgr.wait()
+    first_blocked = first_call + mgr.stats["staging_wait_s"]
+    calls, blocked, contention, base_t = [], [], [], []
     for _ in range(rounds):
         shutil.rmtree(root / "mgr", ignore_errors=True)
-        c0 = time.process_time()
         base_t.append(loop(step, n + interval, device))
-        base_cpu = time.process_time() - c0
-        c0 = time.process_time()
         mgr.stats["staging_wait_s"] = 0.0
         touched, untouched, round_calls = [], [], []
         for i in range(1, n + interval + 1):
@@ -140,15 +145,23 @@ def run(params_m: float = 100, device: str = "cpu", saves: int = 3, interval: in
             if i <= n and mgr.maybe_save(i, state):
                 round_calls.append(time.perf_counter() - t1)
         touched.append(_drain(mgr))  # an upload still running at the end is charged in full
-        # CPU seconds (all threads) the saves added: what the overlap takes from training on a saturated
-        # host, and far less noisy than wall time on a shared one
-        extra_cpu.append((time.process_time() - c0 - base_cpu) / saves)
         calls += round_calls
         # blocked: the training thread inside maybe_save, or held before optimizer.step() by the copy
         blocked.append((sum(round_calls) + mgr.stats["staging_wait_s"]) / saves)
         excess = sum(touched) - (len(touched) - 1) * statistics.median(untouched)
         contention.append((sum(round_calls) + excess) / saves)
     per_ckpt = max(0.0, statistics.median(contention))
+
+    # The background work of one save measured alone (training idle): what overlapping it with training
+    # costs a host whose cores the training already saturates (a 2-core CPU box), at worst.
+    shutil.rmtree(root / "mgr", ignore_errors=True)
+    bg_wall, bg_cpu = [], []
+    for i in range(1, saves + 1):
+        c0, t0 = time.process_time(), time.perf_counter()
+        mgr.maybe_save(i * interval, state)
+        mgr.wait()
+        bg_wall.append(time.perf_counter() - t0)
+        bg_cpu.append(time.process_time() - c0)
 
     fresh = TrainState(model, opt)
     mgr_load = []
@@ -168,12 +181,14 @@ def run(params_m: float = 100, device: str = "cpu", saves: int = 3, interval: in
         "torch_save_s": round(ts, 3), "torch_load_s": round(statistics.median(ts_load), 3),
         "dcp_async_default_block_s": round(statistics.median(dcp_block), 3),
         "manager_call_block_s": round(statistics.median(calls), 4),
+        "manager_first_save_blocked_s": round(first_blocked, 3),
         "manager_blocked_per_ckpt_s": round(statistics.median(blocked), 4),
+        "blocked_samples_s": [round(b, 4) for b in blocked],
         "manager_stall_per_ckpt_s": round(per_ckpt, 4),
         "stall_samples_s": [round(c, 3) for c in contention],
         "torch_save_cpu_s": round(statistics.median(ts_cpu), 3),
-        "manager_extra_cpu_per_ckpt_s": round(statistics.median(extra_cpu), 3),
-        "extra_cpu_samples_s": [round(c, 3) for c in extra_cpu],
+        "manager_background_wall_s": round(statistics.median(bg_wall), 3),
+        "manager_background_cpu_s": round(statistics.median(bg_cpu), 3),
         "manager_load_s": round(statistics.median(mgr_load), 3),
     }
     res["ratio_dcp_default_vs_torch_save"] = round(res["dcp_async_default_block_s"] / ts, 3)
@@ -201,10 +216,13 @@ def report(res: dict) -> None:
           f"{res['ratio_manager_call_vs_torch_save']:.3f}x")
     print(f"  CheckpointManager, thread blocked  {res['manager_blocked_per_ckpt_s']:.4f} s per checkpoint   "
           f"{res['ratio_manager_blocked_vs_torch_save']:.3f}x   (aim <= 0.10x)")
+    print(f"  CheckpointManager, first save      {res['manager_first_save_blocked_s']:.3f} s blocked once per run "
+          "(allocating the reusable staging buffers)")
     print(f"  CheckpointManager, loop loss       {res['manager_stall_per_ckpt_s']:.4f} s per checkpoint   "
           f"{res['ratio_manager_stall_vs_torch_save']:.3f}x   (blocked + slower steps while saving)")
-    print(f"  CPU time: torch.save {res['torch_save_cpu_s']:.3f} s; CheckpointManager adds "
-          f"{res['manager_extra_cpu_per_ckpt_s']:.3f} s per checkpoint in background threads")
+    print(f"  background work per save, alone: {res['manager_background_wall_s']:.3f} s wall, "
+          f"{res['manager_background_cpu_s']:.3f} s CPU (torch.save: {res['torch_save_s']:.3f} s wall, "
+          f"{res['torch_save_cpu_s']:.3f} s CPU)")
     print(f"  load: torch.load {res['torch_load_s']:.3f} s, CheckpointManager.load_latest "
           f"{res['manager_load_s']:.3f} s ({res['ratio_manager_load_vs_torch_load']:.2f}x)")
 
@@ -214,7 +232,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--params-m", type=float, default=100)
     ap.add_argument("--saves", type=int, default=3)
-    ap.add_argument("--interval", type=int, default=6)
+    ap.add_argument("--interval", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="timed loops with saves (median)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -218,43 +219,46 @@ class SnapshotStager:
 
     def stage(self, state_dict: dict[str, Any]) -> Future:
         """Return a Future of a CPU copy of `state_dict`; small parts are copied before returning."""
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (container, key, source, buffer name): the slot is filled in the background, where the buffer is
+        # also allocated the first time, so even the first save's page faults / pinning stay off this thread.
+        jobs: list[tuple[Any, Any, torch.Tensor, str]] = []
 
-        def walk(obj: Any, key: str) -> Any:
+        def walk(obj: Any, name: str) -> Any:
             if isinstance(obj, torch.Tensor):
-                if type(obj) is torch.Tensor and obj.numel() and _storage_key(obj) in self.deferred:
-                    buf = self._buffer(key, obj)
-                    jobs.append((buf, obj))
-                    return buf
                 return obj.detach().to("cpu", copy=True)
             if isinstance(obj, dict):
-                return {k: walk(v, f"{key}.{k}") for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                out = [walk(v, f"{key}.{i}") for i, v in enumerate(obj)]
-                return out if isinstance(obj, list) else type(obj)(out)
-            return copy.deepcopy(obj)
+                out: Any = {}
+                items = obj.items()
+            elif isinstance(obj, list):
+                out, items = [None] * len(obj), enumerate(obj)
+            else:
+                return copy.deepcopy(obj)  # tuples included: they hold no optimizer-owned tensors in practice
+            for k, v in items:
+                if type(v) is torch.Tensor and v.numel() and _storage_key(v) in self.deferred:
+                    jobs.append((out, k, v, f"{name}.{k}"))
+                else:
+                    out[k] = walk(v, f"{name}.{k}")
+            return out
 
         staged = walk(state_dict, "")
         event = None
-        if any(src.is_cuda for _, src in jobs):
+        if any(src.is_cuda for _, _, src, _ in jobs):
             event = torch.cuda.Event()
             event.record()  # the side stream must see the values as of now, not later kernels' writes
         self._future = self._pool.submit(self._copy, jobs, event, staged)
         return self._future
 
-    @staticmethod
-    def _copy(jobs, event, staged):
-        if event is None:
-            with torch.no_grad():
-                for dst, src in jobs:
-                    dst.copy_(src)
-            return staged
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.no_grad():
-            stream.wait_event(event)
-            for dst, src in jobs:
-                dst.copy_(src, non_blocking=True)
-        stream.synchronize()
+    def _copy(self, jobs, event, staged):
+        stream = torch.cuda.Stream() if event is not None else None
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if stream is not None:
+                stream.wait_event(event)
+            for container, key, src, name in jobs:
+                buf = self._buffer(name, src)
+                buf.copy_(src, non_blocking=stream is not None)
+                container[key] = buf
+        if stream is not None:
+            stream.synchronize()
         return staged
 
     def wait(self) -> None:

@@ -115,7 +115,7 @@ def test_two_rank_gloo_stop_is_agreed_and_resume_is_bitwise_identical(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path):
-    run = start(tmp_path, "run", faults="checkpoint@20:crash")
+    run, ref = start(tmp_path, "run", faults="checkpoint@20:crash"), start(tmp_path, "ref")
     assert finish(run) == -signal.SIGKILL, run.output
     ckpt = tmp_path / "ckpt-run"
     assert (ckpt / "step_0000000010" / METADATA).exists()
@@ -123,7 +123,6 @@ def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path):
     resumed = start(tmp_path, "run")
     assert finish(resumed) == 0, resumed.output
     assert (tmp_path / "out-run" / "resumed.txt").read_text() == "10"
-    ref = start(tmp_path, "ref")
     assert finish(ref) == 0, ref.output
     assert_same_run(tmp_path, "ref", "run")
 

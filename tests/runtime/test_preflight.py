@@ -107,22 +107,26 @@ def test_results_and_config_validate():
 def _cli(args, home, faults_spec=""):
     env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_FAULTS=faults_spec, PYTHONPATH=str(ROOT))
     env.pop("AUTORESEARCH_DEVICES", None)
-    return subprocess.run([sys.executable, "-c", "import sys; from orchestrator.cli import main; main(sys.argv[1:])",
-                           "preflight", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-c", "import sys; from orchestrator.cli import main; main(sys.argv[1:])",
+                             "preflight", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_cli_exit_codes(home):
-    ok = _cli(["--devices", "cpu:2", "--json"], home)
-    assert ok.returncode == 0, ok.stderr
-    data = json.loads(ok.stdout)
-    assert data["healthy"] and {r["device"] for r in data["results"]} == {"cpu:0", "cpu:1", "host"}
-    bad = _cli(["--devices", "cpu:2"], home, faults_spec="cpu:1:ecc")
-    assert bad.returncode == 1 and "injected fault" in bad.stdout
-    assert _cli(["--devices", "nonsense"], home).returncode == 2
+    # All at once: each is a fresh interpreter importing torch, the slow part on a small machine.
+    procs = {"ok": _cli(["--devices", "cpu:2", "--json"], home),
+             "fault": _cli(["--devices", "cpu:2"], home, faults_spec="cpu:1:ecc"),
+             "bad": _cli(["--devices", "nonsense"], home)}
     if not HAS_GPU:
-        auto = _cli([], home)
-        assert auto.returncode == 2 and "cpu:N" in auto.stderr
+        procs["auto"] = _cli([], home)
+    out = {k: (p.wait(timeout=120), *p.communicate()) for k, p in procs.items()}
+    code, stdout, stderr = out["ok"]
+    assert code == 0, stderr
+    data = json.loads(stdout)
+    assert data["healthy"] and {r["device"] for r in data["results"]} == {"cpu:0", "cpu:1", "host"}
+    assert out["fault"][0] == 1 and "injected fault" in out["fault"][1]
+    assert out["bad"][0] == 2 and "bad --devices" in out["bad"][2]
+    if "auto" in out:
+        assert out["auto"][0] == 2 and "cpu:N" in out["auto"][2]
 
 
 def test_run_isolated_in_a_child_process(tmp_path):
