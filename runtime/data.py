@@ -15,7 +15,6 @@ rank's order exactly; `runtime.loader.DataLoader` sets that block size and keeps
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import random
 import shutil
@@ -26,11 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from runtime.cache import FileCache, Pin
 from runtime.errors import VolumeError
+from runtime.loader import _dist_rank_world, _Spec, epoch_order, rank_order, samples_per_rank, worker_positions
+
+__all__ = ["VolumeConfig", "VolumeDataset", "FileInfo", "WarmReport", "warm", "epoch_order", "rank_order",
+           "samples_per_rank", "worker_positions"]
 
 STATE_VERSION = 1
 
@@ -168,73 +170,8 @@ def open_source(source: str) -> Source:
     return FsspecSource(source) if "://" in source else LocalSource(source)
 
 
-# -- partitioning (pure functions; property-tested) ---------------------------------------------------------
-def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
-    """The global order of file indices for one epoch; identical on every rank and worker."""
-    order = list(range(num_files))
-    if shuffle:
-        random.Random(f"volume:{seed}:{epoch}").shuffle(order)  # str seeds hash stably across runs
-    return order
-
-
-def samples_per_rank(num_files: int, world_size: int, drop_last: bool = False) -> int:
-    """Samples each rank gets in a full epoch."""
-    return num_files // world_size if drop_last else math.ceil(num_files / world_size)
-
-
-def rank_order(order: list[int], consumed: int, rank: int, world_size: int, drop_last: bool = False) -> list[int]:
-    """File indices rank `rank` still has to deliver after `consumed` samples of `order` (all ranks)."""
-    n = len(order)
-    tail = order[consumed:] if consumed < n else []
-    if drop_last:
-        tail = tail[: len(tail) - len(tail) % world_size]
-    elif n:
-        tail = tail + [order[i % n] for i in range((-len(tail)) % world_size)]
-    return tail[rank::world_size]
-
-
-def worker_positions(length: int, block: int, worker: int, num_workers: int) -> list[int]:
-    """Positions (into a rank's order) that one worker delivers: blocks of `block`, dealt round-robin."""
-    out: list[int] = []
-    for start in range(worker * block, length, num_workers * block):
-        out.extend(range(start, min(start + block, length)))
-    return out
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-class _Spec:
-    """What an iteration covers (epoch, start, block, trail, rank, world), written by the loader before
-    workers start an epoch. Persistent workers only see it through shared memory, so `share()` moves it
-    into an anonymous shared array (freed with the last process that maps it: nothing left after a crash)."""
-
-    FIELDS = ("valid", "epoch", "start", "block", "trail", "rank", "world")
-
-    def __init__(self) -> None:
-        self._values: Any = [0] * len(self.FIELDS)
-
-    def share(self, ctx) -> None:
-        if isinstance(self._values, list):
-            self._values = ctx.RawArray("q", self._values)
-
-    def set(self, **values: int) -> None:
-        for name, value in values.items():
-            self._values[self.FIELDS.index(name)] = int(value)
-        self._values[0] = 1
-
-    def get(self) -> dict[str, int] | None:
-        values = list(self._values)
-        return dict(zip(self.FIELDS, values)) if values[0] else None
-
-    def __getstate__(self):
-        from multiprocessing.context import get_spawning_popen
-
-        # A shared array pickles only while spawning a worker; anywhere else, keep a plain copy.
-        return {"_values": self._values if get_spawning_popen() is not None else list(self._values)}
+def _suffix(rel: str) -> str:
+    return os.path.splitext(rel)[1][:16]  # the cached copy keeps the extension, for decoders that look
 
 
 class VolumeDataset(IterableDataset):
@@ -262,8 +199,7 @@ class VolumeDataset(IterableDataset):
             raise VolumeError(f"no files match {cfg.pattern!r} under {cfg.source}")
         self._epoch = 0
         self._consumed = 0  # global samples consumed in this epoch (all ranks)
-        self._spec = _Spec()
-        self._managed = False  # True once a runtime.loader.DataLoader keeps the position
+        self._spec = _Spec()  # set by runtime.loader.DataLoader, which then keeps the position
         self._cache: FileCache | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
@@ -334,13 +270,12 @@ class VolumeDataset(IterableDataset):
 
     def _schedule(self, pool: ThreadPoolExecutor, info: FileInfo) -> Any:
         # A hit costs a few local syscalls: take it here rather than pay a thread hand-off per sample.
-        pin = self.cache.lookup(self.source.uid(info.rel), info.size, info.version, os.path.splitext(info.rel)[1][:16])
+        pin = self.cache.lookup(self.source.uid(info.rel), info.size, info.version, _suffix(info.rel))
         return pin if pin is not None else pool.submit(self.fetch, info)
 
     def fetch(self, info: FileInfo) -> Pin:
         """Copy one file into the cache if needed (retrying transient errors) and return it pinned."""
-        suffix = os.path.splitext(info.rel)[1][:16]
-        return self.cache.acquire(self.source.uid(info.rel), info.size, info.version, suffix,
+        return self.cache.acquire(self.source.uid(info.rel), info.size, info.version, _suffix(info.rel),
                                   lambda fd: self._copy(info, fd))
 
     def _copy(self, info: FileInfo, fd: int) -> None:
@@ -361,19 +296,15 @@ class VolumeDataset(IterableDataset):
                 delay *= 2
 
     def __iter__(self) -> Iterator[Any]:
-        spec = self._spec.get()
-        managed = spec is not None
+        spec, info = self._spec.get(), get_worker_info()
+        track = spec is None and info is None  # without a loader, iterating here keeps its own position
         if spec is None:
             rank, world = _dist_rank_world()
-            spec = {"epoch": self._epoch, "start": self._consumed, "block": 1, "trail": 1, "rank": rank,
-                    "world": world}
+            spec = dict(epoch=self._epoch, start=self._consumed, block=1, trail=1, rank=rank, world=world)
         order = self._rank_order(spec)
-        info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         positions = worker_positions(len(order), max(spec["block"], 1), worker, workers)
         files = [self.files[order[p]] for p in positions]
-        # Without a loader, a dataset iterated in this process keeps its own position.
-        track = not managed and info is None
         delivered = 0
         for item in self._stream(files, spec["trail"], hold_at_end=info is not None):
             delivered += 1

@@ -5,15 +5,88 @@ The position is counted here, in the training process, from batches actually del
 ahead (prefetch), so only the consumer knows what has been used. Because the dataset deals each rank's
 order to workers in blocks of `batch_size`, and torch collects one batch from each worker in turn, the
 k-th delivered batch is always samples [k*B, (k+1)*B) of the rank's order, whatever the worker count.
+The functions that fix that order (per epoch, per rank, per worker) live here too; VolumeDataset uses them.
 """
 
 from __future__ import annotations
 
-import multiprocessing.sharedctypes  # noqa: F401  (RawArray for the shared iteration spec)
+import math
+import multiprocessing
+import os
+import random
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.data
+
+
+# -- the order of delivery: pure functions, property-tested ----------------------------------------------------
+def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The global order of file indices for one epoch; identical on every rank and worker."""
+    order = list(range(num_files))
+    if shuffle:
+        random.Random(f"volume:{seed}:{epoch}").shuffle(order)  # str seeds hash stably across runs
+    return order
+
+
+def samples_per_rank(num_files: int, world_size: int, drop_last: bool = False) -> int:
+    """Samples each rank gets in a full epoch."""
+    return num_files // world_size if drop_last else math.ceil(num_files / world_size)
+
+
+def rank_order(order: list[int], consumed: int, rank: int, world_size: int, drop_last: bool = False) -> list[int]:
+    """File indices rank `rank` still has to deliver after `consumed` samples of `order` (all ranks)."""
+    n = len(order)
+    tail = order[consumed:] if consumed < n else []
+    if drop_last:
+        tail = tail[: len(tail) - len(tail) % world_size]
+    elif n:
+        tail = tail + [order[i % n] for i in range((-len(tail)) % world_size)]
+    return tail[rank::world_size]
+
+
+def worker_positions(length: int, block: int, worker: int, num_workers: int) -> list[int]:
+    """Positions (into a rank's order) that one worker delivers: blocks of `block`, dealt round-robin."""
+    out: list[int] = []
+    for start in range(worker * block, length, num_workers * block):
+        out.extend(range(start, min(start + block, length)))
+    return out
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class _Spec:
+    """What an iteration covers (epoch, start, block, trail, rank, world), written by the loader before
+    workers start an epoch. Persistent workers only see it through shared memory, so `share()` moves it
+    into an anonymous shared array (freed with the last process that maps it: nothing left after a crash)."""
+
+    FIELDS = ("valid", "epoch", "start", "block", "trail", "rank", "world")
+
+    def __init__(self) -> None:
+        self._values: Any = [0] * len(self.FIELDS)
+
+    def share(self, ctx) -> None:
+        if isinstance(self._values, list):
+            self._values = ctx.RawArray("q", self._values)
+
+    def set(self, **values: int) -> None:
+        for name, value in values.items():
+            self._values[self.FIELDS.index(name)] = int(value)
+        self._values[0] = 1
+
+    def get(self) -> dict[str, int] | None:
+        values = list(self._values)
+        return dict(zip(self.FIELDS, values)) if values[0] else None
+
+    def __getstate__(self):
+        from multiprocessing.context import get_spawning_popen
+
+        # A shared array pickles only while spawning a worker; anywhere else, keep a plain copy.
+        return {"_values": self._values if get_spawning_popen() is not None else list(self._values)}
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -39,12 +112,10 @@ class DataLoader(torch.utils.data.DataLoader):
                          pin_memory=pin_memory, persistent_workers=persistent_workers,
                          prefetch_factor=prefetch_factor, drop_last=drop_last, **kwargs)
         self._volume = dataset if hasattr(dataset, "_begin") else None
-        if self._volume is not None:
-            self._volume._managed = True
-            if num_workers > 0:
-                # Persistent workers keep their copy of the dataset; the per-epoch spec reaches them only
-                # through memory shared before they start.
-                self._volume._spec.share(multiprocessing)
+        if self._volume is not None and num_workers > 0:
+            # Persistent workers keep their copy of the dataset; the per-epoch spec reaches them only
+            # through memory shared before they start.
+            self._volume._spec.share(multiprocessing)
 
     def __iter__(self) -> Iterator[Any]:
         if self._volume is None:
