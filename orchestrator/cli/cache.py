@@ -12,7 +12,7 @@ import typer
 
 from orchestrator.cli import app
 from orchestrator.cli.common import info, print_json, print_table
-from orchestrator.errors import BadInput
+from orchestrator.errors import BadInput, OrchestratorError
 
 cache_app = typer.Typer(help="The local cache of files copied from slow shared volumes.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
@@ -63,7 +63,7 @@ def warm_cmd(
         try:
             report = warm(dataset, threads=threads, progress=lambda n: bar.advance(task, n))
         except VolumeError as exc:
-            raise BadInput(str(exc)) from None
+            raise OrchestratorError(str(exc)) from None  # the volume failed mid-way: not the user's input
     if json:
         print_json({"source": path, "cache_dir": root, "files": report.files, "bytes": report.bytes,
                     "copied_files": report.copied_files, "copied_bytes": report.copied_bytes,

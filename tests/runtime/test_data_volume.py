@@ -15,7 +15,7 @@ import pytest
 
 from runtime.data import VolumeDataset
 from runtime.errors import VolumeError
-from tests.support import checked_index, write_files
+from tests.support import checked_index, sample_index, write_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,3 +142,20 @@ def test_two_jobs_sharing_a_cache_copy_each_file_once_and_both_read_intact_files
         assert sorted(json.loads(out)) == list(range(40))
     opens = vol.stats()["opens_by_path"]
     assert len(opens) == 40 and set(opens.values()) == {1}, "no file was copied twice"
+
+
+def test_fsspec_urls_are_sources_too(data_dir, tmp_path):
+    import fsspec
+
+    write_files(data_dir, 12, size=1024)
+    from_url = VolumeDataset(f"file://{data_dir}", cache_dir=tmp_path / "cache", transform=checked_index, seed=4)
+    from_path = VolumeDataset(data_dir, cache_dir=tmp_path / "cache", transform=checked_index, seed=4)
+    assert list(from_url) == list(from_path), "same listing and order through fsspec as through the path"
+
+    mem = fsspec.filesystem("memory")
+    for i in range(5):
+        mem.pipe(f"/bucket/shard{i}.bin", (f"{i:08d}".encode() * 8))
+    ds = VolumeDataset("memory://bucket", cache_dir=tmp_path / "cache", shuffle=False, transform=sample_index)
+    assert list(ds) == list(range(5))
+    with pytest.raises(VolumeError, match="data volume not found: memory://nowhere"):
+        VolumeDataset("memory://nowhere", cache_dir=tmp_path / "cache")
