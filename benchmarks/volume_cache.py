@@ -56,13 +56,13 @@ def listed(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
-def loader_epochs(mount: Path, cache: Path, epochs: int, step_s: float) -> list[tuple[float, float]]:
-    """(data wait, total) seconds per epoch of a training loop with a fixed compute step."""
+def loader_epochs(mount: Path, cache: Path, epochs: int, step_s: float) -> list[tuple[float, float, float]]:
+    """(data wait, total, median wait per batch) seconds per epoch of a loop with a fixed compute step."""
     ds = VolumeDataset(mount, cache_dir=str(cache), transform=read_bytes)
     dl = DataLoader(ds, batch_size=32, num_workers=2)
     out = []
     for _ in range(epochs):
-        wait, t0 = 0.0, time.perf_counter()
+        waits, t0 = [], time.perf_counter()
         it = iter(dl)
         while True:
             t = time.perf_counter()
@@ -70,9 +70,9 @@ def loader_epochs(mount: Path, cache: Path, epochs: int, step_s: float) -> list[
                 next(it)
             except StopIteration:
                 break
-            wait += time.perf_counter() - t
+            waits.append(time.perf_counter() - t)
             time.sleep(step_s)  # the model's step; the GIL is free, as it is while a GPU kernel runs
-        out.append((wait, time.perf_counter() - t0))
+        out.append((sum(waits), time.perf_counter() - t0, sorted(waits)[len(waits) // 2]))
     return out
 
 
@@ -134,7 +134,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\n{args.files} files x {args.size_kib} KiB = {nbytes / 2**20:.0f} MiB; volume: "
-          f"{args.open_latency * 1000:g} ms per open, {args.bandwidth_mib:g} MiB/s cap; {os.cpu_count()} CPUs")
+          f"{args.open_latency * 1000:g} ms per open, {args.bandwidth_mib:g} MiB/s cap; {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} (other work on this machine inflates every figure)")
     base = r["cp -r (serial)"]
     for name, sec in r.items():
         print(f"  {name:<44} {sec:8.2f} s   {base / sec:7.1f}x serial cp")
@@ -146,9 +147,9 @@ def main() -> None:
     print(f"  cold epoch vs xargs recipe:              {cold_vs_xargs:6.2f}x faster  (aim >= 1)")
     print(f"  warm epoch vs direct reads (1 reader):   {warm_vs_direct:6.1f}x faster  (aim >= 20)")
     print(f"  warm epoch vs direct reads (16 threads): {warm_vs_threads:6.1f}x faster")
-    for i, (wait, total) in enumerate(epochs, 1):
-        print(f"  loader epoch {i}: data wait {100 * wait / total:5.1f}% of the epoch"
-              + ("  (aim < 5%)" if i > 1 else "  (cold)"))
+    for i, (wait, total, median) in enumerate(epochs, 1):
+        print(f"  loader epoch {i}: data wait {100 * wait / total:5.1f}% of the epoch, median "
+              f"{median * 1000:.2f} ms per batch" + ("  (aim < 5%)" if i > 1 else "  (cold)"))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ if str(ROOT) not in sys.path:
 from tests.support.slowfs import SlowVolume, fuse_unavailable_reason  # noqa: E402
 
 
-
 @pytest.fixture
 def data_dir(tmp_path) -> Path:
     """An empty directory to write a dataset into."""
