@@ -103,6 +103,7 @@ def trial() -> None:
 # -- the benchmark --------------------------------------------------------------------------------------------
 
 def run_session(method: str, seed: int, minutes: float, slots: int) -> dict:
+    """`method` is random, tpe (no early stopping) or tpe+asha."""
     """One session in a fresh home; returns its trials' (finish time, value) and device-time accounting."""
     home = Path(tempfile.mkdtemp(prefix=f"bench-{method}-{seed}-"))
     os.environ["AUTORESEARCH_HOME"] = str(home)
@@ -115,7 +116,7 @@ def run_session(method: str, seed: int, minutes: float, slots: int) -> dict:
 
     config = SessionConfig(goal="minimise the loss", experiment="benchmarks.search_efficiency:SPEC",
                            proposer="random" if method == "random" else "tpe", budget_minutes=minutes,
-                           parallel=slots, early_stopping=method != "random", confirm_seeds=0, seed=seed, poll=0.25)
+                           parallel=slots, early_stopping=method.endswith("+asha"), confirm_seeds=0, seed=seed, poll=0.25)
     summary = runner.start(config, settings=Settings.load(), devices=f"cpu:{slots}")
     store = JobStore(Settings.load().db_url)
     jobs = store.list(owner=summary["session"])
@@ -159,6 +160,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=1.5, help="wall-clock budget per session")
     parser.add_argument("--slots", type=int, default=4, help="cpu:N device slots per session")
     parser.add_argument("--step-seconds", type=float, default=1.0)
+    parser.add_argument("--method", default="tpe+asha", choices=("tpe+asha", "tpe"),
+                        help="the method compared with random search (tpe: the ablation without early stopping)")
     args = parser.parse_args()
     os.environ["BENCH_STEP_SECONDS"] = str(args.step_seconds)
     os.environ.pop("OPENAI_API_KEY", None)
@@ -166,13 +169,14 @@ def main() -> int:
     import logging
 
     logging.disable(logging.WARNING)
-    print(f"search efficiency: random vs tpe+ASHA, {args.seeds} seeds, {args.minutes:g} min x {args.slots} slots "
+    name = {"tpe+asha": "tpe+ASHA", "tpe": "tpe"}[args.method]
+    print(f"search efficiency: random vs {name}, {args.seeds} seeds, {args.minutes:g} min x {args.slots} slots "
           f"= {args.minutes * 60 * args.slots:.0f} device-s per session; synthetic objective through the real "
           f"queue ({STEPS} steps x {args.step_seconds:g} s per trial + process start-up)", flush=True)
     rows = []
     for seed in range(args.seeds):
         rnd = run_session("random", seed, args.minutes, args.slots)
-        tpe = run_session("tpe", seed, args.minutes, args.slots)
+        tpe = run_session(args.method, seed, args.minutes, args.slots)
         r_best = min(v for _, v in rnd["done"])
         t_best = min(v for _, v in tpe["done"])
         r_time = time_to_reach(rnd, r_best)
@@ -182,7 +186,7 @@ def main() -> int:
                      "tpe_stopped": tpe["stopped"], "util_random": rnd["utilisation"],
                      "util_tpe": tpe["utilisation"], "budget": rnd["device_s"]})
         print(f"seed {seed}: random best {r_best:.4f} ({rnd['trials']} trials, reached at {r_time:.0f} device-s) | "
-              f"tpe+ASHA best {t_best:.4f} ({tpe['trials']} trials, {tpe['stopped']} stopped early; reached "
+              f"{name} best {t_best:.4f} ({tpe['trials']} trials, {tpe['stopped']} stopped early; reached "
               f"random's best at {'never' if t_time is None else f'{t_time:.0f} device-s'}) | utilisation "
               f"random {rnd['utilisation']:.1%}, tpe {tpe['utilisation']:.1%}", flush=True)
     mean = statistics.fmean
@@ -191,15 +195,15 @@ def main() -> int:
     budget = mean([r["budget"] for r in rows])
     print()
     print(f"mean best loss:   random {mean([r['random_best'] for r in rows]):.4f}   "
-          f"tpe+ASHA {mean([r['tpe_best'] for r in rows]):.4f}   (lower is better; optimum about 0.0)")
+          f"{name} {mean([r['tpe_best'] for r in rows]):.4f}   (lower is better; optimum about 0.0)")
     print(f"device-time to reach random's final best: random {mean([r['random_time'] for r in rows]):.0f} s, "
-          f"tpe+ASHA {mean([r['tpe_time'] if r['tpe_time'] is not None else budget for r in rows]):.0f} s "
+          f"{name} {mean([r['tpe_time'] if r['tpe_time'] is not None else budget for r in rows]):.0f} s "
           f"(reached in {len(reached)}/{len(rows)} seeds; unreached counted as the whole budget)")
     if ratios:
-        print(f"tpe+ASHA / random device-time ratio: mean {mean(ratios):.2f}, median {statistics.median(ratios):.2f} "
+        print(f"{name} / random device-time ratio: mean {mean(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"(aim <= 0.50)")
     util = mean([r["util_tpe"] for r in rows])
-    print(f"device utilisation of the agent (tpe+ASHA) sessions: {util:.1%} (aim >= 95%); "
+    print(f"device utilisation of the agent ({name}) sessions: {util:.1%} (aim >= 95%); "
           f"random sessions {mean([r['util_random'] for r in rows]):.1%}")
     return 0
 
