@@ -123,6 +123,8 @@ class FileCache:
 
     def _close(self, fd: int) -> None:
         with self._lock:
+            if fd not in self._fds:
+                return  # opened before a fork and already dropped here: the number may be reused now
             self._fds.discard(fd)
         os.close(fd)
 
