@@ -18,6 +18,7 @@ import fnmatch
 import os
 import random
 import shutil
+import stat
 import time
 import warnings
 from collections import deque
@@ -95,29 +96,38 @@ class LocalSource:
         return os.path.join(self.root, rel)
 
     def list(self, pattern: str, threads: int) -> list[FileInfo]:
+        def stat_or_none(rel: str) -> os.stat_result | None:
+            try:
+                return os.stat(os.path.join(self.root, rel))
+            except FileNotFoundError:
+                return None  # removed while we listed
+
         try:
             if not os.path.isdir(self.root):
                 os.stat(self.root)  # raises the precise reason (missing, dead mount) when there is one
                 raise NotADirectoryError(20, "not a directory")
-            rels, stack = [], [""]
-            while stack:
-                rel_dir = stack.pop()
-                with os.scandir(os.path.join(self.root, rel_dir)) as it:
-                    for entry in it:
-                        rel = os.path.join(rel_dir, entry.name) if rel_dir else entry.name
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(rel)
-                        elif fnmatch.fnmatchcase(rel, pattern):
-                            rels.append(rel)
-            rels.sort()
-            # A stat is a round trip on network storage; do them in parallel.
+            found, level, seen = {}, [""], set()
+            # A stat is a round trip on network storage, and scandir cannot always tell a file from a
+            # directory without one: stat every entry, one directory level at a time, in parallel.
             with ThreadPoolExecutor(threads) as pool:
-                stats = list(pool.map(lambda r: os.stat(os.path.join(self.root, r)), rels))
+                while level:
+                    listings = pool.map(lambda d: os.listdir(os.path.join(self.root, d)), level)
+                    names = [os.path.join(d, n) if d else n for d, names in zip(level, listings) for n in names]
+                    level = []
+                    for rel, st in zip(names, pool.map(stat_or_none, names)):
+                        if st is None:
+                            continue
+                        if stat.S_ISDIR(st.st_mode):
+                            if (st.st_dev, st.st_ino) not in seen:  # a symlink loop is walked once
+                                seen.add((st.st_dev, st.st_ino))
+                                level.append(rel)
+                        elif stat.S_ISREG(st.st_mode) and fnmatch.fnmatchcase(rel, pattern):
+                            found[rel] = st
         except FileNotFoundError:
             raise VolumeError(f"data volume not found: {self.root}") from None
         except OSError as exc:
             raise VolumeError(f"data volume {self.root} is unreadable: {exc.strerror or exc}") from None
-        return [FileInfo(r, st.st_size, str(st.st_mtime_ns)) for r, st in zip(rels, stats)]
+        return [FileInfo(r, found[r].st_size, str(found[r].st_mtime_ns)) for r in sorted(found)]
 
     def copy(self, rel: str, fd: int) -> None:
         src = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
