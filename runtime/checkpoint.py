@@ -16,9 +16,18 @@ the only loadable one is never deleted. Typical loop::
             ctx.exit_preempted()
     ckpt.close()
 
+What `maybe_save` costs the loop: it snapshots the small state (buffers, RNG, loader position, step) and
+returns; parameters and optimizer state are copied by a background thread into host buffers kept for the
+whole run (one extra copy of that state in host memory, pinned on CUDA), and the next ``optimizer.step()``
+waits until the copy is done (a step pre-hook). Code that changes parameters any other way before that step
+must call `wait_staged()` first. The upload then runs in the background; the next save waits for it, and a
+failed one raises CheckpointError from the next `maybe_save`/`save_now`/`wait`.
+
 With several ranks, build the manager after `init_distributed()` and call its methods at the same points on
 every rank (they are collective). It creates its own gloo group so background uploads never interleave with
-the training loop's collectives.
+the training loop's collectives. If a checkpoint passes validation everywhere but then fails to load on one
+rank only, DCP's collectives may not recover; validation (metadata + file sizes) is voted on first for that
+reason. Single-device and DDP models are what this is tested with; sharded (FSDP2/DTensor) state is not.
 """
 
 from __future__ import annotations
@@ -199,7 +208,10 @@ class CheckpointManager:
         """Block until the in-flight save has copied the parameters and optimizer state (called before every
         optimizer.step() by a hook; call it yourself before mutating parameters any other way)."""
         t0 = time.perf_counter()
-        self._stager.wait()
+        try:
+            self._stager.wait()
+        except Exception:
+            pass  # a failed copy fails the save, which wait() reports; it must not break optimizer.step()
         self.stats["staging_wait_s"] += time.perf_counter() - t0
 
     def maybe_save(self, step: int, state: Any) -> bool:
