@@ -2,16 +2,13 @@
 and DataLoader workers with no setup, resumable mid-epoch.
 
 One file is one sample. An epoch's order is a permutation of the sorted file list fixed by (seed, epoch).
-Ranks take it strided (rank r gets positions r, r+W, r+2W, ...), so once every rank has consumed c samples
-the consumed set is exactly the first c*W files of the order: a resume needs only (epoch, samples consumed
+Ranks take it strided (rank r gets positions r, r+W, ...), so once every rank has consumed c samples the
+consumed set is exactly the first c*W files of the order: a resume needs only (epoch, samples consumed
 globally), whatever the number of workers. Every rank gets the same count per epoch: by default the order
-is padded by wrapping around to its start (up to W-1 files are seen twice per epoch, as with torch's
+is padded by wrapping around to its start (up to W-1 files seen twice per epoch, as with torch's
 DistributedSampler); with drop_last=True the last N mod W files of the order are skipped instead (a
-different few each epoch). Inside a rank, consecutive blocks of `batch_size` samples go to workers in
-turn, which is the order torch's DataLoader collects batches from workers, so the loader delivers the
-rank's order exactly; `runtime.loader.DataLoader` sets that block size and keeps the position.
+different few each epoch). How workers share a rank's order is in runtime.loader.
 """
-
 from __future__ import annotations
 
 import fnmatch
@@ -172,10 +169,7 @@ class FsspecSource:
             shutil.copyfileobj(src, dst, 1 << 20)
 
 
-Source = LocalSource | FsspecSource
-
-
-def open_source(source: str) -> Source:
+def open_source(source: str) -> LocalSource | FsspecSource:
     """A plain path is read directly; anything with a protocol goes through fsspec."""
     return FsspecSource(source) if "://" in source else LocalSource(source)
 
@@ -203,7 +197,7 @@ class VolumeDataset(IterableDataset):
             self.cache_dir = str(home() / "cache")
         else:
             self.cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
-        self.source: Source = open_source(cfg.source)
+        self.source = open_source(cfg.source)
         self.files: list[FileInfo] = self.source.list(cfg.pattern, threads=cfg.copy_threads)
         if not self.files:
             raise VolumeError(f"no files match {cfg.pattern!r} under {cfg.source}")
@@ -213,16 +207,12 @@ class VolumeDataset(IterableDataset):
         self._cache: FileCache | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
+        self._held: Any = None  # pins a worker keeps after its last sample (see _stream)
 
     # -- position -------------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Samples this rank gets per epoch."""
         return samples_per_rank(len(self.files), _dist_rank_world()[1], self.config.drop_last)
-
-    @property
-    def epoch(self) -> int:
-        """The current epoch."""
-        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Move to `epoch` (a new order from (seed, epoch)); a no-op for the current epoch, so a resumed
@@ -366,7 +356,7 @@ class VolumeDataset(IterableDataset):
                     pin.release()
 
     def _release_held(self) -> None:
-        held, self._held = getattr(self, "_held", None), None
+        held, self._held = self._held, None
         for pin in held or ():
             pin.release()
 
@@ -401,8 +391,7 @@ def warm(dataset: VolumeDataset, *, threads: int = 64, progress: Callable[[int],
 
     with ThreadPoolExecutor(threads, thread_name_prefix="volume-warm") as pool:
         for copied, size in pool.map(one, dataset.files):
-            copied_files += copied
-            copied_bytes += size if copied else 0
+            copied_files, copied_bytes = copied_files + copied, copied_bytes + size * copied
             if progress is not None:
                 progress(size)
     return WarmReport(len(dataset.files), sum(f.size for f in dataset.files), copied_files, copied_bytes,
