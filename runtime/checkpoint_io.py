@@ -249,7 +249,8 @@ class SnapshotStager:
         return self._future
 
     def _copy(self, jobs, event, staged):
-        stream = torch.cuda.Stream() if event is not None else None
+        # This thread's current CUDA device is 0 whatever the rank uses: name the tensors' device explicitly.
+        stream = torch.cuda.Stream(device=next(s.device for _, _, s, _ in jobs if s.is_cuda)) if event is not None else None
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if stream is not None:
                 stream.wait_event(event)
