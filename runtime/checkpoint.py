@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -340,7 +341,7 @@ class CheckpointManager:
                     obj.prepare_load(metadata, key)
             try:
                 dcp.load(sd, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 log.warning("skipping checkpoint step %d: load failed: %s", step, exc)
                 self._cancel_load(sd)
                 continue

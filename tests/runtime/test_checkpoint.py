@@ -258,3 +258,14 @@ def test_load_latest_through_a_slow_fuse_volume(tmp_path, slow_volume):
     fresh = _state()
     assert CheckpointManager(vol.mountpoint).load_latest(fresh) == 4
     assert all(torch.equal(saved[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def test_a_checkpoint_of_another_model_is_skipped_not_fatal(tmp_path):
+    # DCP raises CheckpointException (a BaseException) on a shape mismatch: the manager must skip it.
+    small = torch.nn.Linear(4, 4)
+    manager = CheckpointManager(tmp_path / "ck", async_save=False)
+    manager.save_now(5, TrainState(small))
+    other = torch.nn.Linear(8, 8)
+    before = other.weight.detach().clone()
+    assert CheckpointManager(tmp_path / "ck", async_save=False).load_latest(TrainState(other)) is None
+    assert torch.equal(other.weight, before)
