@@ -133,19 +133,33 @@ def test_hand_submitted_run_informs_the_sampler_and_the_leaderboard(home):
 
 
 def test_target_stops_the_search_then_confirms_on_fresh_seeds(home):
-    summary = runner.start(config(trials=10, target=6.0, confirm_seeds=2), devices="cpu:2")
+    from orchestrator.agent.proposers.base import Proposal
+
+    class NearTheOptimum:  # so the target is surely reached by the first trials
+        name = "tpe"
+
+        def propose(self, n, history):
+            return [Proposal({"x": 1.5 + 0.01 * len(history) + 0.001 * i, "y": -2.0, "kind": "b"}, "tpe")
+                    for i in range(n)]
+
+    summary = runner.start(config(trials=10, target=1.0, confirm_seeds=2), devices="cpu:2",
+                           proposer=NearTheOptimum())
     assert summary["stop_reason"] == "target reached"
     jobs = session_jobs(home, summary["session"])
     assert len(jobs) < 10
     confirm = [j for j in jobs if j.params["seed"] != 0]
-    assert len(confirm) == 2 and summary["winner"]["n"] == 3 and summary["winner"]["spread"] is not None
+    best = {k: v for k, v in summary["best"]["params"].items() if k != "seed"}
+    assert len(confirm) == 2 and all({k: v for k, v in j.params.items() if k != "seed"} == best for j in confirm)
+    board = runner.leaderboard(EXP)[0]
+    (pooled,) = [e for e in board["entries"] if e["params"] == best]
+    assert pooled["n"] == 3 and pooled["spread"] is not None and summary["winner"] is not None
     assert all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
 
 
 def test_time_budget_is_honoured(home):
     t0 = time.time()
     summary = runner.start(config(trials=None, budget_minutes=0.2, confirm_seeds=0), devices="cpu:2")
-    assert summary["elapsed_s"] <= 12 + 1.5  # one poll and one monitor pass of slack
+    assert summary["elapsed_s"] <= 12 + 5  # slack: one graph step (a submit on a very busy machine)
     assert time.time() - t0 < 60
     jobs = session_jobs(home, summary["session"])
     assert jobs and all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)

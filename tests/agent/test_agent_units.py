@@ -83,12 +83,12 @@ def test_best_so_far_skips_failures():
 def test_search_space_holds_seed_and_budget_fixed():
     digits = get("digits")
     fixed = fixed_params(digits, {"scale": "1", "arch": "mlp"}, seed=0)
-    assert fixed == {"epochs": 15, "seed": 0, "scale": 1, "arch": "mlp"}
+    assert fixed == {"epochs": digits.budget["epochs"], "seed": 0, "scale": 1, "arch": "mlp"}
     searched = reduced(digits, fixed)
     assert "seed" not in searched.space and "epochs" not in searched.space and "channels" not in searched.space
     assert searched.space.dims["hidden"].when is None  # its condition is settled by the fixed arch
     params = full(digits, searched.space.validate({}), fixed)
-    assert params["epochs"] == 15 and params["arch"] == "mlp"
+    assert params["epochs"] == digits.budget["epochs"] and params["arch"] == "mlp"
     with pytest.raises(BadInput):
         fixed_params(digits, {"nope": 1}, seed=0)
     with pytest.raises(BadInput):
