@@ -154,6 +154,31 @@ def time_to_reach(session: dict, level: float) -> float | None:
     return None
 
 
+def proposer_only(seeds: int, budget: int = 80, batch: int = 4) -> dict[str, list[float]]:
+    """The same proposers without the queue: best final loss after 10/20/40/80 trials, mean over seeds.
+
+    Context for the queue figures: it shows how many trials TPE needs before it pulls ahead of random search,
+    with no start-up cost, no early stopping and synchronous batches of `batch`.
+    """
+    from orchestrator.agent.proposers.base import Observation
+    from orchestrator.agent.proposers.optuna_ import SamplerProposer
+    from orchestrator.agent.search import fixed_params, reduced
+
+    searched = reduced(SPEC, fixed_params(SPEC, {}, 0))
+    out = {}
+    for kind in ("random", "tpe"):
+        curves = []
+        for seed in range(seeds):
+            proposer, history = SamplerProposer(searched, kind, seed=seed), []
+            while len(history) < budget:
+                for p in proposer.propose(batch, history):
+                    full = SPEC.space.validate({**p.params, "seed": 0, "steps": STEPS})
+                    history.append(Observation(p.params, "complete", loss_at(full, STEPS)))
+            curves.append([min(o.value for o in history[:k]) for k in (10, 20, 40, 80)])
+        out[kind] = [statistics.fmean(c[i] for c in curves) for i in range(4)]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -203,6 +228,9 @@ def main() -> int:
         print(f"{name} / random device-time ratio: mean {mean(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"(aim <= 0.50)")
     util = mean([r["util_tpe"] for r in rows])
+    curves = proposer_only(args.seeds)
+    print("without the queue (proposers only, batches of 4, no start-up cost): mean best loss after "
+          "10/20/40/80 trials: " + "; ".join(f"{k} " + "/".join(f"{v:.3f}" for v in c) for k, c in curves.items()))
     print(f"device utilisation of the agent ({name}) sessions: {util:.1%} (aim >= 95%); "
           f"random sessions {mean([r['util_random'] for r in rows]):.1%}")
     return 0
