@@ -234,8 +234,18 @@ class Service:
         with self._exits_lock:
             exits, self._exits = self._exits, []
         results = [(ex.job_id, ex.attempt, ex.code, ex.detail) for ex in exits]
-        for job in self.store.finish_many(results, self.host):
+        try:
+            finished = self.store.finish_many(results, self.host)
+        except Exception:
+            with self._exits_lock:  # keep them for the next pass (the database may be back by then)
+                self._exits[:0] = exits
+            raise
+        for job in finished:
             log.info("job %s -> %s (%s)", job.id, job.state, job.reason)
+        forget = getattr(self.executor, "forget", None)
+        if forget is not None:
+            for ex in exits:
+                forget(ex.job_id, ex.attempt)
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 

@@ -140,6 +140,10 @@ class LocalExecutor:
             return Launched(0, None)  # it ran and ended: adopt() reads its recorded exit code
         return None
 
+    def forget(self, job_id: int, attempt: int) -> None:
+        """The store has recorded how this attempt ended: its exit record is no longer needed."""
+        self.exit_file(job_id, attempt).unlink(missing_ok=True)
+
     def stop_strays(self, current: set[tuple[int, int]], grace: float = 10.0) -> list[int]:
         """Stop attempts still running here that the queue no longer gives to this host (another service
         reaped this one while it was gone and requeued them): SIGTERM, SIGKILL after `grace`. A job whose
@@ -243,7 +247,8 @@ class LocalExecutor:
             detail = f"killed by signal {-status}" if status < 0 else f"exit code {status}"
         else:
             code, detail = -signal.SIGKILL, "process ended without recording an exit code (killed)"
-        watch.exit_file.unlink(missing_ok=True)
+        # The exit file stays until the service has recorded the exit (forget()): a service killed between
+        # this report and its commit must find it again on restart, and so must another host's reaper.
         try:
             self._on_exit(Exit(watch.job_id, watch.attempt, code, detail + extra))
         except Exception:  # the service logs and recovers on its next reconcile

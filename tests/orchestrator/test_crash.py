@@ -108,3 +108,29 @@ def test_a_restarted_service_stops_attempts_the_queue_gave_away(home, tmp_path):
         kill_leftovers(store)
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=20)
+
+
+def test_an_exit_seen_but_not_yet_recorded_survives_a_crash(home, tmp_path):
+    """The service can die after its watcher saw a job end but before the store recorded it: the attempt's
+    exit record must still be there for the next service (or another host's reaper) to settle the job."""
+    import queue
+
+    from orchestrator.executors.local import LocalExecutor
+
+    store = JobStore(Settings.load().db_url)
+    job = api.submit(JobSpec(argv=["sh", "-c", "exit 4"], track=False))[0]
+    [job] = store.claim([(job.id, ["cpu:0"])], "h", log_root=str(tmp_path), checkpoint_root=str(tmp_path))
+    seen: queue.Queue = queue.Queue()
+    first = LocalExecutor(tmp_path / "run", seen.put)  # its "service" never commits what it sees
+    launched = first.launch(job, dict(os.environ))
+    job = store.mark_running(job.id, launched.pid, launched.proc_start, "h")
+    assert seen.get(timeout=30).code == 4
+    first.close()
+    again: queue.Queue = queue.Queue()
+    second = LocalExecutor(tmp_path / "run", again.put)
+    assert second.adopt(job) is False
+    report = again.get(timeout=10)
+    assert (report.job_id, report.code) == (job.id, 4)
+    second.forget(job.id, job.attempts)
+    assert not second.exit_file(job.id, job.attempts).exists()
+    second.close()
