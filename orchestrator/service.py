@@ -283,13 +283,15 @@ class Service:
             self._start_jobs(plan.starts)
 
     def _start_jobs(self, starts) -> None:
+        from orchestrator.jobruns import ensure_job_run
+
         claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.home / "checkpoints"),
                                    log_root=str(self.home / "logs"))
         ready = []
         for job in claimed:
             try:
                 if job.track and not job.mlflow_run_id:
-                    job.mlflow_run_id = self._tracking().ensure_job_run(job)
+                    job.mlflow_run_id = ensure_job_run(self._tracking(), job)
                     self.store.set_run_id(job.id, job.mlflow_run_id)
                 if self._preflight_ok(job):
                     ready.append(job)
@@ -327,9 +329,9 @@ class Service:
 
     def _tracking_unlocked(self):
         if self.tracking is None:
-            from orchestrator.jobruns import JobRuns
+            from orchestrator.tracking import Tracker
 
-            self.tracking = JobRuns(self.settings.tracking_uri, self.home / "mlartifacts")
+            self.tracking = Tracker(self.settings.tracking_uri, self.settings.artifacts_dir)
         return self.tracking
 
     def _preflight_ok(self, job: Job) -> bool:
