@@ -79,7 +79,10 @@ def _run(devices: Sequence[str], level: str, paths: Sequence[str] = ()) -> list:
 
     if any(not preflight.is_cpu(d) for d in devices):
         return preflight.run_isolated(list(devices), level, paths=paths)
-    return preflight.run(list(devices), level, paths=paths)
+    # A cpu slot is a share of this host's CPU and RAM: a token allocation and matmul prove it works without
+    # spending a GPU-sized 256 MiB per slot on every check.
+    return preflight.run(list(devices), level, paths=paths,
+                         config=preflight.PreflightConfig(alloc_mb=16, matmul_n=128))
 
 
 def summarize(results: Sequence) -> Verdict:
