@@ -187,7 +187,8 @@ def test_multi_slot_job_is_all_or_nothing(start_service):
     service = start_service("cpu:2")
     blocker = submit(ckpt_job(1000, priority=0, preemptible=False))
     wait_for(lambda: "starts at step" in log_of(service, blocker), timeout=60)
-    code = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)"
+    # One write(2) per rank: both ranks share the log, and print() may split a line into several writes.
+    code = "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"
     pair = submit(JobSpec(argv=[sys.executable, "-c", code], gpus=2, priority=20, track=False))
     time.sleep(1.0)
     assert state(service, pair) == "QUEUED"  # one free slot is not enough

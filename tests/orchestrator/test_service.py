@@ -112,7 +112,8 @@ def test_multi_device_job_runs_under_torchrun_all_or_nothing(make_service, tmp_p
     service = make_service("cpu:2")
     blocker = api.submit(ckpt_job(1000, priority=0, preemptible=False))[0].id
     wait_for(lambda: state(service, blocker) == "RUNNING")
-    code = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)"
+    # One write(2) per rank: both ranks share the log, and print() may split a line into several writes.
+    code = "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"
     pair = api.submit(JobSpec(argv=[sys.executable, "-c", code], gpus=2, priority=20, track=False))[0].id
     small = api.submit(JobSpec(argv=["true"], priority=5, track=False))[0].id
     # The pair cannot get both slots while the non-preemptible blocker runs, and it reserves the free one.
