@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,13 +104,18 @@ class Health:
         self.paths = [str(p) for p in paths]
         self._passed_at: dict[str, float] = {}
         self._last_monitor = 0.0
+        self._lock = threading.Lock()  # the start-up warm-up and the dispatcher may check at once
 
     def preflight(self, devices: Sequence[str]) -> Verdict:
         """Quick checks on the devices a job is about to get (recent passes are trusted for a while)."""
-        from runtime import faults
-
         if self.config.preflight == "off":
             return Verdict()
+        with self._lock:
+            return self._preflight(devices)
+
+    def _preflight(self, devices: Sequence[str]) -> Verdict:
+        from runtime import faults
+
         now = time.monotonic()
         due = [d for d in devices if now - self._passed_at.get(d, -1e18) >= self.config.preflight_ttl
                or any(f.target in (d, "*") for f in faults.active())]

@@ -139,7 +139,7 @@ class Service:
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             self._reconcile()
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
-            threading.Thread(target=self._warm_tracking, name="warm-tracking", daemon=True).start()
+            threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._listener = Listener(self.home, self.wake)
             if self.store.is_postgres:  # other hosts' submits arrive as NOTIFY
                 from orchestrator.cluster import PgListener
@@ -173,6 +173,8 @@ class Service:
     def _start_scheduler(self) -> None:
         from apscheduler.schedulers.background import BackgroundScheduler
 
+        # A tick skipped because the last one still runs is expected under load, not worth a warning.
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
         sched = BackgroundScheduler(daemon=True, job_defaults={"coalesce": True, "max_instances": 1,
                                                                "misfire_grace_time": 5})
         sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
@@ -317,11 +319,25 @@ class Service:
             log.exception("could not start job %s", job.id)
             return exc
 
-    def _warm_tracking(self) -> None:
+    def _warm_up(self) -> None:
+        """Start-up costs paid off the dispatch path: MLflow's import and schema migration, and a first
+        preflight of every device (torch's import; passes are trusted for the TTL, failures quarantined)."""
         try:
             self._tracking()
         except Exception:
             log.exception("MLflow tracking store %s is not usable", self.settings.tracking_uri)
+        if self._executor_name != "local":
+            return
+        try:
+            usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
+            verdict = self.health.preflight(usable)
+            for device in usable:
+                if device in verdict.failed:
+                    self._quarantine(device, f"preflight: {verdict.failed[device]}", verdict)
+                elif verdict.results:
+                    self.store.record_check(self.host, device, verdict.for_device(device))
+        except Exception:
+            log.exception("start-up preflight failed")
 
     def _tracking(self):
         with self._tracking_lock:

@@ -13,17 +13,19 @@ from tests.orchestrator.helpers import ckpt_job, wait_for
 
 
 def test_preflight_failure_quarantines_the_device_and_the_job_lands_on_a_healthy_one(make_service, monkeypatch):
-    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:matmul")
     service = make_service("cpu:2", health=HealthConfig(preflight="quick", recheck_every=3600))
+    # The start-up check passes both slots; then cpu:0 develops a fault before any job arrives.
+    wait_for(lambda: all(d.last_check for d in service.store.devices(service.host)), timeout=60)
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:matmul")
     ids = [api.submit(JobSpec(argv=["true"], track=False))[0].id for _ in range(3)]
     wait_for(lambda: all(service.store.get(j).state == "SUCCEEDED" for j in ids), timeout=60)
     for job_id in ids:
         job = service.store.get(job_id)
-        assert job.devices == ["cpu:1"] and job.attempts == 1 and job.failures == 0
+        assert job.devices == ["cpu:1"] and job.attempts == 1 and job.failures == 0  # no attempt spent
     devs = {d.name: d for d in service.store.devices(service.host)}
     assert devs["cpu:0"].state == "quarantined" and "matmul" in devs["cpu:0"].reason
     assert devs["cpu:0"].last_check["status"] == "fail"
-    assert any("preflight failed on cpu:0" in e.reason for e in service.store.events(ids[0]))
+    assert any("preflight failed on cpu:0" in e.reason for j in ids for e in service.store.events(j))
     # A person returns the device once it is fixed.
     monkeypatch.delenv("AUTORESEARCH_FAULTS")
     service.store.set_device_state(service.host, "cpu:0", "available")
@@ -76,3 +78,13 @@ def test_idle_devices_are_rechecked_on_a_schedule(make_service, monkeypatch):
     devs = {d.name: d for d in service.store.devices(service.host)}
     assert devs["cpu:0"].state == "available" and devs["cpu:0"].last_check["status"] == "pass"
     assert "idle check" in devs["cpu:1"].reason
+
+
+def test_a_device_failing_at_start_up_is_quarantined_before_any_job(make_service, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:1:alloc")
+    service = make_service("cpu:2", health=HealthConfig(preflight="quick", recheck_every=3600))
+    wait_for(lambda: {d.name: d.state for d in service.store.devices(service.host)}["cpu:1"] == "quarantined",
+             timeout=60, what="the start-up preflight")
+    job = api.submit(JobSpec(argv=["true"], track=False))[0].id
+    wait_for(lambda: service.store.get(job).state == "SUCCEEDED", timeout=30)
+    assert service.store.get(job).devices == ["cpu:0"]
