@@ -247,7 +247,9 @@ class Agent:
             else:
                 t["status"] = "stopped" if t.get("stopped_at") is not None else "cancelled"
             self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
-            if t["status"] == "succeeded" and t["phase"] == "search" and (
+            # Once confirmation has begun, the candidate being re-run on fresh seeds stays the best: a search
+            # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
+            if t["status"] == "succeeded" and t["phase"] == "search" and state["phase"] == "search" and (
                     best is None or self.spec.better(t["value"], best["value"])):
                 best = {"n": t["n"], "value": t["value"], "params": t["params"], "job_id": t["job_id"]}
             self._event(t["status"], {**state, "trials": trials, "best": best}, trial=t["n"], value=t["value"],
