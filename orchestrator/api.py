@@ -15,7 +15,7 @@ from orchestrator.queue.models import Job, JobEvent, JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.wakeup import notify
 
-SERVICE_STALE_AFTER = 10.0
+SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is gone (submit, reaping)
 
 
 def open_store(settings: Optional[Settings] = None) -> JobStore:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from orchestrator import devices as devspec
+from orchestrator.api import SERVICE_STALE_AFTER
 from orchestrator.config import Settings
 from orchestrator.errors import ServiceAlreadyRunning
 from orchestrator.executors.base import Exit, Executor, job_env
@@ -41,7 +42,6 @@ from orchestrator.wakeup import Listener
 log = logging.getLogger(__name__)
 S = JobState
 HEARTBEAT_EVERY = 2.0
-SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is considered gone
 
 
 def node_name(home: Path) -> str:
@@ -330,12 +330,7 @@ class Service:
             return
         try:
             usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
-            verdict = self.health.preflight(usable)
-            for device in usable:
-                if device in verdict.failed:
-                    self._quarantine(device, f"preflight: {verdict.failed[device]}", verdict)
-                elif verdict.results:
-                    self.store.record_check(self.host, device, verdict.for_device(device))
+            self._apply(usable, self.health.preflight(usable), "preflight")
         except Exception:
             log.exception("start-up preflight failed")
 
@@ -354,17 +349,22 @@ class Service:
         """Quick checks on the job's devices; on a failure quarantine them and put the job back in line
         without spending an attempt (the next pass places it on healthy devices)."""
         verdict = self.health.preflight(list(job.devices or []))
-        for device in job.devices or []:
-            if device in verdict.failed:
-                self._quarantine(device, f"preflight: {verdict.failed[device]}", verdict)
-            elif verdict.results:
-                self.store.record_check(self.host, device, verdict.for_device(device))
+        self._apply(list(job.devices or []), verdict, "preflight")
         if verdict.ok:
             return True
         bad = ",".join(sorted(verdict.failed))
         self.store.requeue(job.id, f"preflight failed on {bad}; requeued without spending an attempt", self.host)
         self.wake()
         return False
+
+    def _apply(self, devices: list[str], verdict, origin: str) -> None:
+        """Record a check's outcome on each device: failures are quarantined with their reason, passes
+        become the device's last check (nothing is recorded when nothing was checked)."""
+        for device in devices:
+            if device in verdict.failed:
+                self._quarantine(device, f"{origin}: {verdict.failed[device]}", verdict)
+            elif verdict.results:
+                self.store.record_check(self.host, device, verdict.for_device(device))
 
     def _quarantine(self, device: str, why: str, verdict) -> None:
         log.warning("quarantining %s: %s", device, why)
@@ -446,12 +446,7 @@ class Service:
         try:
             held = {d for job in self.store.list(HOLDING, host=self.host) for d in job.devices or []}
             idle = [d.name for d in self.store.devices(self.host) if d.state == "available" and d.name not in held]
-            verdict = self.health.recheck(idle)
-            for device in idle:
-                if device in verdict.failed:
-                    self._quarantine(device, f"idle check: {verdict.failed[device]}", verdict)
-                else:
-                    self.store.record_check(self.host, device, verdict.for_device(device))
+            self._apply(idle, self.health.recheck(idle), "idle check")
         except Exception:
             log.exception("idle device re-check failed")
 

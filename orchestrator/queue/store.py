@@ -251,15 +251,10 @@ class JobStore:
 
     def mark_running(self, job_id: int, pid: int, proc_start: Optional[str], host: Optional[str] = None) -> Job:
         """STARTING -> RUNNING once the process exists. A job cancelled meanwhile keeps its stopping state."""
-        now = time.time()
-        with self._tx() as session:
-            job = self._lock(session, job_id)
-            if job.job_state is not S.STARTING:
-                job.pid, job.proc_start = pid, proc_start
-                session.add(job)
-                return job
-            return self._move(session, job, S.RUNNING, f"pid {pid}", host, now, pid=pid, proc_start=proc_start,
-                              started_at=now)
+        marked = self.mark_running_many([(job_id, pid, proc_start)], host)
+        if not marked:
+            raise JobNotFound(job_id)
+        return marked[0]
 
     def mark_running_many(self, launched: Sequence[tuple[int, int, Optional[str]]], host: Optional[str] = None
                           ) -> list[Job]:
@@ -271,7 +266,9 @@ class JobStore:
         with self._tx() as session, session.no_autoflush:
             rows = self._lock_many(session, [job_id for job_id, _, _ in launched])
             for job_id, pid, proc_start in launched:
-                job = rows[job_id]
+                job = rows.get(job_id)
+                if job is None:
+                    continue
                 if job.job_state is not S.STARTING:
                     job.pid, job.proc_start = pid, proc_start
                     session.add(job)
