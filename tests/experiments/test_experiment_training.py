@@ -63,31 +63,53 @@ def test_digits_few_epochs_learn(home, tmp_path):
     assert metrics["val_accuracy"][-1] > 0.8  # chance is 0.1
 
 
+def unigram_entropy(block_size: int) -> float:
+    """Nats per byte of the best context-free model of the validation bytes charlm scores (their empirical
+    byte entropy): a model must beat it to have learned anything from context."""
+    from experiments.charlm import prepare
+    from experiments.charlm.train import EVAL_BYTES
+
+    stream = b"".join(path.read_bytes() for path in sorted(prepare.ensure().glob("val-*.bin")))
+    rows = min(EVAL_BYTES, len(stream)) // (block_size + 1)
+    # The scored targets: each row of block_size + 1 bytes predicts all but its first byte.
+    targets = b"".join(stream[i * (block_size + 1) + 1:(i + 1) * (block_size + 1)] for i in range(rows))
+    counts = torch.bincount(torch.frombuffer(bytearray(targets), dtype=torch.uint8).long(), minlength=256)
+    probs = counts[counts > 0].double() / len(targets)
+    return float(-(probs * probs.log()).sum())
+
+
+# 100 steps is about a second per trial; the margins were measured at 0.09-0.15 nats beyond the bar.
 @pytest.mark.parametrize("params", [
     {"activation": "swiglu", "norm": "rmsnorm", "positions": "rope", "tied": False, "dropout": 0.1,
      "schedule": "linear", "grad_clip": 0.0},
+    # max_tokens is not a multiple of the 256 tokens per step: the budget rounds up to 100 steps
     {"activation": "relu", "positions": "rope", "heads": 3, "width": 40, "schedule": "constant",
-     "max_tokens": 2000},
+     "max_tokens": 25_500},
 ])
 def test_charlm_variants_train(home, tmp_path, params):
-    metrics, run_params = run_trial("charlm", {**TINY_CHARLM, "max_steps": 8, **params}, tmp_path / "ckpt", home)
-    assert metrics["val_loss"][-1] < 5.6
+    metrics, run_params = run_trial("charlm", {**TINY_CHARLM, "max_steps": 100, **params}, tmp_path / "ckpt", home)
+    unigram = unigram_entropy(TINY_CHARLM["block_size"])  # 3.1 nats on CPython 3.11's standard library
+    # Below the unigram entropy means the model uses context; a loss just under ln 256 means nothing.
+    assert metrics["val_loss"][-1] < unigram - 0.15, (metrics["val_loss"], unigram)
     width = int(run_params["model_width"])
     assert width % (2 * int(run_params["heads"])) == 0 and width >= int(run_params["width"])
     if params.get("max_tokens"):
-        assert int(run_params["total_steps"]) == -(-2000 // (8 * 32))  # budget in tokens, rounded up to steps
+        assert int(run_params["total_steps"]) == 100  # budget in tokens, rounded up to whole steps
 
 
+# Each variant's budget and learning rate let it learn: 3 epochs end at 0.88-0.98 accuracy (chance is 0.1).
 @pytest.mark.parametrize("params", [
-    {"arch": "cnn", "norm": "batchnorm", "activation": "gelu", "optimizer": "sgd", "lr": 0.05},
+    {"arch": "cnn", "norm": "batchnorm", "activation": "gelu", "optimizer": "sgd", "lr": 0.2},
     {"arch": "mlp", "norm": "layernorm", "activation": "silu", "depth": 1, "label_smoothing": 0.1,
      "schedule": "constant"},
     # 1,437 = 4 * 359 + 1: without drop_last the last batch would hold one image, and BatchNorm fails on it
-    {"arch": "mlp", "norm": "batchnorm", "activation": "tanh", "hidden": 16, "batch_size": 359},
+    {"arch": "mlp", "norm": "batchnorm", "activation": "tanh", "hidden": 16, "batch_size": 359, "lr": 0.03},
 ])
 def test_digits_variants_train(home, tmp_path, params):
-    metrics, _ = run_trial("digits", {"epochs": 1, **params}, tmp_path / "ckpt", home)
-    assert 0.0 <= metrics["val_accuracy"][-1] <= 1.0 and metrics["val_loss"][-1] < 2.4
+    metrics, _ = run_trial("digits", {"epochs": 3, **params}, tmp_path / "ckpt", home)
+    accuracy = metrics["val_accuracy"]
+    assert accuracy[-1] > 0.7, accuracy
+    assert metrics["val_loss"][-1] < metrics["val_loss"][0], metrics["val_loss"]
 
 
 def test_finished_trial_rerun_reports_same_metric(home, tmp_path):
