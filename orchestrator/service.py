@@ -80,6 +80,9 @@ class Service:
         self._scheduler = None
         self._dispatcher: Optional[threading.Thread] = None
         self._started_at = time.time()
+        # Dispatch passes completed: an observable "the dispatcher has looked at the queue" (tests wait on
+        # it rather than sleeping and hoping a pass ran).
+        self.passes = 0
         self._base_env = dict(os.environ)
         self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
         config = health or HealthConfig.from_env()
@@ -283,6 +286,7 @@ class Service:
                 self._send_stop(job)
         if plan.starts:
             self._start_jobs(plan.starts)
+        self.passes += 1
 
     def _start_jobs(self, starts) -> None:
         from orchestrator.jobruns import ensure_job_run

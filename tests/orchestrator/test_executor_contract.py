@@ -24,6 +24,7 @@ from orchestrator.config import Settings
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from tests.orchestrator.helpers import ckpt_job, kill_leftovers, wait_for
+from tests.support.dispatch import wait_for_dispatch
 
 
 def free_port() -> int:
@@ -190,7 +191,7 @@ def test_multi_slot_job_is_all_or_nothing(start_service):
     # One write(2) per rank: both ranks share the log, and print() may split a line into several writes.
     code = "import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())"
     pair = submit(JobSpec(argv=[sys.executable, "-c", code], gpus=2, priority=20, track=False))
-    time.sleep(1.0)
+    wait_for_dispatch(service)
     assert state(service, pair) == "QUEUED"  # one free slot is not enough
     api.cancel(blocker)
     wait_for(lambda: state(service, pair) == "SUCCEEDED", timeout=120, what="the two-slot job")

@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator import api
 from orchestrator.queue.models import JobSpec
 from tests.orchestrator.helpers import ckpt_job, wait_for
+from tests.support.dispatch import wait_for_dispatch
 
 
 def state(service, job_id):
@@ -117,9 +118,7 @@ def test_multi_device_job_runs_under_torchrun_all_or_nothing(make_service, tmp_p
     pair = api.submit(JobSpec(argv=[sys.executable, "-c", code], gpus=2, priority=20, track=False))[0].id
     small = api.submit(JobSpec(argv=["true"], priority=5, track=False))[0].id
     # The pair cannot get both slots while the non-preemptible blocker runs, and it reserves the free one.
-    import time
-
-    time.sleep(1.0)
+    wait_for_dispatch(service)
     assert state(service, pair) == "QUEUED" and state(service, small) == "QUEUED"
     api.cancel(blocker)
     wait_for(lambda: state(service, pair) == "SUCCEEDED", timeout=90, what="the torchrun job")
