@@ -9,13 +9,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from orchestrator import api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.config import Settings
 from tests.orchestrator.helpers import kill_leftovers, wait_for
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie waiting for its reaper counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def start_serve(devices: str) -> subprocess.Popen:
@@ -43,9 +51,13 @@ def test_kill_9_of_the_service_then_restart_reconciles_every_job(home, tmp_path)
 
         os.kill(serve.pid, signal.SIGKILL)
         serve.wait(timeout=10)
+        assert all(alive(store.get(j).pid) for j in (ok_soon, fail_soon, long_run)), "jobs outlive the service"
         gate.touch()  # two jobs end while no service watches them
-        time.sleep(0.5)
-        assert store.get(ok_soon).state == "RUNNING"  # nobody has recorded anything yet
+        # Their processes are gone before the next service starts, so it must settle them from what their
+        # wrappers recorded; without this wait it might just watch them end (adoption, tested below).
+        wait_for(lambda: not alive(store.get(ok_soon).pid) and not alive(store.get(fail_soon).pid), timeout=10,
+                 what="the two gated jobs to end with no service running")
+        assert store.get(ok_soon).state == store.get(fail_soon).state == "RUNNING"  # nobody recorded them
 
         serve = start_serve("cpu:3")
         wait_for(lambda: store.get(ok_soon).state == "SUCCEEDED", timeout=60, what="reconcile of the finished job")
