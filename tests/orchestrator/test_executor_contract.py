@@ -200,21 +200,28 @@ def test_multi_slot_job_is_all_or_nothing(start_service):
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
 
 
-def test_adoption_after_service_restart(start_service):
+def test_adoption_after_service_restart(start_service, tmp_path):
     service = start_service("cpu:2")
-    long_id = submit(ckpt_job(160))  # 8 s: likely still running when the next service starts
+    gate = tmp_path / "gate"
+    # Runs until the test opens its gate, which happens only once the next service has started (and so has
+    # already adopted or settled it): its "finished" proves it was still running when it was adopted.
+    # Its words are split in its command line (which heads the log), so only its output contains them.
+    script = f"printf 'wait%s\\n' ing; while [ ! -e {gate} ]; do sleep 0.05; done; printf 'fin%s\\n' ished"
+    long_id = submit(JobSpec(argv=["sh", "-c", script], track=False))
     # Ends while no service runs; prints "ready" (not in its command line, which heads the log).
     short_id = submit(JobSpec(argv=["sh", "-c", "printf 'rea%s\\n' dy; sleep 2; exit 4"], track=False))
-    wait_for(lambda: "ready" in log_of(service, short_id) and "starts at step" in log_of(service, long_id),
+    wait_for(lambda: "ready" in log_of(service, short_id) and "waiting" in log_of(service, long_id),
              timeout=90, what="both jobs to start")
     service.stop()  # running jobs keep running
     time.sleep(3.0)
     again = start_service("cpu:2")
     wait_for(lambda: state(again, short_id) == "FAILED", timeout=30, what="the ended job to be recorded")
     assert again.store.get(short_id).exit_code == 4
+    assert state(again, long_id) == "RUNNING" and "finished" not in log_of(again, long_id)
+    gate.touch()
     wait_for(lambda: state(again, long_id) == "SUCCEEDED", timeout=60, what="the adopted job to finish")
     job = again.store.get(long_id)
-    assert job.attempts == 1 and log_of(again, long_id).count("done") == 1
+    assert job.attempts == 1 and job.exit_code == 0 and log_of(again, long_id).count("finished") == 1
     assert log_of(again, short_id).count("ready") == 1  # the log mirror does not repeat itself on adoption
 
 
