@@ -228,6 +228,7 @@ class CheckpointManager:
             return False
         sd = _as_dict(state)
         self._guard(sd)
+        self._stager.step = step
         resp = dcp.async_save(
             sd, storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step),
             process_group=self._pg, no_dist=self._pg is None, async_stager=self._stager)

@@ -23,6 +23,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -204,6 +205,9 @@ class SnapshotStager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._future: Future | None = None
         self.deferred: set[int] = set()
+        # The step being staged; only serves fault injection (``checkpoint@STEP:crash-staging`` stalls
+        # halfway through the background copy, then SIGKILLs the process), like VolumeWriter's `step`.
+        self.step: int | None = None
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -245,16 +249,21 @@ class SnapshotStager:
         if any(src.is_cuda for _, _, src, _ in jobs):
             event = torch.cuda.Event()
             event.record()  # the side stream must see the values as of now, not later kernels' writes
-        self._future = self._pool.submit(self._copy, jobs, event, staged)
+        crash_at = len(jobs) // 2 if self.step is not None and faults.injected(
+            f"checkpoint@{self.step}", "crash-staging") else None
+        self._future = self._pool.submit(self._copy, jobs, event, staged, crash_at)
         return self._future
 
-    def _copy(self, jobs, event, staged):
+    def _copy(self, jobs, event, staged, crash_at=None):
         # This thread's current CUDA device is 0 whatever the rank uses: name the tensors' device explicitly.
         stream = torch.cuda.Stream(device=next(s.device for _, _, s, _ in jobs if s.is_cuda)) if event is not None else None
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if stream is not None:
                 stream.wait_event(event)
-            for container, key, src, name in jobs:
+            for i, (container, key, src, name) in enumerate(jobs):
+                if i == crash_at:  # stall as a big model's copy would, so the loop could run ahead; then die
+                    time.sleep(0.5)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 buf = self._buffer(name, src)
                 buf.copy_(src, non_blocking=stream is not None)
                 container[key] = buf

@@ -8,6 +8,8 @@ contain one:
     AUTORESEARCH_FAULTS="*:allreduce"            # the all-reduce check fails on every device
     AUTORESEARCH_FAULTS="checkpoint@20:crash"    # the checkpoint writer SIGKILLs its own process
                                                  # after writing step 20's data, before its metadata
+    AUTORESEARCH_FAULTS="checkpoint@20:crash-staging"  # ... halfway through the async save's copy of
+                                                 # step 20's parameters and optimizer state to host memory
 
 Targets are device strings as `runtime.preflight.parse_devices` returns them ("cpu:0", "0", ...), ``host``
 for the disk/volume checks, ``*`` for every target, or ``checkpoint@STEP`` for the checkpoint writer. Check names are those in

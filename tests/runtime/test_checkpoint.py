@@ -127,6 +127,25 @@ def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path):
     assert_same_run(tmp_path, "ref", "run")
 
 
+@pytest.mark.slow
+def test_sigkill_during_the_staging_copy_resumes_from_previous_complete(tmp_path):
+    # Killed in the async save's background copy of step 20's parameters and optimizer state (half of them
+    # copied into the host buffers), while the loop has already moved on: no step 20 may count, and the run
+    # resumes from step 10 exactly as if step 20 had never been attempted.
+    run, ref = start(tmp_path, "run", faults="checkpoint@20:crash-staging"), start(tmp_path, "ref")
+    assert finish(run) == -signal.SIGKILL, run.output
+    ckpt = tmp_path / "ckpt-run"
+    assert (ckpt / "step_0000000010" / METADATA).exists()
+    assert not (ckpt / "step_0000000020" / METADATA).exists()
+    # Step 21's optimizer.step() waits for the copy (the manager's pre-hook): it never ran.
+    assert max(losses(tmp_path / "out-run")) == 19
+    resumed = start(tmp_path, "run")
+    assert finish(resumed) == 0, resumed.output
+    assert (tmp_path / "out-run" / "resumed.txt").read_text() == "10"
+    assert finish(ref) == 0, ref.output
+    assert_same_run(tmp_path, "ref", "run")
+
+
 # -- in-process: corrupt checkpoints, retention, config ---------------------------------------------------
 
 
