@@ -29,22 +29,27 @@ def home(tmp_path, monkeypatch) -> Path:
 PG_DSN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 
 
-def _pg_schema_url(name: str):
-    """A fresh PostgreSQL schema on the local server, as a SQLAlchemy URL; None when no server answers."""
-    try:
-        import psycopg2
-        from sqlalchemy.engine import make_url
+def pg_connect():
+    """An autocommit psycopg2 connection to the test server named by PG_DSN (AUTORESEARCH_TEST_PG).
 
-        url = make_url(PG_DSN)
-        conn = psycopg2.connect(host=url.host, port=url.port or 5432, dbname=url.database,
-                                user=url.username, connect_timeout=3)
-    except Exception:
-        return None, None
+    Where no server answers (none running, bad auth, no such database) the test is skipped with the reason,
+    or fails under CI (tests.support.requires)."""
+    import psycopg2
+    from sqlalchemy.engine import make_url
+
+    from tests.support.requires import require
+
+    url = make_url(PG_DSN)
+    try:
+        conn = psycopg2.connect(host=url.host, port=url.port or 5432, dbname=url.database, user=url.username,
+                                password=url.password, connect_timeout=3)
+    except Exception as exc:  # reported below, outside the handler: one clear line, no chained traceback
+        conn, why = None, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if conn is None:
+        require("PostgreSQL", f"no server at {url.render_as_string(hide_password=True)} ({why}); "
+                              "set AUTORESEARCH_TEST_PG to run the PostgreSQL tests")
     conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-        cur.execute(f'CREATE SCHEMA "{name}"')
-    return f"{PG_DSN}?options=-csearch_path%3D{name}", conn
+    return conn
 
 
 @pytest.fixture
@@ -52,11 +57,15 @@ def pg_url(request):
     """A PostgreSQL URL with an empty schema of its own (skipped with a reason where no server runs)."""
     import re
 
+    from sqlalchemy.engine import make_url
+
     name = "t_" + re.sub(r"[^a-z0-9]", "_", request.node.name.lower())[:40] + f"_{os.getpid()}"
-    url, conn = _pg_schema_url(name)
-    if url is None:
-        pytest.skip(f"no PostgreSQL server at {PG_DSN} (set AUTORESEARCH_TEST_PG to run the PostgreSQL tests)")
-    yield url
+    conn = pg_connect()
+    with conn.cursor() as cur:
+        cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        cur.execute(f'CREATE SCHEMA "{name}"')
+    url = make_url(PG_DSN).update_query_dict({"options": f"-csearch_path={name}"})
+    yield url.render_as_string(hide_password=False)
     with conn.cursor() as cur:
         cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
     conn.close()

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator.config import Settings
 from orchestrator.queue.models import JobSpec
-from tests.conftest import PG_DSN
+from tests.conftest import PG_DSN, pg_connect
 from tests.orchestrator.helpers import wait_for
 
 
@@ -29,16 +29,10 @@ def _free_port() -> int:
 @pytest.fixture
 def pg_database():
     """A fresh PostgreSQL database of its own for MLflow's schema (MLflow migrates the whole database)."""
-    try:
-        import psycopg2
-        from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url
 
-        url = make_url(PG_DSN)
-        admin = psycopg2.connect(host=url.host, port=url.port or 5432, dbname=url.database, user=url.username,
-                                 connect_timeout=3)
-    except Exception:
-        pytest.skip(f"no PostgreSQL server at {PG_DSN} (set AUTORESEARCH_TEST_PG to run the PostgreSQL tests)")
-    admin.autocommit = True
+    url = make_url(PG_DSN)
+    admin = pg_connect()  # skips, or fails under CI, where no server answers
     name = f"mlflow_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     with admin.cursor() as cur:
         cur.execute(f'CREATE DATABASE "{name}"')

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support.requires import require  # noqa: E402
 from tests.support.slowfs import SlowVolume, fuse_unavailable_reason  # noqa: E402
 
 
@@ -26,9 +27,7 @@ def data_dir(tmp_path) -> Path:
 @pytest.fixture
 def slow_volume(tmp_path):
     """Factory: mount a slow FUSE volume over a directory; every mount is unmounted after the test."""
-    reason = fuse_unavailable_reason()
-    if reason:
-        pytest.skip(f"slow FUSE volume unavailable: {reason}")
+    require("FUSE (for the slow volume)", fuse_unavailable_reason())  # skips, or fails under CI
     mounted: list[SlowVolume] = []
 
     def mount(source: Path, **settings) -> SlowVolume:

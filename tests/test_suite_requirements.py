@@ -1,0 +1,69 @@
+"""The suite's own guarantee: under CI a missing PostgreSQL or FUSE fails the run instead of skipping tests.
+
+Each case runs pytest in a subprocess on two probe tests that only request the real fixtures (`pg_url`,
+`slow_volume`), with PostgreSQL pointed at a closed port and `fusermount3` off the PATH, so both are
+unavailable whatever this machine has.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.requires import in_ci
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBES = '''
+def test_needs_postgres(pg_url):
+    pass
+
+
+def test_needs_fuse(slow_volume):
+    pass
+'''
+FIXTURES = ("from tests.conftest import pg_url  # noqa: F401\n"
+            "from tests.runtime.conftest import slow_volume  # noqa: F401\n")
+
+
+def run_probes(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text(FIXTURES)
+    (tmp_path / "test_probes.py").write_text(PROBES)
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(PYTHONPATH=str(ROOT), PATH=str(empty_bin),
+               AUTORESEARCH_TEST_PG="postgresql+psycopg2://postgres@127.0.0.1:1/test")
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "test_probes.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_under_ci_missing_postgres_and_fuse_fail_the_run(tmp_path):
+    result = run_probes(tmp_path, ci="true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "2 errors" in out and "skipped" not in out, out
+    assert "PostgreSQL is required under CI=true but unavailable: no server at" in out
+    assert "127.0.0.1:1/test" in out  # the reason says where it looked
+    assert "FUSE (for the slow volume) is required under CI=true" in out
+
+
+def test_outside_ci_they_skip_with_the_reason(tmp_path):
+    result = run_probes(tmp_path, ci=None)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "2 skipped" in out
+    assert "PostgreSQL unavailable: no server at" in out and "set AUTORESEARCH_TEST_PG" in out
+    assert "FUSE (for the slow volume) unavailable" in out
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("TRUE", True), ("1", True), ("yes", True),
+                                             ("", False), ("false", False), ("0", False)])
+def test_what_counts_as_ci(value, expected):
+    assert in_ci({"CI": value}) is expected
+    assert in_ci({}) is False
