@@ -3,22 +3,20 @@ a dispatch pass has looked at the queue."""
 
 from __future__ import annotations
 
-from tests.orchestrator.helpers import wait_for
+import time
 
 
 def wait_for_dispatch(service, timeout: float = 30.0) -> None:
-    """Return once a dispatch pass that began after this call has ended.
+    """Return once a dispatch pass that began after this call has ended (`service.passes` counts them).
 
-    Passes run one at a time on one thread, so of the two passes that end after `service.passes` is read,
-    at most the first was already under way: the second began after the call and saw everything submitted
+    Passes run one at a time on one thread, so of the two passes that end after the counter is read, at
+    most the first was already under way: the second began after the call and saw everything submitted
     before it.
     """
-    start = service.passes
-
-    def second_pass_done() -> bool:
-        if service.passes >= start + 2:
-            return True
+    target = service.passes + 2
+    deadline = time.monotonic() + timeout
+    while service.passes < target:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no dispatch pass within {timeout}s (the dispatcher is stuck or dead)")
         service.wake()  # do not wait for the next tick
-        return False
-
-    wait_for(second_pass_done, timeout=timeout, what="a dispatch pass after the submits")
+        time.sleep(0.02)
