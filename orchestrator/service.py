@@ -26,18 +26,20 @@ import time
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from orchestrator import devices as devspec
 from orchestrator.api import SERVICE_STALE_AFTER
 from orchestrator.config import Settings
 from orchestrator.errors import ServiceAlreadyRunning
-from orchestrator.executors.base import Exit, Executor, job_env
+from orchestrator.executors.base import Exit, Executor, executor_class, job_env
 from orchestrator.health import Health, HealthConfig
+from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.queue.store import JobStore
-from orchestrator.wakeup import Listener
+from orchestrator.supervisor import Supervisor
+from orchestrator import wakeup
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -69,14 +71,15 @@ class Service:
         self.device_spec = devices or settings.devices
         self._executor_name = executor or settings.executor
         self._executor_factory = executor_factory
+        self.layout = Layout(self.home)
+        self._local_devices = executor_class(self._executor_name).local_devices
         self.executor: Optional[Executor] = None
+        self.supervisor = Supervisor(self.store, self.host, self.wake)
         self.device_names: list[str] = []
-        self._exits: list[Exit] = []
-        self._exits_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock_fh = None
-        self._listener: Optional[Listener] = None
+        self._listeners: list = []
         self._scheduler = None
         self._dispatcher: Optional[threading.Thread] = None
         self._started_at = time.time()
@@ -86,10 +89,10 @@ class Service:
         self._base_env = dict(os.environ)
         self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
         config = health or HealthConfig.from_env()
-        if self._executor_name != "local":
+        if not self._local_devices:
             # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
             config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)
-        self.health = Health(config, paths=[self.home / "checkpoints"])
+        self.health = Health(config, paths=[self.layout.checkpoints_dir])
         self.recheck_every = self.health.config.recheck_every
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
@@ -129,12 +132,11 @@ class Service:
 
     def start(self) -> "Service":
         """Take the home, reconcile what the last service left, and start the threads."""
-        self.device_names = devspec.parse(self.device_spec) if self._executor_name == "local" else []
+        self.device_names = devspec.parse(self.device_spec) if self._local_devices else []
         self._take_lock()
         try:
-            for sub in ("logs", "checkpoints", "run"):
-                (self.home / sub).mkdir(parents=True, exist_ok=True)
-            self.executor = self._make_executor()
+            self.layout.ensure()
+            self.executor = self.supervisor.executor = self._make_executor()
             inventory = self.executor.inventory()
             if inventory is not None:
                 self.device_names = inventory
@@ -143,11 +145,8 @@ class Service:
             self._reconcile()
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
-            self._listener = Listener(self.home, self.wake)
-            if self.store.is_postgres:  # other hosts' submits arrive as NOTIFY
-                from orchestrator.cluster import PgListener
-
-                self._pg_listener = PgListener(self.settings.db_url, self.wake)
+            self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
+                                            self.wake)
             self._start_scheduler()
             self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
             self._dispatcher.start()
@@ -161,17 +160,8 @@ class Service:
     def _make_executor(self) -> Executor:
         if self._executor_factory is not None:
             return self._executor_factory(self)
-        if self._executor_name == "local":
-            from orchestrator.executors.local import LocalExecutor
-
-            return LocalExecutor(self.home / "run", self._on_exit)
-        if self._executor_name == "ray":
-            from orchestrator.executors.ray import RayExecutor  # optional extra
-
-            return RayExecutor(replace(self.settings, devices=self.device_spec), self._on_exit)
-        from orchestrator.errors import BadInput
-
-        raise BadInput(f"unknown executor {self._executor_name!r}; expected local or ray")
+        return executor_class(self._executor_name).create(replace(self.settings, devices=self.device_spec),
+                                                          self.layout, self._on_exit)
 
     def _start_scheduler(self) -> None:
         from apscheduler.schedulers.background import BackgroundScheduler
@@ -195,10 +185,8 @@ class Service:
             self._scheduler.shutdown(wait=False)
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=10)
-        if self._listener is not None:
-            self._listener.close()
-        if getattr(self, "_pg_listener", None) is not None:
-            self._pg_listener.close()
+        for listener in self._listeners:
+            listener.close()
         self._spawner.shutdown(wait=True)
         if self.executor is not None:
             self.executor.close()
@@ -231,26 +219,10 @@ class Service:
     # ---- events from the executor -----------------------------------------------------------------------
 
     def _on_exit(self, exit_: Exit) -> None:
-        with self._exits_lock:
-            self._exits.append(exit_)
-        self._wake.set()
+        self.supervisor.on_exit(exit_)
 
     def _record_exits(self) -> None:
-        with self._exits_lock:
-            exits, self._exits = self._exits, []
-        results = [(ex.job_id, ex.attempt, ex.code, ex.detail) for ex in exits]
-        try:
-            finished = self.store.finish_many(results, self.host)
-        except Exception:
-            with self._exits_lock:  # keep them for the next pass (the database may be back by then)
-                self._exits[:0] = exits
-            raise
-        for job in finished:
-            log.info("job %s -> %s (%s)", job.id, job.state, job.reason)
-        forget = getattr(self.executor, "forget", None)
-        if forget is not None:
-            for ex in exits:
-                forget(ex.job_id, ex.attempt)
+        self.supervisor.record_exits()
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
@@ -291,8 +263,8 @@ class Service:
     def _start_jobs(self, starts) -> None:
         from orchestrator.jobruns import ensure_job_run
 
-        claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.home / "checkpoints"),
-                                   log_root=str(self.home / "logs"))
+        claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.layout.checkpoints_dir),
+                                   log_root=str(self.layout.logs_dir))
         ready = []
         for job in claimed:
             try:
@@ -316,8 +288,7 @@ class Service:
 
     def _launch(self, job: Job):
         try:
-            env = job_env(job, base=self._base_env, home=str(self.home), tracking_uri=self.settings.tracking_uri,
-                          heartbeat_file=str(self.home / "run" / f"{job.id}.heartbeat"))
+            env = job_env(job, base=self._base_env, layout=self.layout, tracking_uri=self.settings.tracking_uri)
             return self.executor.launch(job, env)
         except Exception as exc:  # reported by the caller as a failed start
             log.exception("could not start job %s", job.id)
@@ -330,7 +301,7 @@ class Service:
             self._tracking()
         except Exception:
             log.exception("MLflow tracking store %s is not usable", self.settings.tracking_uri)
-        if self._executor_name != "local":
+        if not self._local_devices:
             return
         try:
             usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
@@ -377,40 +348,15 @@ class Service:
     # ---- stopping jobs ----------------------------------------------------------------------------------
 
     def _send_stop(self, job: Job) -> None:
-        if job.pid is None:
-            return  # not spawned yet: stopped as soon as mark_running records its pid
-        self.executor.signal(job, signal.SIGTERM)
-        self.store.mark_stop_sent(job.id)
+        self.supervisor.send_stop(job)
 
     def _enforce_stops(self, mine: list[Job]) -> None:
-        now = time.time()
-        for job in mine:
-            if job.job_state not in (S.PREEMPTING, S.CANCELLING) or job.pid is None:
-                continue
-            if job.stop_sent_at is None:
-                self._send_stop(job)
-            elif now - job.stop_sent_at >= job.grace:
-                self.executor.signal(job, signal.SIGKILL)
+        self.supervisor.enforce_stops(mine)
 
     # ---- recovery and housekeeping ------------------------------------------------------------------------
 
     def _reconcile(self) -> None:
-        """Adopt or settle every job this host held when the last service stopped or died, and stop attempts
-        still running here that the queue has since given back to the line (another host reaped us)."""
-        held = self.store.list(HOLDING, host=self.host)
-        stop_strays = getattr(self.executor, "stop_strays", None)
-        if stop_strays is not None:
-            for job_id in stop_strays({(j.id, j.attempts) for j in held}):
-                log.warning("reconcile: stopped a stray attempt of job %s (no longer ours in the queue)", job_id)
-        for job in held:
-            if job.pid is None:
-                found = getattr(self.executor, "find_attempt", lambda _job: None)(job)
-                if found is None:
-                    self.store.requeue(job.id, "service restarted before the job was spawned", self.host)
-                    continue
-                job = self.store.mark_running(job.id, found.pid, found.proc_start, self.host)
-            alive = self.executor.adopt(job)
-            log.info("reconcile: job %s %s", job.id, "adopted" if alive else "had ended")
+        self.supervisor.reconcile()
 
     def _housekeeping(self) -> None:
         try:
@@ -418,9 +364,7 @@ class Service:
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             if requeued:
                 self.wake()
-            from orchestrator.cluster import reap_dead_hosts
-
-            if reap_dead_hosts(self.store, self.host, SERVICE_STALE_AFTER):  # a crashed host's jobs
+            if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
             self._monitor()
         except Exception:
@@ -429,7 +373,7 @@ class Service:
     def _monitor(self) -> None:
         """Run-time health: a device fault under a running job, or a job without progress, stops the job
         (SIGTERM: it checkpoints) and puts it back in line; a faulty device is quarantined first."""
-        if self._executor_name != "local" or not self.health.monitor_due():
+        if not self._local_devices or not self.health.monitor_due():
             return
         for job in self.store.list([S.RUNNING], host=self.host):
             verdict = self.health.sample(list(job.devices or []))
@@ -439,7 +383,7 @@ class Service:
                     self._quarantine(device, f"monitor: {fault}", verdict)
                 why = "device fault: " + "; ".join(f"{d}: {f}" for d, f in sorted(verdict.failed.items()))
             else:
-                why = self.health.hung(self.home / "run" / f"{job.id}.heartbeat", job.started_at)
+                why = self.health.hung(self.layout.heartbeat_file(job.id), job.started_at)
             if why:
                 for stopping in self.store.preempt([job.id], f"{why}; requeued", self.host):
                     self._send_stop(stopping)
@@ -453,7 +397,3 @@ class Service:
             self._apply(idle, self.health.recheck(idle), "idle check")
         except Exception:
             log.exception("idle device re-check failed")
-
-    def status(self) -> dict[str, Any]:
-        return {"host": self.host, "home": str(self.home), "devices": self.device_names,
-                "pid": os.getpid(), "started_at": self._started_at}

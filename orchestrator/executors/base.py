@@ -1,21 +1,36 @@
-"""The executor interface: how the service starts, signals, watches and adopts job processes.
+"""The executor: the only code that knows a job's processes (pids, process trees, exit records, Ray handles).
 
-An executor reports each ended attempt as an `Exit` through the `on_exit` callback given to it (from its own
-watcher thread). The service owns every state change; executors never touch the store.
+The service and the dead-host reaper ask an executor and never look at processes themselves:
+- `launch` starts an attempt; its end comes back as an `Exit` through the `on_exit` callback (from the
+  executor's own watcher thread), and `forget` drops the attempt's records once the store has the exit;
+- `probe` says whether an attempt lives or how it ended, also for another host's attempts (the reaper);
+- `stop` is SIGTERM on the first call and SIGKILL once the job's grace has passed since then, to every
+  process of the attempt;
+- `adopt`/`find_attempt` pick up running attempts after a restart, and `stop_strays` stops attempts still
+  running here that the queue no longer gives to this host.
+Executors never touch the store: the service owns every state change.
 """
 
 from __future__ import annotations
 
+import enum
 import json
-import os
+import logging
+import math
 import shlex
+import signal
 import sys
+import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, ClassVar, Optional
 
 from orchestrator.devices import cuda_visible
+from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,32 +51,110 @@ class Launched:
     proc_start: Optional[str] = None
 
 
+class Liveness(str, enum.Enum):
+    """What a probe found out about an attempt."""
+
+    RUNNING = "running"   # some process of the attempt lives
+    ENDED = "ended"       # it ended and left an exit code
+    GONE = "gone"         # no trace of it here (never spawned, another machine, or killed without a record)
+    UNKNOWN = "unknown"   # cannot tell now (a cluster that does not answer): ask again later
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An attempt's liveness; `code`/`detail` when it ENDED; `found` is its handle when it was spawned but
+    the store has none recorded (the service died in between)."""
+
+    state: Liveness
+    code: Optional[int] = None
+    detail: str = ""
+    found: Optional[Launched] = None
+
+
 OnExit = Callable[[Exit], None]
 
 
-class Executor(Protocol):
-    """Starts jobs somewhere (this host, a Ray cluster) and reports how each attempt ended."""
+class Executor(ABC):
+    """Starts attempts somewhere (this host, a Ray cluster), watches them and reports how each ended."""
 
-    name: str
+    name: ClassVar[str]
+    #: whether attempts run on this host's devices (so the service's device checks and monitor apply)
+    local_devices: ClassVar[bool] = True
 
     def inventory(self) -> Optional[list[str]]:
         """Devices the backend itself knows (Ray: the cluster's GPUs), or None to use the --devices spec."""
+        return None
 
+    @classmethod
+    @abstractmethod
+    def create(cls, settings, layout: Layout, on_exit: OnExit) -> "Executor":
+        """The executor a service with `settings` on `layout`'s home uses; exits go to `on_exit`."""
+
+    @abstractmethod
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
         """Start an attempt of `job` (already STARTING with devices) with the Contract 3 `env`."""
 
-    def signal(self, job: Job, sig: int) -> None:
-        """Send `sig` to every process of the job's attempt (no error when it is already gone)."""
+    @abstractmethod
+    def probe(self, job: Job, layout: Optional[Layout] = None) -> Probe:
+        """Whether the job's current attempt lives, or how it ended. `layout`: the home of the service that
+        started it, when that is another service's (the reaper); default this executor's own."""
 
+    @abstractmethod
+    def signal(self, job: Job, sig: int, layout: Optional[Layout] = None) -> None:
+        """Send `sig` to every process of the job's current attempt (no error when none is left)."""
+
+    def stop(self, job: Job, *, since: Optional[float] = None,
+             layout: Optional[Layout] = None) -> Optional[signal.Signals]:
+        """Stop the attempt: SIGTERM when no stop was sent yet (`since` None), SIGKILL once `job.grace` has
+        passed since `since`; nothing in between. Returns the signal sent, if any."""
+        if since is None:
+            sig = signal.SIGTERM
+        elif time.time() - since >= job.grace:
+            sig = signal.SIGKILL
+        else:
+            return None
+        self.signal(job, sig, layout)
+        return sig
+
+    @abstractmethod
     def adopt(self, job: Job) -> bool:
-        """After a service restart: watch a job that was running; False when its process is gone (its exit
-        is then reported through on_exit right away, from what the attempt recorded)."""
+        """After a service restart: watch a job that was running; False when it is gone (its exit is then
+        reported through on_exit right away, from what the attempt recorded)."""
 
+    def find_attempt(self, job: Job) -> Optional[Launched]:
+        """The handle of the job's current attempt when the service died between spawning it and
+        recording it (None: it was never spawned)."""
+        return self.probe(job).found
+
+    def stop_strays(self, current: set[tuple[int, int]], grace: float = 10.0) -> list[int]:
+        """Stop attempts running here that are not in `current` (job id, attempt): the queue gave them
+        to another host meanwhile. SIGTERM, SIGKILL after `grace`. Returns the job ids stopped."""
+        return []
+
+    def forget(self, job_id: int, attempt: int) -> None:
+        """The store has recorded how this attempt ended: its records here are no longer needed."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop watching (running jobs keep running; a restarted service adopts them)."""
 
 
-def job_env(job: Job, *, base: dict[str, str], home: str, tracking_uri: str, heartbeat_file: str) -> dict[str, str]:
+def executor_class(name: str) -> type[Executor]:
+    """The executor class called `name` (local or ray), without starting it."""
+    if name == "local":
+        from orchestrator.executors.local import LocalExecutor
+
+        return LocalExecutor
+    if name == "ray":
+        from orchestrator.executors.ray import RayExecutor  # Ray itself is imported when one is made
+
+        return RayExecutor
+    from orchestrator.errors import BadInput
+
+    raise BadInput(f"unknown executor {name!r}; expected local or ray")
+
+
+def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str) -> dict[str, str]:
     """The Contract 3 environment of an attempt: the service's env, the job's overrides, then the protocol."""
     env = dict(base)
     env.update(job.env or {})
@@ -70,8 +163,8 @@ def job_env(job: Job, *, base: dict[str, str], home: str, tracking_uri: str, hea
         protocol.ATTEMPT: str(job.attempts),
         protocol.CHECKPOINT_DIR: job.checkpoint_dir or "",
         protocol.PARAMS: json.dumps(job.params or {}, sort_keys=True),
-        protocol.HOME: home,
-        protocol.HEARTBEAT_FILE: heartbeat_file,
+        protocol.HOME: str(layout.home),
+        protocol.HEARTBEAT_FILE: str(layout.heartbeat_file(job.id)),
         protocol.TRACKING_URI: tracking_uri,
         protocol.VISIBLE_DEVICES: cuda_visible(list(job.devices or [])),
         protocol.DEVICE_ORDER: "PCI_BUS_ID",
@@ -85,53 +178,23 @@ def job_env(job: Job, *, base: dict[str, str], home: str, tracking_uri: str, hea
     return env
 
 
+def torchrun_shutdown_timeout(grace: float) -> int:
+    """Seconds torchrun waits for its workers after forwarding a SIGTERM before it SIGKILLs them: below the
+    job's grace (the service's SIGKILL comes at the grace), but most of it, so a long save is not cut by
+    torchrun's default of 30 s."""
+    return max(1, math.floor(grace - min(5.0, 0.2 * grace)))
+
+
 def job_argv(job: Job) -> list[str]:
     """The argv to run: multi-device jobs go through torchrun, one process per device."""
     argv = [str(a) for a in job.argv]
     if job.gpus > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.gpus}",
+        return [sys.executable, "-m", "orchestrator.executors.torchrun", "--standalone",
+                f"--nproc-per-node={job.gpus}", f"--shutdown-timeout={torchrun_shutdown_timeout(job.grace)}",
                 "--no-python", *argv]
     return argv
 
 
 def describe(argv: list[str]) -> str:
+    """A shell-quoted command line, for logs."""
     return " ".join(shlex.quote(a) for a in argv)
-
-
-def proc_start_time(pid: int) -> Optional[str]:
-    """The kernel's start time of `pid` (field 22 of /proc/PID/stat): tells our process from a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read().decode()
-        return data.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def same_process(pid: Optional[int], start: Optional[str]) -> bool:
-    """Whether `pid` still names the process that started at `start`."""
-    if not pid:
-        return False
-    now = proc_start_time(pid)
-    return now is not None and (start is None or now == start)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is left in process group `pgid`."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().decode().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False

@@ -1,12 +1,17 @@
 """The local executor: each attempt runs in its own process session on this host.
 
-A tiny `/bin/sh` wrapper leads the session. It `cd`s to the submit directory, runs the command in the
-foreground and records the exit code in a file before exiting. That record is what lets a restarted service
-(even after `kill -9`) tell how a job it did not see finish ended: jobs are left running across a service
-restart and adopted, like slurmstepd keeps jobs alive across a slurmctld restart.
+A tiny `/bin/sh` wrapper leads the session. It joins the attempt's cgroup (when there is one), `cd`s to the
+submit directory, runs the command in the foreground and records the exit code in a file before exiting
+(`orchestrator.layout`). That record is what lets a restarted service (even after `kill -9`) tell how a job
+it did not see finish ended: jobs are left running across a service restart and adopted, like slurmstepd
+keeps jobs alive across a slurmctld restart. The wrapper's own variables are unset before the command runs,
+so the job and its workers never see them (the wrapper's /proc environ keeps them: that is how a restarted
+service finds it).
 
-Exits are watched with pidfds (one selector thread, no polling) so a finished job frees its device at once.
-A device is handed back only once no process of the job's group is left.
+An attempt is its whole process tree (`procs.ProcessTree`: a cgroup v2 where writable, else the descendants
+psutil saw), not its process group: torchrun puts each worker in a session of its own. Stops reach every
+process of the tree, and a device is handed back only once none is left. Exits are watched with pidfds
+(one selector thread) so a finished job frees its device at once; the same thread refreshes the trees.
 """
 
 from __future__ import annotations
@@ -17,22 +22,31 @@ import selectors
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.executors.base import (Exit, Launched, OnExit, describe, group_alive, job_argv,
-                                         proc_start_time, same_process)
+import psutil
+
+from orchestrator.executors import procs
+from orchestrator.executors.base import (Executor, Exit, Launched, Liveness, OnExit, Probe, describe,
+                                         job_argv)
+from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
+from runtime import protocol
 
 log = logging.getLogger(__name__)
 
 EXIT_FILE_VAR = "AUTORESEARCH_EXIT_FILE"
+CGROUP_VAR = "AUTORESEARCH_CGROUP"
 SHELL = "/bin/sh"
-# `trap :` makes the shell outlive a SIGTERM to the group long enough to record the job's exit code;
-# a trap with a command is reset to the default in the child, so the job itself still gets the signal.
-WRAPPER = ('cd -- "$1" || exit 126; shift; trap : TERM INT; "$@"; rc=$?; '
-           'printf "%s" "$rc" > "$' + EXIT_FILE_VAR + '"; exit $rc')
+# `trap :` makes the shell outlive a SIGTERM long enough to record the job's exit code; a trap with a
+# command is reset to the default in the child, so the job itself still gets the signal.
+WRAPPER = ('ef=$' + EXIT_FILE_VAR + '; cg=$' + CGROUP_VAR + '; unset ' + EXIT_FILE_VAR + ' ' + CGROUP_VAR + '; '
+           '[ -z "$cg" ] || { echo $$ > "$cg/cgroup.procs"; } 2>/dev/null; '
+           'cd -- "$1" || exit 126; shift; trap : TERM INT; "$@"; rc=$?; printf "%s" "$rc" > "$ef"; exit $rc')
+REFRESH_EVERY = 0.5  # seconds between looks at the process trees of attempts without a cgroup
+LEFTOVER_WAIT = 30.0  # seconds to keep killing what an ended attempt left behind before reporting anyway
 
 
 @dataclass
@@ -40,18 +54,23 @@ class _Watch:
     job_id: int
     attempt: int
     pid: int
-    exit_file: Path
+    tree: procs.ProcessTree
     child: bool = False  # False for an adopted process (not our child: no wait status to collect)
+    key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.job_id, self.attempt)
 
 
-class LocalExecutor:
-    """Runs attempts as local process groups and reports their exits through `on_exit`."""
+class LocalExecutor(Executor):
+    """Runs attempts as local process trees and reports their exits through `on_exit`."""
 
     name = "local"
 
-    def __init__(self, run_dir: Path, on_exit: OnExit):
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, layout: Layout, on_exit: OnExit, *, cgroup: str = "auto"):
+        self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.layout.ensure()
+        self.cgroups = procs.Cgroups.for_home(self.layout.home, cgroup)
         self._on_exit = on_exit
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -59,23 +78,30 @@ class LocalExecutor:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._pending: list[tuple[int, _Watch]] = []
+        self._watches: dict[tuple[int, int], _Watch] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="local-executor-watch", daemon=True)
         self._thread.start()
 
-    def inventory(self) -> Optional[list[str]]:
-        return None
+    @classmethod
+    def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
+        mode = os.environ.get("AUTORESEARCH_CGROUP") or str(settings.extra.get("cgroup", "auto"))
+        return cls(layout, on_exit, cgroup=mode)
 
-    def exit_file(self, job_id: int, attempt: int) -> Path:
-        return self.run_dir / f"{job_id}.{attempt}.exit"
+    @property
+    def tracking(self) -> str:
+        """How attempts' processes are tracked here: `cgroup` (v2) or `psutil` (descendants)."""
+        return "cgroup" if self.cgroups is not None else "psutil"
 
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
-        exit_file = self.exit_file(job.id, job.attempts)
+        exit_file = self.layout.exit_file(job.id, job.attempts)
         exit_file.unlink(missing_ok=True)
+        cgroup = self.cgroups.create(job.id, job.attempts) if self.cgroups is not None else None
         env = dict(env)
         env[EXIT_FILE_VAR] = str(exit_file)
+        env[CGROUP_VAR] = str(cgroup or "")
         argv = job_argv(job)
-        log_path = Path(job.log_path or self.run_dir / f"{job.id}.log")
+        log_path = Path(job.log_path or self.layout.log_path(job.id))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         if job.checkpoint_dir:
             os.makedirs(job.checkpoint_dir, exist_ok=True)
@@ -91,88 +117,90 @@ class LocalExecutor:
                                             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
                                            (os.POSIX_SPAWN_DUP2, 1, 2)],
                              setsid=True)
-        start = proc_start_time(pid)
-        self._watch(_Watch(job.id, job.attempts, pid, exit_file, child=True))
+        start = procs.start_time(pid)
+        self._watch(_Watch(job.id, job.attempts, pid, procs.ProcessTree(_process(pid), cgroup), child=True))
         return Launched(pid, start)
 
-    def signal(self, job: Job, sig: int) -> None:
-        if not job.pid or not group_alive(job.pid):
-            return
-        try:
-            os.killpg(job.pid, sig)
-        except ProcessLookupError:
-            pass
+    # ---- finding attempts ---------------------------------------------------------------------------------
 
-    def adopt(self, job: Job) -> bool:
-        if job.pid and same_process(job.pid, job.proc_start):
-            self._watch(_Watch(job.id, job.attempts, job.pid, self.exit_file(job.id, job.attempts)))
-            return True
-        self._report(_Watch(job.id, job.attempts, job.pid or 0, self.exit_file(job.id, job.attempts)), None)
-        return False
+    def _foreign(self, job: Job) -> bool:
+        """Whether the job's handle is another executor's (e.g. `ray:SID@ADDRESS`): not ours to judge."""
+        return bool(job.proc_start) and ":" in str(job.proc_start)
 
-    def _wrappers(self) -> dict[Path, int]:
-        """Live attempt wrappers of this run dir (session leaders whose environment names an exit file here),
-        by exit file."""
-        prefix = f"{EXIT_FILE_VAR}={self.run_dir}/".encode()
-        found: dict[Path, int] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    env = fh.read().split(b"\0")
-                if os.getpgid(int(entry)) != int(entry):
-                    continue
-            except OSError:
-                continue
-            for var in env:
-                if var.startswith(prefix):
-                    found[Path(var.split(b"=", 1)[1].decode())] = int(entry)
-        return found
+    def _tree(self, job: Job, layout: Layout) -> procs.ProcessTree:
+        """The processes of the job's current attempt on this machine, from the watch, the recorded pid, the
+        attempt's cgroup, or a wrapper whose environment names the attempt's exit file."""
+        watch = self._watches.get((job.id, job.attempts)) if layout == self.layout else None
+        if watch is not None:
+            return watch.tree
+        leader = procs.same_process(job.pid, job.proc_start)
+        cgroups = self.cgroups if layout == self.layout else procs.Cgroups.for_home(layout.home, "existing")
+        cgroup = cgroups.path(job.id, job.attempts) if cgroups is not None else None
+        cgroup = cgroup if cgroup is not None and cgroup.exists() else None
+        if leader is not None:
+            return procs.ProcessTree(leader, cgroup)
+        # No leader to start from: look for the wrapper (its pid was never recorded) and for processes the
+        # attempt left behind (their parents died, so no tree leads to them).
+        found = _scan(layout).get((job.id, job.attempts), _Found())
+        return procs.ProcessTree(found.wrapper, cgroup, extra=found.members)
+
+    def probe(self, job: Job, layout: Optional[Layout] = None) -> Probe:
+        layout = layout or self.layout
+        if self._foreign(job):
+            return Probe(Liveness.UNKNOWN, detail=f"handle {job.proc_start!r} belongs to another executor")
+        tree = self._tree(job, layout)
+        if tree.alive():
+            leader = tree.leader if tree.leader is not None and procs.alive(tree.leader) else None
+            found = Launched(leader.pid, procs.start_time(leader.pid)) if leader is not None else None
+            return Probe(Liveness.RUNNING, found=found)
+        code = layout.read_exit(job.id, job.attempts)
+        if code is not None:
+            return Probe(Liveness.ENDED, code, f"exit code {code}", found=Launched(0, None))
+        return Probe(Liveness.GONE)
 
     def find_attempt(self, job: Job) -> Optional[Launched]:
-        """The wrapper of the job's current attempt, found by its environment (the service died between
-        spawning it and recording its pid)."""
-        pid = self._wrappers().get(self.exit_file(job.id, job.attempts))
-        if pid is not None:
-            return Launched(pid, proc_start_time(pid))
-        if self.exit_file(job.id, job.attempts).exists():
-            return Launched(0, None)  # it ran and ended: adopt() reads its recorded exit code
-        return None
+        probe = self.probe(job)
+        if probe.state is Liveness.RUNNING and probe.found is None:
+            return Launched(0, None)  # only leftovers of the attempt live: adopt() settles them
+        return probe.found
 
-    def forget(self, job_id: int, attempt: int) -> None:
-        """The store has recorded how this attempt ended: its exit record is no longer needed."""
-        self.exit_file(job_id, attempt).unlink(missing_ok=True)
+    def signal(self, job: Job, sig: int, layout: Optional[Layout] = None) -> None:
+        if not self._foreign(job):
+            self._tree(job, layout or self.layout).signal(sig)
+
+    def adopt(self, job: Job) -> bool:
+        leader = procs.same_process(job.pid, job.proc_start)
+        tree = self._tree(job, self.layout)
+        watch = _Watch(job.id, job.attempts, job.pid or 0, tree)
+        if leader is not None:
+            self._watch(watch)
+            return True
+        self._settle(watch, None)
+        return False
 
     def stop_strays(self, current: set[tuple[int, int]], grace: float = 10.0) -> list[int]:
-        """Stop attempts still running here that the queue no longer gives to this host (another service
-        reaped this one while it was gone and requeued them): SIGTERM, SIGKILL after `grace`. A job whose
-        supervisor died is stopped, not left to run twice. Returns the job ids stopped."""
-        stopped = []
-        for exit_file, pid in self._wrappers().items():
-            try:
-                job_id, attempt = (int(x) for x in exit_file.name.split(".")[:2])
-            except ValueError:
-                continue
-            if (job_id, attempt) in current:
-                continue
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            stopped.append(job_id)
-            threading.Thread(target=self._kill_after, args=(pid, grace), daemon=True).start()
-        return stopped
+        strays: dict[tuple[int, int], procs.ProcessTree] = {}
+        for key, found in _scan(self.layout).items():
+            if key not in current:
+                strays[key] = procs.ProcessTree(found.wrapper, self._cgroup_of(*key), extra=found.members)
+        for key in (self.cgroups.attempts() if self.cgroups is not None else []):
+            if key not in current and key not in strays:
+                strays[key] = procs.ProcessTree(None, self._cgroup_of(*key))
+        for tree in strays.values():
+            tree.signal(signal.SIGTERM)
+            threading.Thread(target=_kill_after, args=(tree, grace), daemon=True).start()
+        return sorted(job_id for job_id, _ in strays)
 
-    @staticmethod
-    def _kill_after(pgid: int, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def _cgroup_of(self, job_id: int, attempt: int) -> Optional[Path]:
+        if self.cgroups is None:
+            return None
+        path = self.cgroups.path(job_id, attempt)
+        return path if path.exists() else None
+
+    def forget(self, job_id: int, attempt: int) -> None:
+        self.layout.exit_file(job_id, attempt).unlink(missing_ok=True)
+        if self.cgroups is not None:
+            self.cgroups.remove(job_id, attempt)
 
     def close(self) -> None:
         self._closed = True
@@ -184,6 +212,8 @@ class LocalExecutor:
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.cgroups is not None:
+            self.cgroups.prune()
 
     # ---- watching -----------------------------------------------------------------------------------------
 
@@ -191,19 +221,21 @@ class LocalExecutor:
         try:
             fd = os.pidfd_open(watch.pid)
         except ProcessLookupError:
-            self._report(watch, None)
+            self._settle(watch, None)
             return
         with self._lock:
             self._pending.append((fd, watch))
+            self._watches[watch.key] = watch
         os.write(self._wake_w, b"x")
 
     def _loop(self) -> None:
+        last_refresh = 0.0
         while not self._closed:
             with self._lock:
                 pending, self._pending = self._pending, []
             for fd, watch in pending:
                 self._sel.register(fd, selectors.EVENT_READ, watch)
-            for key, _ in self._sel.select(timeout=1.0):
+            for key, _ in self._sel.select(timeout=REFRESH_EVERY):
                 if key.data is None:
                     try:
                         os.read(self._wake_r, 4096)
@@ -213,6 +245,23 @@ class LocalExecutor:
                 self._sel.unregister(key.fd)
                 os.close(key.fd)
                 self._reaped(key.data)
+            if time.monotonic() - last_refresh >= REFRESH_EVERY:
+                last_refresh = time.monotonic()
+                self._refresh_trees()
+
+    def _refresh_trees(self) -> None:
+        """Remember new descendants of running attempts (a cgroup needs no help), so a worker that outlives
+        its parent is still known to be the job's."""
+        with self._lock:
+            trees = [w.tree for w in self._watches.values() if w.tree.cgroup is None]
+        if not trees:
+            return
+        try:
+            children = procs.ppid_map()
+            for tree in trees:
+                tree.refresh(children)
+        except Exception:  # a process table read racing exits: the next refresh catches up
+            log.debug("process tree refresh failed", exc_info=True)
 
     def _reaped(self, watch: _Watch) -> None:
         status: Optional[int] = None
@@ -222,24 +271,26 @@ class LocalExecutor:
                 status = os.waitstatus_to_exitcode(raw)
             except ChildProcessError:
                 status = None
-        if group_alive(watch.pid):
-            # The leader is gone but something it started lives on: kill it before the device is reused.
-            threading.Thread(target=self._kill_group_then_report, args=(watch, status), daemon=True).start()
+        self._settle(watch, status)
+
+    def _settle(self, watch: _Watch, status: Optional[int]) -> None:
+        """Report the attempt's end once none of its processes is left (leftovers are killed first, in a
+        thread: the device is not handed back while a rank still holds it)."""
+        if watch.tree.alive():
+            threading.Thread(target=self._kill_then_report, args=(watch, status), daemon=True).start()
             return
         self._report(watch, status)
 
-    def _kill_group_then_report(self, watch: _Watch, status: Optional[int]) -> None:
-        deadline = time.monotonic() + 30
-        while group_alive(watch.pid) and time.monotonic() < deadline:
-            try:
-                os.killpg(watch.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                break
+    def _kill_then_report(self, watch: _Watch, status: Optional[int]) -> None:
+        deadline = time.monotonic() + LEFTOVER_WAIT
+        while watch.tree.signal(signal.SIGKILL) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._report(watch, status, extra="; leftover processes of the job were killed")
 
     def _report(self, watch: _Watch, status: Optional[int], extra: str = "") -> None:
-        recorded = _read_code(watch.exit_file)
+        with self._lock:
+            self._watches.pop(watch.key, None)
+        recorded = self.layout.read_exit(watch.job_id, watch.attempt)
         if recorded is not None:
             code, detail = recorded, f"exit code {recorded}"
         elif status is not None:
@@ -255,8 +306,49 @@ class LocalExecutor:
             log.exception("on_exit failed for job %s", watch.job_id)
 
 
-def _read_code(path: Path) -> Optional[int]:
+def _process(pid: int) -> Optional[psutil.Process]:
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
+        return psutil.Process(pid)
+    except psutil.Error:
         return None
+
+
+@dataclass
+class _Found:
+    wrapper: Optional[psutil.Process] = None
+    members: list[psutil.Process] = field(default_factory=list)
+
+
+def _scan(layout: Layout) -> dict[tuple[int, int], _Found]:
+    """Live processes of `layout`'s attempts on this machine, by (job id, attempt), found by environment:
+    the wrapper (a session leader whose environment names an exit file there) and any process started with
+    the attempt's Contract 3 variables, which a worker keeps even after its wrapper and parent are gone."""
+    found: dict[tuple[int, int], _Found] = {}
+    home = str(layout.home)
+    for proc in psutil.process_iter():
+        env = procs.environ_of(proc)
+        if not env or not procs.alive(proc):
+            continue
+        exit_file = env.get(EXIT_FILE_VAR)
+        key = layout.attempt_of(Path(exit_file)) if exit_file else None
+        if key is not None and _session_leader(proc):
+            found.setdefault(key, _Found()).wrapper = proc
+        elif env.get(protocol.HOME) == home and env.get(protocol.JOB_ID, "").isdigit() \
+                and env.get(protocol.ATTEMPT, "").isdigit():
+            key = (int(env[protocol.JOB_ID]), int(env[protocol.ATTEMPT]))
+            found.setdefault(key, _Found()).members.append(proc)
+    return found
+
+
+def _session_leader(proc: psutil.Process) -> bool:
+    try:
+        return os.getsid(proc.pid) == proc.pid
+    except OSError:
+        return False
+
+
+def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
+    deadline = time.monotonic() + grace
+    while tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tree.signal(signal.SIGKILL)

@@ -44,7 +44,8 @@ from typing import IO, Any, Optional
 
 from orchestrator import devices as devspec
 from orchestrator.errors import BadInput
-from orchestrator.executors.base import Exit, Launched, OnExit, describe, job_argv
+from orchestrator.executors.base import Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv
+from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
 
@@ -130,10 +131,11 @@ class _Watch:
     written: int = 0  # characters of the attempt's Ray log already in the log file
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Runs attempts as Ray jobs on the cluster at `settings.extra["ray_address"]` (or RAY_ADDRESS)."""
 
     name = "ray"
+    local_devices = False  # Ray places jobs on its nodes and watches them itself
 
     def __init__(self, settings: Any, on_exit: OnExit, *, address: Optional[str] = None, poll: float = 0.5):
         address = address or settings.extra.get("ray_address") or os.environ.get("RAY_ADDRESS")
@@ -152,7 +154,11 @@ class RayExecutor:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ray-executor-watch", daemon=True)
         self._thread.start()
 
-    # ---- the Executor protocol ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, settings: Any, layout: Layout, on_exit: OnExit) -> "RayExecutor":
+        return cls(settings, on_exit)
+
+    # ---- the Executor interface ---------------------------------------------------------------------------
 
     def inventory(self) -> Optional[list[str]]:
         if self.cpu_slots:
@@ -196,16 +202,43 @@ class RayExecutor:
         self._watch(_Watch(job.id, job.attempts, sid, log_path))
         return Launched(0, f"{PREFIX}{sid}@{self.address}")
 
-    def signal(self, job: Job, sig: int) -> None:
+    def signal(self, job: Job, sig: int, layout: Optional[Layout] = None) -> None:
         # Ray stops a job with SIGTERM and SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S (the job's grace); a
         # later SIGKILL from the service finds it stopping already, so both map to stop_job.
         if sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
             log.debug("ray executor: signal %s not supported; ignored for job %s", sig, job.id)
             return
+        sid, client = self._handle(job)
         try:
-            self.client.stop_job(self._sid(job))
+            client.stop_job(sid)
         except Exception as exc:  # already finished or gone: the watcher reports it
             log.debug("stop_job for job %s: %s", job.id, exc)
+
+    def probe(self, job: Job, layout: Optional[Layout] = None) -> Probe:
+        """Ask the cluster that runs the attempt (the one in its handle, which may be another service's)."""
+        sid, client = self._handle(job)
+        try:
+            info = client.get_job_info(sid)
+        except Exception as exc:
+            if "does not exist" in str(exc) or "404" in str(exc):
+                return Probe(Liveness.GONE)  # never submitted, or the cluster forgot it (restarted)
+            # An unreachable cluster runs nothing new either: wait rather than risk a rerun.
+            return Probe(Liveness.UNKNOWN, detail=f"cannot ask Ray about job {job.id}: {exc}")
+        handle = parse_handle(job.proc_start)
+        found = Launched(0, job.proc_start if handle is not None else f"{PREFIX}{sid}@{self.address}")
+        if not info.status.is_terminal():
+            return Probe(Liveness.RUNNING, found=found)
+        if info.driver_exit_code is None:
+            return Probe(Liveness.GONE, detail="ray recorded no exit code")
+        code, detail = exit_of(info)
+        return Probe(Liveness.ENDED, code, detail, found=found)
+
+    def _handle(self, job: Job) -> tuple[str, Any]:
+        """The attempt's submission id and a client for the cluster that runs it."""
+        handle = parse_handle(job.proc_start)
+        if handle is None or normalize_address(handle[1]) == self.address:
+            return self._sid(job), self.client
+        return handle[0], client_for(handle[1])
 
     def adopt(self, job: Job) -> bool:
         sid = self._sid(job)
@@ -224,7 +257,6 @@ class RayExecutor:
         return True
 
     def find_attempt(self, job: Job) -> Optional[Launched]:
-        """The Ray job of the job's current attempt, when the service died before recording it."""
         sid = submission_id(job)
         return Launched(0, f"{PREFIX}{sid}@{self.address}") if self._info(sid) is not None else None
 

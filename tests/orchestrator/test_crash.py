@@ -128,21 +128,22 @@ def test_an_exit_seen_but_not_yet_recorded_survives_a_crash(home, tmp_path):
     import queue
 
     from orchestrator.executors.local import LocalExecutor
+    from orchestrator.layout import Layout
 
     store = JobStore(Settings.load().db_url)
     job = api.submit(JobSpec(argv=["sh", "-c", "exit 4"], track=False))[0]
     [job] = store.claim([(job.id, ["cpu:0"])], "h", log_root=str(tmp_path), checkpoint_root=str(tmp_path))
     seen: queue.Queue = queue.Queue()
-    first = LocalExecutor(tmp_path / "run", seen.put)  # its "service" never commits what it sees
+    first = LocalExecutor(Layout(tmp_path), seen.put)  # its "service" never commits what it sees
     launched = first.launch(job, dict(os.environ))
     job = store.mark_running(job.id, launched.pid, launched.proc_start, "h")
     assert seen.get(timeout=30).code == 4
     first.close()
     again: queue.Queue = queue.Queue()
-    second = LocalExecutor(tmp_path / "run", again.put)
+    second = LocalExecutor(Layout(tmp_path), again.put)
     assert second.adopt(job) is False
     report = again.get(timeout=10)
     assert (report.job_id, report.code) == (job.id, 4)
     second.forget(job.id, job.attempts)
-    assert not second.exit_file(job.id, job.attempts).exists()
+    assert not Layout(tmp_path).exit_file(job.id, job.attempts).exists()
     second.close()

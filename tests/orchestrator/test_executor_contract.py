@@ -110,7 +110,7 @@ def start_service(home, kind, request, monkeypatch):
             continue
         if kind == "ray":  # stop what the test left running on the cluster
             for job in service.store.list(HOLDING):
-                service.executor.signal(job, signal.SIGTERM)
+                service.executor.stop(job)
         else:
             kill_leftovers(service.store)
         service.stop()
@@ -272,6 +272,7 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
     from sqlmodel import Session
 
     from orchestrator.cluster import reap_dead_hosts
+    from orchestrator.executors.ray import RayExecutor
     from orchestrator.queue.models import ServiceRecord
     from orchestrator.queue.store import JobStore
 
@@ -289,9 +290,13 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
         rec.heartbeat_at = time.time() - 60
         session.add(rec)
         session.commit()
-    assert reap_dead_hosts(store, "live", 10) == []  # still running on the cluster: stopped, not requeued
-    assert store.get(job_id).state == "RUNNING"
-    wait_for(lambda: client.get_job_status(sid).is_terminal(), timeout=30, what="Ray to stop the job")
-    wait_for(lambda: reap_dead_hosts(store, "live", 10), timeout=15, what="the reaper to settle it")
+    executor = RayExecutor(Settings.load(devices="cpu:1"), lambda _exit: None, address=ray_head)
+    try:
+        assert reap_dead_hosts(store, "live", 10, executor) == []  # still running on the cluster: stopped
+        assert store.get(job_id).state == "RUNNING"
+        wait_for(lambda: client.get_job_status(sid).is_terminal(), timeout=30, what="Ray to stop the job")
+        wait_for(lambda: reap_dead_hosts(store, "live", 10, executor), timeout=15, what="the reaper to settle it")
+    finally:
+        executor.close()
     job = store.get(job_id)
     assert job.state == "QUEUED" and "host lost lost" in job.reason and job.failures == 0

@@ -14,12 +14,14 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator import api
-from orchestrator.cluster import PgListener, reap_dead_hosts
-from orchestrator.executors.base import proc_start_time
-from orchestrator.executors.local import EXIT_FILE_VAR, WRAPPER
+from orchestrator.cluster import reap_dead_hosts
+from orchestrator.executors.local import EXIT_FILE_VAR, WRAPPER, LocalExecutor
+from orchestrator.executors.procs import start_time
+from orchestrator.layout import Layout
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from orchestrator.queue.store import JobStore
+from orchestrator.wakeup import PgListener
 from tests.orchestrator.helpers import kill_leftovers, wait_for
 
 
@@ -77,10 +79,14 @@ def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
     env = dict(os.environ, **{EXIT_FILE_VAR: str(dead_home / "run" / f"{ids[2]}.1.exit")})
     orphan = subprocess.Popen(["/bin/sh", "-c", WRAPPER, "autoresearch-job", str(tmp_path), "sleep", "60"],
                               env=env, start_new_session=True)
+    # Each reaper is a service of its own on this machine, asking its own executor.
+    executors = [LocalExecutor(Layout(tmp_path / f"live{i}"), lambda _exit: None) for i in range(4)]
+    executor = executors[0]
     try:
-        store.mark_running(ids[2], orphan.pid, proc_start_time(orphan.pid), "dead")
+        store.mark_running(ids[2], orphan.pid, start_time(orphan.pid), "dead")
         results: list = []
-        reapers = [threading.Thread(target=lambda: results.extend(reap_dead_hosts(store, f"live{i}", 10)))
+        reapers = [threading.Thread(target=lambda i=i: results.extend(reap_dead_hosts(store, f"live{i}", 10,
+                                                                                      executors[i])))
                    for i in range(4)]
         for t in reapers:
             t.start()
@@ -91,15 +97,17 @@ def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
         assert store.get(ids[1]).state == "QUEUED" and "host dead lost" in store.get(ids[1]).reason
         assert store.get(ids[2]).state == "RUNNING"  # not requeued while its process lives
         assert orphan.wait(timeout=10) == 143  # it got SIGTERM
-        assert [j.id for j in reap_dead_hosts(store, "live0", 10)] == [ids[2]]
+        assert [j.id for j in reap_dead_hosts(store, "live0", 10, executor)] == [ids[2]]
         job = store.get(ids[2])
         assert job.state == "QUEUED" and job.attempts == 1 and job.failures == 0  # no attempt spent
-        assert reap_dead_hosts(store, "live0", 10) == []
+        assert reap_dead_hosts(store, "live0", 10, executor) == []
         assert [s.host for s in store.services()] == []  # the dead host's row is gone once settled
         for job_id in ids:
             assert sum(e.reason.startswith("host dead lost") or "recorded after host dead lost" in e.reason
                        for e in store.events(job_id)) == 1
     finally:
+        for each in executors:
+            each.close()
         if orphan.poll() is None:
             os.killpg(orphan.pid, signal.SIGKILL)
 
@@ -172,6 +180,8 @@ def test_reaper_on_sqlite(tmp_path):
     _dead_host(store, "dead", tmp_path)
     job_id = store.submit(JobSpec(argv=["x"], track=False)).id
     store.claim([(job_id, ["cpu:0"])], "dead")
-    assert [j.id for j in reap_dead_hosts(store, "live", 10)] == [job_id]
-    assert store.get(job_id).state == "QUEUED" and reap_dead_hosts(store, "live", 10) == []
+    executor = LocalExecutor(Layout(tmp_path / "live"), lambda _exit: None)
+    assert [j.id for j in reap_dead_hosts(store, "live", 10, executor)] == [job_id]
+    assert store.get(job_id).state == "QUEUED" and reap_dead_hosts(store, "live", 10, executor) == []
     assert not [j for j in store.list(HOLDING)]
+    executor.close()
