@@ -253,7 +253,8 @@ class LocalExecutor(Executor):
         """Remember new descendants of running attempts (a cgroup needs no help), so a worker that outlives
         its parent is still known to be the job's."""
         with self._lock:
-            trees = [w.tree for w in self._watches.values() if w.tree.cgroup is None]
+            trees = [w.tree for w in self._watches.values()]
+        trees = [t for t in trees if not t.exact()]
         if not trees:
             return
         try:
@@ -276,6 +277,9 @@ class LocalExecutor(Executor):
     def _settle(self, watch: _Watch, status: Optional[int]) -> None:
         """Report the attempt's end once none of its processes is left (leftovers are killed first, in a
         thread: the device is not handed back while a rank still holds it)."""
+        if not watch.tree.exact():
+            # Without a cgroup, a process orphaned since the last refresh is found by its Contract 3 env.
+            watch.tree.add(_scan(self.layout).get(watch.key, _Found()).members)
         if watch.tree.alive():
             threading.Thread(target=self._kill_then_report, args=(watch, status), daemon=True).start()
             return

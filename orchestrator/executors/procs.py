@@ -132,7 +132,18 @@ class Cgroups:
         return found
 
     def prune(self) -> None:
-        """Remove the subtree when no attempt cgroup is left in it."""
+        """Remove emptied attempt cgroups (exit codes live in exit files, not here), then the subtree when
+        nothing is left in it."""
+        try:
+            entries = [e for e in self.base.iterdir() if e.is_dir()]
+        except OSError:
+            return
+        for entry in entries:
+            if not cgroup_pids(entry):
+                try:
+                    entry.rmdir()
+                except OSError:
+                    pass
         try:
             self.base.rmdir()
         except OSError:
@@ -157,19 +168,37 @@ def cgroup_pids(path: Path) -> list[int]:
 
 
 class ProcessTree:
-    """Every process of one attempt: its cgroup's members plus the leader's descendants seen so far."""
+    """Every process of one attempt: its cgroup's members when the attempt is in its cgroup, else the
+    leader's descendants seen so far (plus any `extra` process known to be the attempt's)."""
 
     def __init__(self, leader: Optional[psutil.Process], cgroup: Optional[Path] = None,
                  extra: Iterable[psutil.Process] = ()):
         self.leader = leader
         self.cgroup = cgroup
-        self._known: dict[int, psutil.Process] = {p.pid: p for p in extra}
+        self._known: dict[int, psutil.Process] = {}
+        self.add(extra)
         if leader is not None:
             self._known[leader.pid] = leader
-        self.refresh()
+        if not self.exact():
+            self.refresh()
+
+    def add(self, found: Iterable[psutil.Process]) -> None:
+        """Count these processes (and later their descendants) as the attempt's."""
+        for proc in found:
+            self._known.setdefault(proc.pid, proc)
+
+    def exact(self) -> bool:
+        """Whether the cgroup holds the attempt (the wrapper joined it), so no psutil tracking is needed."""
+        if self.cgroup is None:
+            return False
+        pids = cgroup_pids(self.cgroup)
+        if self.leader is not None and alive(self.leader):
+            return self.leader.pid in pids
+        return bool(pids) or not any(alive(p) for p in self._known.values())
 
     def refresh(self, children: Optional[dict[int, list[int]]] = None) -> None:
-        """Remember the leader's current descendants (`children`: a ppid map shared by several trees)."""
+        """Remember the current descendants of known processes (`children`: a ppid map shared by several
+        trees), so one that outlives its parent is still known."""
         if children is None:
             children = ppid_map()
         for proc in [p for p in self._known.values() if alive(p)]:
@@ -178,17 +207,20 @@ class ProcessTree:
 
     def members(self) -> list[psutil.Process]:
         """The live processes of the attempt."""
-        self.refresh()
-        found = {p.pid: p for p in self._known.values() if alive(p)}
-        if self.cgroup is not None:
+        found: dict[int, psutil.Process] = {}
+        if self.exact():
             for pid in cgroup_pids(self.cgroup):
-                if pid not in found:
-                    try:
-                        found[pid] = psutil.Process(pid)
-                    except psutil.Error:
-                        pass
-        self._known = {pid: p for pid, p in self._known.items() if pid in found}
-        return [p for p in found.values() if alive(p)]
+                proc = self._known.get(pid)
+                try:
+                    found[pid] = proc if proc is not None else psutil.Process(pid)
+                except psutil.Error:
+                    pass
+        else:
+            self.refresh()
+            found = dict(self._known)
+        live = {pid: p for pid, p in found.items() if alive(p)}
+        self._known.update(live)
+        return list(live.values())
 
     def alive(self) -> bool:
         """Whether any process of the attempt lives."""

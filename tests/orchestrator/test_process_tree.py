@@ -1,0 +1,207 @@
+"""An attempt is its whole process tree: nothing it started outlives a cancel, a preemption or its own end,
+whatever session a process put itself in; and torchrun jobs keep the single-process exit protocol.
+
+Real processes, a real torchrun (gloo on cpu slots) and, where this machine has a writable cgroup v2, both
+ways of tracking a tree: the cgroup and psutil's descendants (`AUTORESEARCH_CGROUP=off`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator import api
+from orchestrator.executors import procs
+from orchestrator.executors.base import job_argv, job_env, torchrun_shutdown_timeout
+from orchestrator.executors.local import LocalExecutor
+from orchestrator.executors.torchrun import exit_code
+from orchestrator.layout import Layout
+from orchestrator.queue.models import Job, JobSpec
+from tests.orchestrator.helpers import SCRIPTS, wait_for
+
+RANK_JOB = str(SCRIPTS / "rank_job.py")
+HAS_CGROUP = procs.cgroup2_root() is not None and os.access(procs.cgroup2_root(), os.W_OK)
+TRACKING = [pytest.param("cgroup", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no writable cgroup v2")),
+            "psutil"]
+
+
+@pytest.fixture
+def tracking(request, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_CGROUP", "auto" if request.param == "cgroup" else "off")
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")  # device checks are the health suite's
+    return request.param
+
+
+def ranks(out: Path, attempt: int, n: int = 2) -> list[dict]:
+    """The records of an attempt's ranks, once all `n` wrote theirs."""
+    found = [out / f"{attempt}.{r}.json" for r in range(n)]
+    return [json.loads(p.read_text()) for p in found] if all(p.exists() for p in found) else []
+
+
+def living(records: list[dict]) -> list[int]:
+    """The pids of recorded processes that still run (the same process, not a zombie)."""
+    alive = []
+    for rec in records:
+        try:
+            proc = psutil.Process(rec["pid"])
+            if abs(proc.create_time() - rec["start"]) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(rec["pid"])
+        except psutil.Error:
+            pass
+    return alive
+
+
+def kill(records: list[dict]) -> None:
+    for pid in living(records):
+        os.kill(pid, signal.SIGKILL)
+
+
+def stubborn_pair(out: Path, **kw) -> JobSpec:
+    """A two-rank torchrun job whose ranks ignore SIGTERM."""
+    return JobSpec(argv=[sys.executable, RANK_JOB, "stubborn", str(out)], gpus=2, grace=3, track=False, **kw)
+
+
+@pytest.mark.parametrize("tracking", TRACKING, indirect=True)
+def test_cancel_leaves_no_rank_of_a_torchrun_job_alive(make_service, tmp_path, tracking):
+    """The reported orphan: torchrun starts each rank in a session of its own, so signalling the job's process
+    group missed them and both ranks outlived the cancel."""
+    service = make_service("cpu:2")
+    assert service.executor.tracking == tracking
+    job_id = api.submit(stubborn_pair(tmp_path))[0].id
+    records = wait_for(lambda: ranks(tmp_path, 1), timeout=120, what="both ranks to start")
+    try:
+        assert len({os.getsid(r["pid"]) for r in records}) == 2  # each rank leads a session of its own
+        api.cancel(job_id)
+        wait_for(lambda: service.store.get(job_id).state == "CANCELLED", timeout=60, what="the cancel")
+        assert living(records) == []
+    finally:
+        kill(records)
+
+
+def test_preemption_frees_the_devices_only_once_every_rank_is_gone(make_service, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_CGROUP", "off")  # the harder case: psutil's tree, no cgroup
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
+    service = make_service("cpu:2", preempt_after=0)
+    low = api.submit(stubborn_pair(tmp_path, priority=0))[0].id
+    records = wait_for(lambda: ranks(tmp_path, 1), timeout=120, what="both ranks to start")
+    try:
+        high = api.submit(JobSpec(argv=["sh", "-c", "echo high"], priority=50, track=False))[0].id
+        wait_for(lambda: service.store.get(high).state == "SUCCEEDED", timeout=60, what="the high job")
+        assert living(records) == []  # its device was handed over only after both ranks were gone
+        assert service.store.get(low).preemptions == 1
+        api.cancel(low)
+        wait_for(lambda: service.store.get(low).state == "CANCELLED", timeout=60, what="the cancel")
+    finally:
+        kill(records + ranks(tmp_path, 2))
+
+
+def test_a_ranks_exit_75_requeues_the_job_without_spending_an_attempt(make_service, tmp_path, monkeypatch):
+    """torchrun reports any failed rank as exit 1; a rank asking to be requeued must not use up the job's
+    only attempt. The ranks see Contract 3, not the wrapper's own variables."""
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
+    service = make_service("cpu:2")
+    spec = JobSpec(argv=[sys.executable, RANK_JOB, "tempfail", str(tmp_path)], gpus=2, max_attempts=1,
+                   track=False)
+    job_id = api.submit(spec)[0].id
+    wait_for(lambda: service.store.get(job_id).job_state.value in ("SUCCEEDED", "FAILED"), timeout=180,
+             what="the job to end")
+    job = service.store.get(job_id)
+    assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0), [e.reason for e in
+                                                                          service.store.events(job_id)]
+    assert any("exit 75" in e.reason for e in service.store.events(job_id))
+    env = set(ranks(tmp_path, 1)[1]["env"])
+    assert {"AUTORESEARCH_JOB_ID", "AUTORESEARCH_CHECKPOINT_DIR"} <= env
+    assert not {"AUTORESEARCH_EXIT_FILE", "AUTORESEARCH_CGROUP"} & env
+
+
+# ---- the executor alone ------------------------------------------------------------------------------------
+
+def _job(tmp_path: Path, argv: list[str], job_id: int = 1) -> Job:
+    return Job(id=job_id, attempts=1, argv=argv, gpus=1, devices=[], cwd=str(tmp_path), grace=2.0,
+               log_path=str(tmp_path / f"{job_id}.log"), track=False)
+
+
+def _daemonizing(pidfile: Path, then: str) -> list[str]:
+    """A job that starts a helper in a session of its own (ignoring SIGTERM), waits until it runs, then
+    `then` (a shell command)."""
+    helper = f"trap '' TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300"
+    return ["sh", "-c", f'setsid sh -c "{helper}" & while [ ! -e {pidfile} ]; do sleep 0.02; done; {then}']
+
+
+@pytest.mark.parametrize("mode", [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no cgroup v2")),
+                                  "off"])
+def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path, mode):
+    exits: queue.Queue = queue.Queue()
+    layout = Layout(tmp_path / "home")
+    executor = LocalExecutor(layout, exits.put, cgroup=mode)
+    pidfile = tmp_path / "helper.pid"
+    job = _job(tmp_path, _daemonizing(pidfile, "exit 0"))
+    try:
+        executor.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
+        ended = exits.get(timeout=30)
+        helper = int(pidfile.read_text())
+        assert (ended.job_id, ended.code) == (1, 0) and "leftover processes" in ended.detail
+        assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("mode", [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no cgroup v2")),
+                                  "off"])
+def test_stop_reaches_a_helper_in_another_session_and_adoption_finds_the_tree_again(tmp_path, mode):
+    """SIGTERM, then SIGKILL after the grace, to every process of the attempt; a second executor (a restarted
+    service) stops a tree it did not start."""
+    exits: queue.Queue = queue.Queue()
+    layout = Layout(tmp_path / "home")
+    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    pidfile = tmp_path / "helper.pid"
+    job = _job(tmp_path, _daemonizing(pidfile, "trap '' TERM; sleep 300"))
+    launched = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
+    wait_for(pidfile.exists, timeout=30, what="the helper")
+    time.sleep(0.6)  # one refresh of the watcher sees the helper (psutil mode)
+    first.close()  # the service goes away; the job keeps running
+    job.pid, job.proc_start = launched.pid, launched.proc_start
+    second = LocalExecutor(layout, exits.put, cgroup=mode)
+    try:
+        assert second.probe(job).state.value == "running"
+        assert second.adopt(job) is True
+        assert second.stop(job) == signal.SIGTERM  # ignored by both
+        assert second.stop(job, since=time.time()) is None  # within the grace: nothing more
+        assert second.stop(job, since=time.time() - job.grace) == signal.SIGKILL
+        ended = exits.get(timeout=30)
+        assert ended.code == -signal.SIGKILL
+        helper = int(pidfile.read_text())
+        assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
+        assert second.probe(job).state.value == "gone"
+    finally:
+        second.close()
+
+
+def test_torchrun_gets_a_shutdown_timeout_below_the_grace():
+    for grace in (1, 3, 30, 120, 600):
+        timeout = torchrun_shutdown_timeout(grace)
+        assert 1 <= timeout and (timeout < grace or grace <= 1)
+        assert timeout >= 0.6 * grace or grace < 5  # most of the grace goes to the ranks' own save
+    argv = job_argv(Job(id=1, argv=["python", "t.py"], gpus=2, grace=120))
+    assert "--shutdown-timeout=115" in argv and argv[-2:] == ["python", "t.py"]
+
+
+def test_torchrun_exit_codes_map_back_to_the_job_protocol():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failures(*codes):
+        return {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="")
+                for rank, code in enumerate(codes)}
+
+    assert exit_code(failures(75)) == 75
+    assert exit_code(failures(-signal.SIGTERM, 75)) == 75  # one rank asked to be requeued
+    assert exit_code(failures(3)) == 3
+    assert exit_code(failures(-signal.SIGKILL)) == 128 + signal.SIGKILL
