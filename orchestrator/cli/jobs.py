@@ -102,7 +102,7 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
     job = store.get(job_id)
     path = job.log_path
     if (not path or not os.path.exists(path)) and (job.proc_start or "").startswith("ray:"):
-        from orchestrator.executors.ray import stream_logs  # ran on a Ray cluster; its log file is elsewhere
+        from orchestrator.executors.ray_logs import stream_logs  # ran on a Ray cluster; its log file is elsewhere
 
         stream_logs(job, sys.stdout.buffer, follow=follow)
         return

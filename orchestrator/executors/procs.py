@@ -52,6 +52,11 @@ def same_process(pid: Optional[int], start: Optional[str]) -> Optional[psutil.Pr
     return proc
 
 
+def pid_alive(pid: Optional[int]) -> bool:
+    """Whether process `pid` runs (not a zombie); for callers that recorded only a pid (agent sessions)."""
+    return same_process(pid, None) is not None
+
+
 def environ_of(proc: psutil.Process) -> dict[str, str]:
     """The environment a process was started with ({} when unreadable)."""
     try:

@@ -23,7 +23,7 @@ means "requeue me". Ray-side failures map to codes the queue understands: a lost
 75 (requeue without spending an attempt), a job that could not be started at all to 127.
 
 Logs. A watcher thread follows each attempt's Ray log (a websocket tail) into the job's log file, so
-`autoresearch logs` works as with local jobs; `logs()`/`stream_logs()` read Ray directly for hosts without
+`autoresearch logs` works as with local jobs; `ray_logs.stream_logs` reads Ray directly for hosts without
 that file. After a service restart, `adopt()` finds the Ray job again by its submission id, which is derived
 from the job (`autoresearch-ID-ATTEMPT-TAG`) and recorded as `ray:SID@ADDRESS` in the job's `proc_start`.
 """
@@ -40,7 +40,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from orchestrator import devices as devspec
 from orchestrator.errors import BadInput
@@ -277,12 +277,6 @@ class RayExecutor(Executor):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    # ---- logs -------------------------------------------------------------------------------------------
-
-    def logs(self, job: Job, attempt: Optional[int] = None) -> str:
-        """The Ray log of one attempt of `job` (default: the current one)."""
-        return self.client.get_job_logs(submission_id(job, attempt))
-
     # ---- internals --------------------------------------------------------------------------------------
 
     def _sid(self, job: Job) -> str:
@@ -402,27 +396,3 @@ class RayExecutor(Executor):
             self._on_exit(Exit(watch.job_id, watch.attempt, code, detail))
         except Exception:  # the service logs and recovers on its next reconcile
             log.exception("on_exit failed for job %s", watch.job_id)
-
-
-def stream_logs(job: Job, out: IO[bytes], *, follow: bool = False) -> None:
-    """Print every attempt's Ray log of `job` to `out` (for `autoresearch logs` where its log file is absent)."""
-    handle = parse_handle(job.proc_start)
-    if handle is None:
-        raise BadInput(f"job {job.id} did not run on Ray")
-    client = client_for(handle[1])
-    for attempt in range(1, job.attempts + 1):
-        sid = submission_id(job, attempt)
-        if attempt < job.attempts or not follow:
-            try:
-                out.write(client.get_job_logs(sid).encode())
-            except RuntimeError:
-                continue  # an attempt that never reached Ray
-            continue
-
-        async def tail() -> None:
-            async for chunk in client.tail_job_logs(sid):
-                out.write(chunk.encode())
-                out.flush()
-
-        asyncio.run(tail())
-    out.flush()
