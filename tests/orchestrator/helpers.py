@@ -32,10 +32,24 @@ def ckpt_job(steps: int, **kw) -> JobSpec:
 
 
 def kill_leftovers(store) -> None:
-    """Tests stop services with jobs still running (they would be adopted); kill those process groups."""
+    """Tests stop services with jobs still running (they would be adopted); kill those process trees (a
+    torchrun rank leads a session of its own, outside the job's process group)."""
+    import psutil
+
     for job in store.list(HOLDING):
-        if job.pid:
+        if not job.pid:
+            continue
+        try:
+            tree = [psutil.Process(job.pid)]
+            tree += tree[0].children(recursive=True)
+        except psutil.Error:
+            tree = []
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in tree:
             try:
-                os.killpg(job.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                proc.kill()
+            except psutil.Error:
                 pass
