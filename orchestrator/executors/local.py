@@ -171,6 +171,8 @@ class LocalExecutor(Executor):
     def adopt(self, job: Job) -> bool:
         leader = procs.same_process(job.pid, job.proc_start)
         tree = self._tree(job, self.layout)
+        if not tree.exact():  # ranks orphaned while no service watched are found by their environment
+            tree.add(_scan(self.layout).get((job.id, job.attempts), _Found()).members)
         watch = _Watch(job.id, job.attempts, job.pid or 0, tree)
         if leader is not None:
             self._watch(watch)
@@ -235,6 +237,7 @@ class LocalExecutor(Executor):
                 pending, self._pending = self._pending, []
             for fd, watch in pending:
                 self._sel.register(fd, selectors.EVENT_READ, watch)
+            ended = []
             for key, _ in self._sel.select(timeout=REFRESH_EVERY):
                 if key.data is None:
                     try:
@@ -244,7 +247,9 @@ class LocalExecutor(Executor):
                     continue
                 self._sel.unregister(key.fd)
                 os.close(key.fd)
-                self._reaped(key.data)
+                ended.append((key.data, self._wait(key.data)))
+            if ended:
+                self._settle_many(ended)
             if time.monotonic() - last_refresh >= REFRESH_EVERY:
                 last_refresh = time.monotonic()
                 self._refresh_trees()
@@ -264,23 +269,35 @@ class LocalExecutor(Executor):
         except Exception:  # a process table read racing exits: the next refresh catches up
             log.debug("process tree refresh failed", exc_info=True)
 
-    def _reaped(self, watch: _Watch) -> None:
-        status: Optional[int] = None
-        if watch.child:
-            try:
-                _, raw = os.waitpid(watch.pid, 0)
-                status = os.waitstatus_to_exitcode(raw)
-            except ChildProcessError:
-                status = None
-        self._settle(watch, status)
+    @staticmethod
+    def _wait(watch: _Watch) -> Optional[int]:
+        """The leader's exit status (None for an adopted process: not our child)."""
+        if not watch.child:
+            return None
+        try:
+            _, raw = os.waitpid(watch.pid, 0)
+            return os.waitstatus_to_exitcode(raw)
+        except ChildProcessError:
+            return None
 
-    def _settle(self, watch: _Watch, status: Optional[int]) -> None:
+    def _settle_many(self, ended: list[tuple[_Watch, Optional[int]]]) -> None:
+        """Settle the attempts whose leaders ended in one round, with one look for orphans among them."""
+        inexact = [watch for watch, _ in ended if not watch.tree.exact()]
+        if inexact:
+            # Without a cgroup, a process orphaned since the last refresh is found by its Contract 3 env
+            # (the leader is gone, so no new descendant can be reached from it). One scan serves the round.
+            found = _scan(self.layout)
+            for watch in inexact:
+                watch.tree.add(found.get(watch.key, _Found()).members)
+        for watch, status in ended:
+            self._settle(watch, status, scanned=True)
+
+    def _settle(self, watch: _Watch, status: Optional[int], scanned: bool = False) -> None:
         """Report the attempt's end once none of its processes is left (leftovers are killed first, in a
         thread: the device is not handed back while a rank still holds it)."""
-        if not watch.tree.exact():
-            # Without a cgroup, a process orphaned since the last refresh is found by its Contract 3 env.
+        if not scanned and not watch.tree.exact():
             watch.tree.add(_scan(self.layout).get(watch.key, _Found()).members)
-        if watch.tree.alive():
+        if watch.tree.members(refresh=False):
             threading.Thread(target=self._kill_then_report, args=(watch, status), daemon=True).start()
             return
         self._report(watch, status)

@@ -184,8 +184,6 @@ class ProcessTree:
         self.add(extra)
         if leader is not None:
             self._known[leader.pid] = leader
-        if not self.exact():
-            self.refresh()
 
     def add(self, found: Iterable[psutil.Process]) -> None:
         """Count these processes (and later their descendants) as the attempt's."""
@@ -210,8 +208,9 @@ class ProcessTree:
             for child in _descendants(proc, children):
                 self._known.setdefault(child.pid, child)
 
-    def members(self) -> list[psutil.Process]:
-        """The live processes of the attempt."""
+    def members(self, refresh: bool = True) -> list[psutil.Process]:
+        """The live processes of the attempt (`refresh` False: without looking for new descendants of the
+        known ones, which costs a scan of the process table when there is no cgroup)."""
         found: dict[int, psutil.Process] = {}
         if self.exact():
             for pid in cgroup_pids(self.cgroup):
@@ -221,7 +220,8 @@ class ProcessTree:
                 except psutil.Error:
                     pass
         else:
-            self.refresh()
+            if refresh:
+                self.refresh()
             found = dict(self._known)
         live = {pid: p for pid, p in found.items() if alive(p)}
         self._known.update(live)
