@@ -171,7 +171,7 @@ class LocalExecutor(Executor):
     def adopt(self, job: Job) -> bool:
         leader = procs.same_process(job.pid, job.proc_start)
         tree = self._tree(job, self.layout)
-        if not tree.exact():  # ranks orphaned while no service watched are found by their environment
+        if leader is not None and not tree.exact():  # ranks orphaned while nobody watched: by their env
             tree.add(_scan(self.layout).get((job.id, job.attempts), _Found()).members)
         watch = _Watch(job.id, job.attempts, job.pid or 0, tree)
         if leader is not None:
@@ -371,5 +371,5 @@ def _session_leader(proc: psutil.Process) -> bool:
 def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
     deadline = time.monotonic() + grace
     while tree.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.25)
     tree.signal(signal.SIGKILL)
