@@ -31,6 +31,7 @@ RANK_JOB = str(SCRIPTS / "rank_job.py")
 HAS_CGROUP = procs.cgroup2_root() is not None and os.access(procs.cgroup2_root(), os.W_OK)
 TRACKING = [pytest.param("cgroup", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no writable cgroup v2")),
             "psutil"]
+MODES = [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no writable cgroup v2")), "off"]
 
 
 @pytest.fixture
@@ -136,8 +137,7 @@ def _daemonizing(pidfile: Path, then: str) -> list[str]:
     return ["sh", "-c", f'setsid sh -c "{helper}" & while [ ! -e {pidfile} ]; do sleep 0.02; done; {then}']
 
 
-@pytest.mark.parametrize("mode", [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no cgroup v2")),
-                                  "off"])
+@pytest.mark.parametrize("mode", MODES)
 def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path, mode):
     exits: queue.Queue = queue.Queue()
     layout = Layout(tmp_path / "home")
@@ -154,8 +154,7 @@ def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path
         executor.close()
 
 
-@pytest.mark.parametrize("mode", [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no cgroup v2")),
-                                  "off"])
+@pytest.mark.parametrize("mode", MODES)
 def test_stop_reaches_a_helper_in_another_session_and_adoption_finds_the_tree_again(tmp_path, mode):
     """SIGTERM, then SIGKILL after the grace, to every process of the attempt; a second executor (a restarted
     service) stops a tree it did not start."""
