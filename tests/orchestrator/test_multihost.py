@@ -185,3 +185,20 @@ def test_reaper_on_sqlite(tmp_path):
     assert store.get(job_id).state == "QUEUED" and reap_dead_hosts(store, "live", 10, executor) == []
     assert not [j for j in store.list(HOLDING)]
     executor.close()
+
+
+def test_reaper_waits_on_a_job_it_cannot_judge(tmp_path):
+    """A lost host's job whose handle belongs to another executor (a Ray job, asked about by a local one):
+    the reaper neither requeues it (it might still run: it would run twice) nor forgets the host."""
+    store = JobStore(f"sqlite:///{tmp_path / 'q.db'}")
+    _dead_host(store, "dead", tmp_path)
+    job_id = store.submit(JobSpec(argv=["x"], track=False)).id
+    store.claim([(job_id, ["cpu:0"])], "dead")
+    store.mark_running(job_id, 0, "ray:autoresearch-1-1-abc@http://127.0.0.1:9", "dead")
+    executor = LocalExecutor(Layout(tmp_path / "live"), lambda _exit: None)
+    try:
+        assert reap_dead_hosts(store, "live", 10, executor) == []
+        assert store.get(job_id).state == "RUNNING"
+        assert [s.host for s in store.services()] == ["dead"]  # tried again on a later pass
+    finally:
+        executor.close()

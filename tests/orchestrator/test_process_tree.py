@@ -204,3 +204,29 @@ def test_torchrun_exit_codes_map_back_to_the_job_protocol():
     assert exit_code(failures(-signal.SIGTERM, 75)) == 75  # one rank asked to be requeued
     assert exit_code(failures(3)) == 3
     assert exit_code(failures(-signal.SIGKILL)) == 128 + signal.SIGKILL
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
+    """A restarted service finds attempts the queue no longer gives it (another host reaped it meanwhile) and
+    stops each whole tree: SIGTERM, then SIGKILL after the grace for what ignores it."""
+    layout = Layout(tmp_path / "home")
+    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    pidfile = tmp_path / "helper.pid"
+    kept, stray = _job(tmp_path, ["sleep", "300"], job_id=1), _job(tmp_path, _daemonizing(pidfile, "sleep 300"), 2)
+    for job in (kept, stray):
+        launched = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
+        job.pid, job.proc_start = launched.pid, launched.proc_start
+    wait_for(pidfile.exists, timeout=30, what="the helper")
+    first.close()
+    second = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    try:
+        assert second.stop_strays({(kept.id, kept.attempts)}, grace=0.5) == [stray.id]
+        helper = int(pidfile.read_text())
+        wait_for(lambda: second.probe(stray).state.value != "running", timeout=30, what="the stray to stop")
+        assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
+        assert second.probe(kept).state.value == "running"  # still the queue's: left alone
+        assert second.stop(kept) == signal.SIGTERM
+        wait_for(lambda: second.probe(kept).state.value != "running", timeout=30, what="the kept job to stop")
+    finally:
+        second.close()
