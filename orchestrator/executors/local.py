@@ -214,6 +214,12 @@ class LocalExecutor(Executor):
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        for watch in list(self._watches.values()):
+            if watch.child:  # collect children that already ended: a zombie keeps its cgroup busy
+                try:
+                    os.waitpid(watch.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
         if self.cgroups is not None:
             self.cgroups.prune()
 

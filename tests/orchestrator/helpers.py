@@ -53,3 +53,4 @@ def kill_leftovers(store) -> None:
                 proc.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(tree, timeout=5)  # dead before the service stops, so it can collect them

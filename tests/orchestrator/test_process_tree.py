@@ -130,6 +130,17 @@ def _job(tmp_path: Path, argv: list[str], job_id: int = 1) -> Job:
                log_path=str(tmp_path / f"{job_id}.log"), track=False)
 
 
+def _reap(pids: list[int]) -> None:
+    """Collect the wrappers this test process started through an executor it closed (a service that went
+    away leaves that to init): a zombie keeps its cgroup from being removed."""
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+            os.waitpid(pid, 0)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
 def _daemonizing(pidfile: Path, then: str) -> list[str]:
     """A job that starts a helper in a session of its own (ignoring SIGTERM), waits until it runs, then
     `then` (a shell command)."""
@@ -181,6 +192,7 @@ def test_stop_reaches_a_helper_in_another_session_and_adoption_finds_the_tree_ag
         assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
         assert second.probe(job).state.value == "gone"
     finally:
+        _reap([launched.pid])
         second.close()
 
 
@@ -229,4 +241,5 @@ def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
         assert second.stop(kept) == signal.SIGTERM
         wait_for(lambda: second.probe(kept).state.value != "running", timeout=30, what="the kept job to stop")
     finally:
+        _reap([kept.pid, stray.pid])
         second.close()
