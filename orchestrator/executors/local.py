@@ -71,6 +71,8 @@ class LocalExecutor(Executor):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.layout.ensure()
         self.cgroups = procs.Cgroups.for_home(self.layout.home, cgroup)
+        if self.cgroups is not None:
+            self.cgroups.prune(keep_base=True)  # emptied attempt cgroups an earlier service could not remove
         self._on_exit = on_exit
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()

@@ -136,9 +136,10 @@ class Cgroups:
                 found.append((job_id, attempt))
         return found
 
-    def prune(self) -> None:
+    def prune(self, keep_base: bool = False) -> None:
         """Remove emptied attempt cgroups (exit codes live in exit files, not here), then the subtree when
-        nothing is left in it."""
+        nothing is left in it (unless `keep_base`). A cgroup whose last process is a zombie not yet
+        collected by its parent cannot go yet: the next prune takes it."""
         try:
             entries = [e for e in self.base.iterdir() if e.is_dir()]
         except OSError:
@@ -149,10 +150,11 @@ class Cgroups:
                     entry.rmdir()
                 except OSError:
                     pass
-        try:
-            self.base.rmdir()
-        except OSError:
-            pass
+        if not keep_base:
+            try:
+                self.base.rmdir()
+            except OSError:
+                pass
 
     def remove(self, job_id: int, attempt: int) -> None:
         """Drop an emptied attempt cgroup."""
