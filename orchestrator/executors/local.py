@@ -171,11 +171,13 @@ class LocalExecutor(Executor):
             self._tree(job, layout or self.layout).signal(sig)
 
     def adopt(self, job: Job) -> bool:
-        leader = procs.same_process(job.pid, job.proc_start)
+        recorded = procs.same_process(job.pid, job.proc_start)
         tree = self._tree(job, self.layout)
-        if leader is not None and not tree.exact():  # ranks orphaned while nobody watched: by their env
+        if recorded is not None and not tree.exact():  # ranks orphaned while nobody watched: by their env
             tree.add(_scan(self.layout).get((job.id, job.attempts), _Found()).members)
-        watch = _Watch(job.id, job.attempts, job.pid or 0, tree)
+        # The wrapper, by its recorded pid or else by its environment (a pid recorded in another format).
+        leader = tree.leader if tree.leader is not None and procs.alive(tree.leader) else None
+        watch = _Watch(job.id, job.attempts, leader.pid if leader is not None else job.pid or 0, tree)
         if leader is not None:
             self._watch(watch)
             return True

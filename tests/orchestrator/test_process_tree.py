@@ -243,3 +243,25 @@ def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
     finally:
         _reap([kept.pid, stray.pid])
         second.close()
+
+
+def test_adoption_finds_a_wrapper_whose_start_time_was_recorded_in_another_format(tmp_path):
+    """Jobs recorded by an older service (kernel ticks instead of psutil's start time) are adopted through the
+    wrapper's environment, not killed as leftovers."""
+    exits: queue.Queue = queue.Queue()
+    layout = Layout(tmp_path / "home")
+    first = LocalExecutor(layout, lambda _exit: None)
+    gate = tmp_path / "gate"
+    job = _job(tmp_path, ["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 5"])
+    job.pid = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri="")).pid
+    job.proc_start = "123456789"  # field 22 of /proc/PID/stat, as services before psutil recorded it
+    first.close()
+    second = LocalExecutor(layout, exits.put)
+    try:
+        assert second.adopt(job) is True
+        gate.touch()
+        ended = exits.get(timeout=30)
+        assert (ended.job_id, ended.code) == (job.id, 5)
+    finally:
+        _reap([job.pid])
+        second.close()
