@@ -124,6 +124,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _tracked(self) -> Iterator[Any]:
         ds = self._volume
+        ds._workers = max(self.num_workers, 1)  # a ParquetDataset's delivery order depends on it
         block = self.batch_size or 1
         # Paths (no transform) are read by the consumer later: keep the files of every batch a worker may
         # have queued pinned, so eviction cannot remove one before it is read.
