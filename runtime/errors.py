@@ -15,3 +15,11 @@ class CheckpointError(RuntimeJobError):
 
 class PreflightError(RuntimeJobError):
     """A device failed a preflight check."""
+
+
+class ExportError(RuntimeJobError):
+    """A table export failed for a reason outside the user's input (the disk filled up, the source broke)."""
+
+
+class ExportInputError(ExportError):
+    """A table export was asked for something that cannot be: no such table, no such column, a bad filter."""
