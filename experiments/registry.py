@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping
 
 from experiments.space import SearchSpace
 
-KNOWN = ("digits", "charlm")
+KNOWN = ("digits", "charlm", "tabular")
 
 
 class UnknownExperiment(ValueError):

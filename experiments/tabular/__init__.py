@@ -1,0 +1,1 @@
+"""tabular: regression on a synthetic table of known generative process, read as Parquet exported from Delta."""
