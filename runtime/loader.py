@@ -10,10 +10,12 @@ The functions that fix that order (per epoch, per rank, per worker) live here to
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
 import random
+import signal
 from typing import Any, Callable, Iterator
 
 import torch
@@ -89,6 +91,12 @@ class _Spec:
         return {"_values": self._values if get_spawning_popen() is not None else list(self._values)}
 
 
+def _worker_init(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """torch.utils.data.DataLoader with volume-friendly defaults and a resumable position.
 
@@ -108,6 +116,9 @@ class DataLoader(torch.utils.data.DataLoader):
             persistent_workers = num_workers > 0
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = 4
+        # Preemption signals the whole process group: workers must not die of it (the training process
+        # would crash on their death instead of checkpointing); they end when the loader shuts them down.
+        kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                          pin_memory=pin_memory, persistent_workers=persistent_workers,
                          prefetch_factor=prefetch_factor, drop_last=drop_last, **kwargs)

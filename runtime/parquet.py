@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from runtime.data import FileInfo, VolumeDataset
 from runtime.errors import VolumeError
 from runtime.loader import _dist_rank_world
-from runtime.parquet_plan import RankPlan, consumed_after, from_ranges, split_runs, to_ranges
+from runtime.parquet_plan import RankPlan, consumed_after, from_ranges, pass_runs, to_ranges
 
 __all__ = ["MANIFEST", "ParquetConfig", "ParquetDataset", "read_manifest"]
 
@@ -328,10 +328,10 @@ class ParquetDataset(IterableDataset):
                              "with DataLoader(dataset, batch_size=None)")
         rank, world = _dist_rank_world()
         self._consumed = self._consumed_now()
-        remaining = [b for b in range(self._plan(self._epoch, rank, world).num_batches) if b not in self._consumed]
-        self._pass = (split_runs(remaining, self._workers), 0)
+        runs = pass_runs(self._plan(self._epoch, rank, world).num_batches, self._consumed, self._workers)
+        self._pass = (runs, 0)
         self._spec.publish(self._epoch, rank, world, self._workers, to_ranges(self._consumed))
-        return len(remaining)
+        return sum(map(len, runs))
 
     def _advance(self, start: int, delivered: int, world: int) -> None:
         if self._pass is not None:
@@ -349,13 +349,13 @@ class ParquetDataset(IterableDataset):
             spec = {"epoch": self._epoch, "rank": rank, "world": world, "consumed": to_ranges(self._consumed)}
         plan = self._plan(spec["epoch"], spec["rank"], spec["world"])
         done = from_ranges(spec["consumed"])
-        remaining = [b for b in range(plan.num_batches) if b not in done]
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        runs = pass_runs(plan.num_batches, done, workers)
         if track:
-            self._consumed, self._pass = done, ([remaining], 0)
-        for n, batch in enumerate(self._read(plan, split_runs(remaining, workers)[worker]), start=1):
+            self._consumed, self._pass = done, (runs, 0)
+        for n, batch in enumerate(self._read(plan, runs[worker]), start=1):
             if track:
-                self._pass = ([remaining], n)
+                self._pass = (runs, n)
             yield batch
         if track:
             self._end_epoch()

@@ -49,6 +49,21 @@ def split_runs(items: list[int], workers: int) -> list[list[int]]:
     return out
 
 
+def pass_runs(num_batches: int, consumed: set[int], workers: int) -> list[list[int]]:
+    """What each worker delivers in a pass that starts after `consumed`: the epoch's batches split into
+    `workers` runs, less what is consumed, rotated so that the run whose turn it was comes first. Resumed
+    with the worker count it was saved with, the pass continues the interrupted delivery order exactly;
+    with another count it still delivers exactly the unconsumed batches."""
+    runs = split_runs(list(range(num_batches)), workers)
+    left = [[b for b in run if b not in consumed] for run in runs]
+    live = [w for w in range(workers) if left[w]]
+    if not live:
+        return left
+    # Round-robin serves the live run with the fewest deliveries next (the lowest index on a tie).
+    turn = min(live, key=lambda w: (len(runs[w]) - len(left[w]), w))
+    return left[turn:] + left[:turn]
+
+
 def interleave(runs: list[list[int]]) -> list[int]:
     """Delivery order of torch's DataLoader over worker streams: one from each worker in turn, skipping
     workers that ran out."""
