@@ -15,7 +15,6 @@ import math
 import multiprocessing
 import os
 import random
-import signal
 from typing import Any, Callable, Iterator
 
 import torch
@@ -92,7 +91,11 @@ class _Spec:
 
 
 def _worker_init(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A process group of its own: the job's SIGTERM (sent to its group) reaches only the training process,
+    # which checkpoints and shuts the workers down. Ignoring SIGTERM instead would also ignore the
+    # terminate() multiprocessing sends at exit and hang it; a worker whose parent died exits by itself
+    # (torch's watchdog), so a SIGKILL of the job still leaves nothing behind.
+    os.setpgid(0, 0)
     if user_init is not None:
         user_init(worker_id)
 
@@ -116,8 +119,8 @@ class DataLoader(torch.utils.data.DataLoader):
             persistent_workers = num_workers > 0
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = 4
-        # Preemption signals the whole process group: workers must not die of it (the training process
-        # would crash on their death instead of checkpointing); they end when the loader shuts them down.
+        # Preemption signals the job's whole process group: a worker killed by it makes the training process
+        # raise instead of checkpointing. Workers leave the group (see _worker_init).
         kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                          pin_memory=pin_memory, persistent_workers=persistent_workers,
