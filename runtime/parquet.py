@@ -221,6 +221,8 @@ class ParquetDataset(IterableDataset):
                 head = paths[:min(paths.find(c) for c in "*?[" if c in paths)]
                 root = head.rsplit("/", 1)[0] if "/" in head else "."
             else:
+                if "://" not in paths and not os.path.exists(paths):
+                    raise VolumeError(f"data volume not found: {paths}")
                 root = os.path.dirname(paths) or "."
             rels = None
             pattern = paths[len(root):].lstrip("/") if root != "." else paths

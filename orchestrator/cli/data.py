@@ -61,7 +61,8 @@ def export_delta_cmd(
         try:
             manifest = export_delta(cfg, progress=progress)
         finally:
-            bar.stop()
+            if bar.live.is_started:
+                bar.stop()
     except ExportInputError as exc:
         raise BadInput(str(exc)) from None
     except ExportError as exc:
