@@ -24,8 +24,8 @@ CASES = {
     "charlm": ({"layers": 1, "heads": 2, "width": 32, "block_size": 32, "batch_size": 8, "dropout": 0.1,
                 "max_steps": 600, "seed": 7}, re.compile(r"^step \d+/600:", re.M)),
     "digits": ({"epochs": 10, "dropout": 0.2, "seed": 3}, re.compile(r"^epoch 1/10 ", re.M)),
-    "tabular": ({"rows": 20000, "epochs": 12, "batch_size": 32, "hidden": 32, "dropout": 0.1, "seed": 5},
-                re.compile(r"^epoch 1/12 ", re.M)),
+    "tabular": ({"rows": 12000, "epochs": 10, "batch_size": 32, "hidden": 32, "dropout": 0.1, "seed": 5},
+                re.compile(r"^epoch 1/10 ", re.M)),
 }
 FINISHED = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
