@@ -27,8 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from runtime.data import FileInfo, VolumeDataset
@@ -415,12 +417,12 @@ class ParquetDataset(IterableDataset):
                         f, g = self.units[seg.unit]
                         last_group = (seg.unit, reader(f).read_row_group(g, columns=self.columns))
                     parts.append(last_group[1].slice(seg.lo, seg.hi - seg.lo))
-                table = pa.concat_tables(parts).combine_chunks()
-                table = table.take(pa.array(plan.permutation(w))) if plan.shuffle else table
+                window = self._window(pa.concat_tables(parts), plan.permutation(w) if plan.shuffle else None)
+                del parts
                 for b in by_window[w]:
                     lo, hi = plan.batch_slice(b)
-                    yield self._convert(table.slice(lo, hi - lo))
-                del table, parts
+                    yield self._batch(window, lo, hi)
+                del window
         finally:
             for fut in fetching.values():
                 if not fut.cancel():
@@ -429,13 +431,26 @@ class ParquetDataset(IterableDataset):
                 rdr.close()
                 pin.release()
 
-    def _convert(self, table: pa.Table) -> Any:
-        fmt, transform = self.config.format, self.config.transform
-        if fmt == "arrow":
-            batch: Any = table.combine_chunks().to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist(
-                [], schema=table.schema)
+    def _window(self, table: pa.Table, order: np.ndarray | None) -> Any:
+        """A decoded window in its shuffled order: one Arrow record batch, or one numpy array per column
+        (permuted once here, so each batch is a cheap view; the arrays are our own copies, so writable)."""
+        if self.config.format == "arrow":
+            table = table.take(pa.array(order)) if order is not None else table
+            return table.combine_chunks().to_batches(max_chunksize=None)[0]
+        columns = {}
+        for name in table.column_names:
+            array = _to_numpy(table.column(name))
+            columns[name] = array[order] if order is not None else np.array(array)
+        return columns
+
+    def _batch(self, window: Any, lo: int, hi: int) -> Any:
+        if self.config.format == "arrow":
+            batch = window.slice(lo, hi - lo)
+        elif self.config.format == "torch":
+            batch = {name: torch.from_numpy(a[lo:hi]) if a.dtype != object else a[lo:hi] for name, a in window.items()}
         else:
-            batch = {name: _column(table.column(name), fmt) for name in table.column_names}
+            batch = {name: a[lo:hi] for name, a in window.items()}
+        transform = self.config.transform
         return transform(batch) if transform is not None else batch
 
     def __getstate__(self) -> dict[str, Any]:
@@ -444,14 +459,17 @@ class ParquetDataset(IterableDataset):
         return state
 
 
-def _column(col: pa.ChunkedArray, fmt: str) -> Any:
-    """One column of a batch: a writable numpy array, as a torch tensor when numeric and asked for."""
-    array = col.to_numpy()
-    if not array.flags.writeable:
-        array = array.copy()  # torch warns on read-only buffers, and a consumer may normalise in place
-    if fmt == "torch" and array.dtype != object:
-        import torch
+_NUMPY = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
+          pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32, pa.uint64(): np.uint64,
+          pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64}
 
-        return torch.from_numpy(array)
-    return array
 
+def _to_numpy(column: pa.ChunkedArray) -> np.ndarray:
+    """A column as numpy, read-only. Fixed-width columns without nulls are a view of the Arrow buffer: pyarrow's
+    own to_numpy() imports pandas (a second of start-up and tens of MB in every worker process)."""
+    array = column.chunk(0) if column.num_chunks == 1 else pa.concat_arrays(column.chunks)
+    dtype = _NUMPY.get(array.type)
+    if dtype is None or array.null_count:
+        return array.to_numpy(zero_copy_only=False)  # strings, booleans, nulls: objects or NaN as pyarrow does
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array),
+                         offset=array.offset * np.dtype(dtype).itemsize)
