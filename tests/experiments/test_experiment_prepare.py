@@ -91,7 +91,8 @@ def test_two_processes_racing_build_once(tmp_path):
     assert (target / "data").read_text() == "ok"
 
 
-@pytest.mark.parametrize("module", ["experiments.digits.prepare", "experiments.charlm.prepare"])
+@pytest.mark.parametrize("module", ["experiments.digits.prepare", "experiments.charlm.prepare",
+                                    "experiments.tabular.prepare"])
 def test_real_prepare_concurrent_processes(tmp_path, module):
     out = tmp_path / "vol"
     procs = [subprocess.Popen([sys.executable, "-m", module, "--out", str(out)], cwd=ROOT,

@@ -158,3 +158,36 @@ def test_sigterm_mid_epoch_then_resume_continues_exactly(files, tmp_path):
         assert got == want, "same worker count: the very batches of an uninterrupted run"
         assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "out-ref" / "final.pt").values(),
                                                      torch.load(tmp_path / "out-run" / "final.pt").values()))
+
+
+def test_any_fsspec_url_works_like_a_path(tmp_path):
+    import io
+
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from tests.support.tabular import id_table
+
+    fs = fsspec.filesystem("memory")
+    for i in range(2):
+        buf = io.BytesIO()
+        pq.write_table(id_table(i * 100, 100), buf, row_group_size=30)
+        fs.pipe(f"/parquet-test/t/p{i}.parquet", buf.getvalue())
+    try:
+        ds = ParquetDataset("memory://parquet-test/t/*.parquet", batch_rows=16, cache_dir=str(tmp_path / "c"))
+        assert ds.num_rows == 200 and sorted(ids(ds)) == list(range(200))
+    finally:
+        fs.rm("/parquet-test", recursive=True)
+
+
+@pytest.mark.slow
+def test_spawned_persistent_workers_follow_resume_and_epochs(files, tmp_path):
+    # Spawned workers get the dataset pickled once; the position must still reach them every pass.
+    loader = DataLoader(make(files, tmp_path / "c"), batch_size=None, num_workers=1,
+                        multiprocessing_context="spawn")
+    it = iter(loader)
+    head = ids([next(it), next(it)])
+    del it
+    reference = make(files, tmp_path / "c")
+    assert head + ids(loader) == ids(reference), "the rest of epoch 0, in order"
+    assert ids(loader) == ids(reference), "then epoch 1"
