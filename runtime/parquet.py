@@ -9,7 +9,8 @@ Sources: a directory written by `autoresearch data export-delta` (its MANIFEST.j
 files and row groups; a directory without one is an export still running or torn, and is refused), a glob
 (`/mnt/vol/t/*.parquet`, footers read in parallel), one file, or a list of files. Files are copied into the
 local cache that VolumeDataset uses (same cache, same locks, `lookahead` files ahead) and read from there
-memory-mapped; only the row groups of the current shuffle window are ever decoded, never the whole table.
+(plain reads, not mmap, so RSS is what the loader holds); only the row groups of the current shuffle
+window are ever decoded, never the whole table.
 
 Who gets which rows, how shuffling works and why resume is exact are in runtime.parquet_plan. Equal rows per
 rank: padded by wrapping around (default) or, with drop_last=True, the tail dropped. The position is
@@ -397,7 +398,7 @@ class ParquetDataset(IterableDataset):
                 return opened[f][1]
             fut = fetching.pop(f, None)
             pin = fut.result() if fut is not None else self.volume.fetch(self.files[f])
-            opened[f] = (pin, pq.ParquetFile(pin.path, memory_map=True))
+            opened[f] = (pin, pq.ParquetFile(pin.path))  # read, not mapped: mapped pages would count as ours
             while len(opened) > keep_open:
                 old_pin, old_reader = opened.popitem(last=False)[1]
                 old_reader.close()

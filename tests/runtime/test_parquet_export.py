@@ -74,7 +74,8 @@ def test_an_older_version_can_be_exported(table, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,says", [
     (["{missing}", "{dest}"], "autoresearch: no Delta table at {missing}"),
-    (["{table}", "{dest}", "--columns", "id,nope"], "autoresearch: no column 'nope' in {table}; it has: id, x, tag, split"),
+    (["{table}", "{dest}", "--columns", "id,nope"],
+     "autoresearch: no column 'nope' in {table}; it has: id, x, tag, split"),
     (["{table}", "{dest}", "--where", "nope > 3"], "autoresearch: bad --where 'nope > 3': "),
     (["{table}", "{existing}"], "autoresearch: {existing} already exists; export to a new directory"),
     (["{table}", "{dest}", "--files", "0"], "autoresearch: --files must be >= 1, got 0"),
