@@ -19,8 +19,6 @@ rank: padded by wrapping around (default) or, with drop_last=True, the tail drop
 
 from __future__ import annotations
 
-import glob as globlib
-import json
 import os
 import warnings
 from collections import OrderedDict
@@ -34,15 +32,13 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from runtime.data import FileInfo, VolumeDataset
 from runtime.errors import VolumeError
 from runtime.loader import _dist_rank_world
+from runtime.parquet_files import MANIFEST, list_parquet, read_manifest
 from runtime.parquet_plan import RankPlan, consumed_after, from_ranges, pass_runs, to_ranges
 
-__all__ = ["MANIFEST", "ParquetConfig", "ParquetDataset", "read_manifest"]
+__all__ = ["MANIFEST", "ParquetConfig", "ParquetDataset", "read_manifest"]  # the last two: parquet_files
 
-MANIFEST = "MANIFEST.json"
-EXPORT_FORMAT = "autoresearch.parquet-export/1"
 STATE_VERSION = 1
 _MAX_RANGES = 512  # consumed ranges a resumed position may hold (grows by ~workers per resume in one epoch)
 _FORMATS = ("torch", "numpy", "arrow")
@@ -91,32 +87,6 @@ class ParquetConfig:
             raise ValueError("lookahead must be >= 0 and copy_threads >= 1")
         if self.transform is not None and not callable(self.transform):
             raise ValueError("transform must be callable")
-
-
-def read_manifest(directory: str) -> dict[str, Any] | None:
-    """The manifest of a complete export at `directory` (a path or fsspec URL), or None if it has none."""
-    try:
-        if "://" in directory:
-            import fsspec
-
-            with fsspec.open(f"{directory.rstrip('/')}/{MANIFEST}", "rb") as fh:
-                raw = fh.read()
-        else:
-            with open(os.path.join(directory, MANIFEST), "rb") as fh:
-                raw = fh.read()
-        manifest = json.loads(raw)
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == EXPORT_FORMAT else None
-
-
-def _isdir(path: str) -> bool:
-    if "://" not in path:
-        return os.path.isdir(path)
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(path)
-    return fs.isdir(root)
 
 
 class _Position:
@@ -172,9 +142,11 @@ class ParquetDataset(IterableDataset):
             self.config = paths_or_glob
         else:
             self.config = ParquetConfig(paths=paths_or_glob, **options)
-        self.manifest: dict[str, Any] | None = None
-        self.volume, self.files, footers = self._resolve()
-        self.schema, unit_rows, self.units = self._row_groups(footers)
+        cfg = self.config
+        listing = list_parquet(cfg.paths, cache_dir=cfg.cache_dir, cache_limit_bytes=cfg.cache_limit_bytes,
+                               threads=max(cfg.copy_threads, 8))
+        self.volume, self.files, self.manifest = listing.volume, listing.files, listing.manifest
+        self.schema, unit_rows, self.units = listing.schema, listing.unit_rows, listing.units
         names = self.schema.names
         missing = [c for c in self.config.columns or () if c not in names]
         if missing:
@@ -191,95 +163,6 @@ class ParquetDataset(IterableDataset):
         self._spec = _Position()  # named like VolumeDataset's: runtime.loader.DataLoader shares it
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
-
-    # -- listing --------------------------------------------------------------------------------------------
-    def _volume(self, root: str, pattern: str) -> VolumeDataset:
-        cfg = self.config
-        return VolumeDataset(root, pattern=pattern, shuffle=False, cache_dir=cfg.cache_dir,
-                             cache_limit_bytes=cfg.cache_limit_bytes, copy_threads=max(cfg.copy_threads, 8))
-
-    def _resolve(self) -> tuple[VolumeDataset, list[FileInfo], list[Any]]:
-        """The volume (for its cache and retrying copies), the files in reading order, and their footers
-        (from the manifest when there is one: no file is opened on the volume to list it)."""
-        paths = self.config.paths
-        if isinstance(paths, str) and not globlib.has_magic(paths) and _isdir(paths):
-            self.manifest = read_manifest(paths)
-            if self.manifest is None:
-                if os.path.isdir(paths) or "://" in paths:
-                    raise VolumeError(f"{paths} is not a complete Parquet export (no {MANIFEST}): an export "
-                                      "still running or one that died; export it again, or pass a glob "
-                                      "such as DIR/*.parquet to read plain files")
-            volume = self._volume(paths, "*.parquet")
-            listed = {f.rel: f for f in volume.files}
-            files = []
-            for entry in self.manifest["files"]:
-                info = listed.get(entry["path"])
-                if info is None or info.size != entry["bytes"]:
-                    raise VolumeError(f"export {paths} is damaged: {entry['path']} is "
-                                      f"{'missing' if info is None else 'not the size its manifest says'}")
-                files.append(info)
-            return volume, files, [entry["row_groups"] for entry in self.manifest["files"]]
-        if isinstance(paths, str):
-            if globlib.has_magic(paths):
-                head = paths[:min(paths.find(c) for c in "*?[" if c in paths)]
-                root = head.rsplit("/", 1)[0] if "/" in head else "."
-            else:
-                if "://" not in paths and not os.path.exists(paths):
-                    raise VolumeError(f"data volume not found: {paths}")
-                root = os.path.dirname(paths) or "."
-            rels = None
-            pattern = paths[len(root):].lstrip("/") if root != "." else paths
-        else:
-            root = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
-            rels = [os.path.relpath(p, root) for p in paths]
-            pattern = "*"
-        volume = self._volume(root, pattern if globlib.has_magic(pattern) else globlib.escape(pattern))
-        files = volume.files
-        if rels is None and "**" not in pattern:  # a glob's `*` stays within one directory level
-            files = [f for f in files if f.rel.count("/") == pattern.count("/")]
-            if not files:
-                raise VolumeError(f"no files match {paths}")
-        if rels is not None:
-            listed = {f.rel: f for f in files}
-            missing = [r for r in rels if r not in listed]
-            if missing:
-                raise VolumeError(f"no such file: {os.path.join(root, missing[0])}")
-            files = [listed[r] for r in rels]
-        with ThreadPoolExecutor(min(16, len(files))) as pool:  # one round trip each on network storage
-            footers = list(pool.map(lambda f: self._footer(volume, f), files))
-        return volume, files, footers
-
-    @staticmethod
-    def _footer(volume: VolumeDataset, info: FileInfo) -> pq.FileMetaData:
-        uid = volume.source.uid(info.rel)
-        try:
-            if "://" in uid:
-                import fsspec
-
-                with fsspec.open(uid, "rb") as fh:
-                    return pq.read_metadata(fh)
-            return pq.read_metadata(uid)
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise VolumeError(f"cannot read the Parquet footer of {uid}: {exc}") from None
-
-    def _row_groups(self, footers: list[Any]) -> tuple[pa.Schema, list[int], list[tuple[int, int]]]:
-        if self.manifest is not None:
-            schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(self.manifest["arrow_schema"])))
-            sizes = footers  # lists of row-group row counts
-        else:
-            schema = footers[0].schema.to_arrow_schema()
-            for info, meta in zip(self.files, footers):
-                if not meta.schema.to_arrow_schema().equals(schema):
-                    raise VolumeError(f"{self.volume.source.uid(info.rel)} has another schema than "
-                                      f"{self.volume.source.uid(self.files[0].rel)}")
-            sizes = [[meta.row_group(i).num_rows for i in range(meta.num_row_groups)] for meta in footers]
-        unit_rows, units = [], []
-        for f, groups in enumerate(sizes):
-            for g, n in enumerate(groups):
-                if n:
-                    unit_rows.append(int(n))
-                    units.append((f, g))
-        return schema, unit_rows, units
 
     # -- position ---------------------------------------------------------------------------------------------
     def _plan(self, epoch: int, rank: int, world: int) -> RankPlan:
