@@ -21,5 +21,5 @@ class ExportError(RuntimeJobError):
     """A table export failed for a reason outside the user's input (the disk filled up, the source broke)."""
 
 
-class ExportInputError(ExportError):
+class ExportInputError(ExportError, ValueError):
     """A table export was asked for something that cannot be: no such table, no such column, a bad filter."""
