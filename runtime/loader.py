@@ -15,6 +15,8 @@ import math
 import multiprocessing
 import os
 import random
+import signal
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -91,13 +93,23 @@ class _Spec:
 
 
 def _worker_init(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    # A process group of its own: the job's SIGTERM (sent to its group) reaches only the training process,
-    # which checkpoints and shuts the workers down. Ignoring SIGTERM instead would also ignore the
-    # terminate() multiprocessing sends at exit and hang it; a worker whose parent died exits by itself
-    # (torch's watchdog), so a SIGKILL of the job still leaves nothing behind.
-    os.setpgid(0, 0)
+    # A preemption sends SIGTERM to every process of the job (its group, or its whole tree), workers too.
+    # A worker dying of it makes the training process raise instead of checkpointing, so workers take
+    # SIGTERM only from their parent (the loader's own shutdown: multiprocessing terminates its workers at
+    # exit) and ignore everyone else's; the trainer then checkpoints and shuts them down, or the stop's
+    # SIGKILL ends them. Who sent a signal is only known to sigwaitinfo, hence the blocked signal and the
+    # thread that waits for it (threads started later inherit the mask).
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_take_sigterm, args=(parent,), name="loader-sigterm", daemon=True).start()
     if user_init is not None:
         user_init(worker_id)
+
+
+def _take_sigterm(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(128 + signal.SIGTERM)  # as the default action would have ended it
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -119,8 +131,7 @@ class DataLoader(torch.utils.data.DataLoader):
             persistent_workers = num_workers > 0
         if prefetch_factor is None and num_workers > 0:
             prefetch_factor = 4
-        # Preemption signals the job's whole process group: a worker killed by it makes the training process
-        # raise instead of checkpointing. Workers leave the group (see _worker_init).
+        # Workers outlive a preemption's SIGTERM until the trainer has checkpointed (see _worker_init).
         kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                          pin_memory=pin_memory, persistent_workers=persistent_workers,

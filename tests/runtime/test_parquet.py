@@ -143,7 +143,12 @@ def test_sigterm_mid_epoch_then_resume_continues_exactly(files, tmp_path):
     while (read_heartbeat(tmp_path / "ckpt-run" / "heartbeat.json") or {}).get("step", 0) < 7:
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0].decode()
         time.sleep(0.01)
-    os.killpg(run.pid, signal.SIGTERM)
+    # As the executor stops a job: SIGTERM to every process of its tree, DataLoader workers included.
+    import psutil
+
+    tree = psutil.Process(run.pid)
+    for proc in [tree, *tree.children(recursive=True)]:
+        proc.send_signal(signal.SIGTERM)
     assert run.wait(60) == EX_TEMPFAIL, run.communicate()[0].decode()
     stopped = read_heartbeat(tmp_path / "ckpt-run" / "heartbeat.json")["step"]
     per_epoch = -(-N // 8)
