@@ -15,7 +15,9 @@ import time
 from typing import Any
 
 from runtime import faults
-from runtime.preflight import CheckResult, is_cpu, torch_index
+from runtime.checks import CheckResult
+from runtime.devices import DeviceSpecError, cuda_index, is_cpu
+from runtime.nvml import Nvml
 
 NUMEL = 1 << 20  # 4 MiB of fp32 per rank: large enough to exercise the transport, small enough for seconds
 
@@ -75,9 +77,16 @@ def _group_check(devices: list[str], timeout_s: float) -> list[CheckResult]:
     ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
     results = ctx.Queue()
     port = _free_port()
+    if gpus:
+        try:
+            with Nvml() as nv:
+                targets = [f"cuda:{cuda_index(d, nv)}" for d in devices]
+        except DeviceSpecError as exc:
+            return [_final(d, "fail", None, f"{backend}: {exc}") for d in devices]
+    else:
+        targets = ["cpu"] * len(devices)
     procs = []
-    for rank, d in enumerate(devices):
-        dev = f"cuda:{torch_index(d)}" if gpus else "cpu"
+    for rank, dev in enumerate(targets):
         p = ctx.Process(target=_worker, args=(rank, len(devices), port, dev, backend, results), daemon=True)
         p.start()
         procs.append(p)

@@ -1,14 +1,23 @@
 """NVML health checks (nvidia-ml-py's ``pynvml``): ECC, retired/remapped memory, throttling, foreign processes.
 
-Cheap (no CUDA context, no torch import), so `runtime.preflight.monitor_sample` can call them every few
-seconds while a job runs. Every function returns ``(status, value, threshold, message)``; a counter the GPU
-does not support is "skipped", never "pass".
+Cheap (no CUDA context, no torch import), so the service can sample them every few seconds while a job runs.
+Every check returns ``(status, value, threshold, message)``; a counter the GPU does not support is "skipped",
+never "pass". Devices are named as `runtime.devices` names them: a physical index ("3", PCI bus order, as
+NVML numbers GPUs) or a UUID ("GPU-...", "MIG-...", a unique prefix is enough, as for CUDA_VISIBLE_DEVICES).
+
+A session is either short (``with Nvml() as nv``: preflight) or long-lived (`open()` once, `close()` at the
+end: the service's monitor, so NVML is not initialised and shut down every few seconds). With `timeout_s`,
+every call runs on one worker thread and gives up after that long (a wedged driver must not wedge the caller);
+while a timed-out call is still stuck, later calls fail at once instead of queueing behind it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 Outcome = tuple[str, Any, Any, str]
@@ -20,53 +29,145 @@ _CRITICAL_THROTTLE = {
     "hw_thermal_slowdown": 0x40,
     "hw_power_brake_slowdown": 0x80,
 }
+# Newer drivers and nvidia-ml-py name it "clocks event reasons"; older drivers only have the throttle call
+# (the newer Python binding may still define the function and then fail with FunctionNotFound).
+CLOCK_REASON_CALLS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+
+
+class NvmlTimeout(Exception):
+    """An NVML call did not return within the session's timeout."""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Nvml:
-    """An NVML session; use as a context manager. `available` is False on hosts without a driver."""
+    """An NVML session. `available` is False on hosts without a driver (or without nvidia-ml-py).
 
-    def __init__(self) -> None:
+    `lib` is a pynvml-shaped module (tests pass a fake; None imports pynvml). `timeout_s` bounds each call.
+    """
+
+    def __init__(self, lib: Any = None, *, timeout_s: float | None = None) -> None:
         self.available = False
         self.error = ""
+        self._lib = lib
         self._nvml: Any = None
+        self.timeout_s = timeout_s
+        self._pool: ThreadPoolExecutor | None = None
+        self._stuck: Future | None = None
+        self._lock = threading.Lock()
 
-    def __enter__(self) -> "Nvml":
+    # -- session -----------------------------------------------------------------------------------------
+
+    def open(self) -> "Nvml":
+        """Initialise NVML (idempotent); on failure `available` stays False and `error` says why."""
+        if self.available:
+            return self
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml, self.available = pynvml, True
-        except Exception as exc:  # no library, no driver, no permission: all mean "no NVML here"
+            lib = self._lib
+            if lib is None:
+                import pynvml as lib
+            if self.timeout_s is not None and self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+            self._nvml = lib
+            self._bounded(lib.nvmlInit)
+            self.available, self.error = True, ""
+        except Exception as exc:  # no library, no driver, no permission, a hung init: all mean "no NVML here"
             self.error = str(exc) or type(exc).__name__
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def close(self) -> None:
+        """Shut NVML down (errors ignored) and stop the worker thread."""
         if self.available:
+            self.available = False
             try:
-                self._nvml.nvmlShutdown()
+                self._bounded(self._nvml.nvmlShutdown)
             except Exception:
                 pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __enter__(self) -> "Nvml":
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _bounded(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            return fn(*args)
+        with self._lock:
+            if self._stuck is not None and not self._stuck.done():
+                raise NvmlTimeout("an earlier NVML call is still hung")
+            future = self._pool.submit(fn, *args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._stuck = future
+            raise NvmlTimeout(f"NVML call {getattr(fn, '__name__', fn)} took over {self.timeout_s:g}s") from None
+
+    def _call(self, fn: str, *args: Any) -> Any:
+        return self._bounded(getattr(self._nvml, fn), *args)
+
+    def _is(self, exc: Exception, name: str) -> bool:
+        return isinstance(exc, getattr(self._nvml, name, ()))
+
+    def _unsupported(self, exc: Exception) -> bool:
+        return self._is(exc, "NVMLError_NotSupported")
+
+    # -- identity ----------------------------------------------------------------------------------------
 
     def count(self) -> int:
         """Number of GPUs NVML sees (0 without NVML)."""
-        return self._nvml.nvmlDeviceGetCount() if self.available else 0
+        return int(self._call("nvmlDeviceGetCount")) if self.available else 0
 
-    def handle(self, index: int) -> Any:
-        """The NVML handle of physical GPU `index` (PCI bus order)."""
-        return self._nvml.nvmlDeviceGetHandleByIndex(index)
+    def _mig_handles(self, parent: Any) -> list[Any]:
+        try:
+            n = int(self._call("nvmlDeviceGetMaxMigDeviceCount", parent))
+        except Exception:
+            return []  # not MIG-capable, or an NVML without MIG calls
+        out = []
+        for i in range(n):
+            try:
+                out.append(self._call("nvmlDeviceGetMigDeviceHandleByIndex", parent, i))
+            except Exception:
+                continue  # a slot without an instance
+        return out
 
-    def name(self, index: int) -> str:
+    def inventory(self) -> list[tuple[str, str]]:
+        """(name, UUID) of every GPU NVML sees, by index, followed by the MIG instances of each (by UUID)."""
+        gpus, migs = [], []
+        for i in range(self.count()):
+            h = self._call("nvmlDeviceGetHandleByIndex", i)
+            gpus.append((str(i), _text(self._call("nvmlDeviceGetUUID", h))))
+            for m in self._mig_handles(h):
+                uuid = _text(self._call("nvmlDeviceGetUUID", m))
+                migs.append((uuid, uuid))
+        return gpus + migs
+
+    def handle(self, name: str | int) -> Any:
+        """The NVML handle of device `name`: a physical index, or a (prefix of a) GPU-/MIG- UUID."""
+        name = str(name)
+        if name.isdigit():
+            return self._call("nvmlDeviceGetHandleByIndex", int(name))
+        matches = [uuid for _, uuid in self.inventory() if uuid.startswith(name)]
+        if len(matches) != 1:
+            raise LookupError(f"{name} matches {len(matches)} devices NVML sees (need exactly one)")
+        return self._call("nvmlDeviceGetHandleByUUID", matches[0])
+
+    def uuid(self, name: str | int) -> str:
+        """The full UUID ("GPU-..." or "MIG-...") of device `name`."""
+        return _text(self._call("nvmlDeviceGetUUID", self.handle(name)))
+
+    def name(self, index: str | int) -> str:
         """The GPU's marketing name, e.g. 'NVIDIA H100 80GB HBM3'."""
-        name = self._nvml.nvmlDeviceGetName(self.handle(index))
-        return name.decode() if isinstance(name, bytes) else str(name)
+        return _text(self._call("nvmlDeviceGetName", self.handle(index)))
 
-    def _call(self, fn, *args) -> Any:
-        return getattr(self._nvml, fn)(*args)
+    # -- checks ------------------------------------------------------------------------------------------
 
-    def _unsupported(self, exc: Exception) -> bool:
-        return isinstance(exc, getattr(self._nvml, "NVMLError_NotSupported", ()))
-
-    def ecc(self, index: int) -> Outcome:
+    def ecc(self, index: str | int) -> Outcome:
         """Uncorrected (volatile) ECC errors since the driver loaded; any is a fault."""
         try:
             n = self._call("nvmlDeviceGetTotalEccErrors", self.handle(index),
@@ -77,10 +178,10 @@ class Nvml:
             return "fail", None, 0, f"NVML ECC query failed: {exc}"
         return ("pass" if n == 0 else "fail"), int(n), 0, f"{n} uncorrected ECC errors"
 
-    def retired_pages(self, index: int) -> Outcome:
+    def retired_pages(self, index: str | int) -> Outcome:
         """Row remapping (Ampere+) or page retirement (older): a pending remap or a failed one is a fault."""
-        h = self.handle(index)
         try:
+            h = self.handle(index)
             _corr, unc, pending, failed = self._call("nvmlDeviceGetRemappedRows", h)
             bad = bool(pending) or bool(failed)
             msg = f"remapped rows: {unc} uncorrectable, pending={bool(pending)}, failure={bool(failed)}"
@@ -96,12 +197,26 @@ class Nvml:
             return "fail", None, 0, f"NVML retired-pages query failed: {exc}"
         return ("fail" if pending else "pass"), int(bool(pending)), 0, f"retired pages pending={bool(pending)}"
 
-    def throttle(self, index: int) -> Outcome:
+    def clock_reasons(self, index: str | int) -> tuple[int, str]:
+        """The clock event (throttle) reason bitmask and the NVML call that answered: the newer call first,
+        the older one on drivers without it. Raises what NVML raised (NotSupported included)."""
+        h = self.handle(index)
+        last: Exception | None = None
+        for fn in CLOCK_REASON_CALLS:
+            if not hasattr(self._nvml, fn):
+                continue
+            try:
+                return int(self._call(fn, h)), fn
+            except Exception as exc:
+                if not self._is(exc, "NVMLError_FunctionNotFound"):
+                    raise
+                last = exc  # the binding has it, the driver does not: try the older call
+        raise last or LookupError("this NVML has no clock-event-reasons call")
+
+    def throttle(self, index: str | int) -> Outcome:
         """Clock event reasons; hardware/thermal slowdowns are faults, power caps and idle are not."""
         try:
-            fn = ("nvmlDeviceGetCurrentClocksEventReasons" if hasattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons")
-                  else "nvmlDeviceGetCurrentClocksThrottleReasons")
-            mask = int(self._call(fn, self.handle(index)))
+            mask, _ = self.clock_reasons(index)
         except Exception as exc:
             if self._unsupported(exc):
                 return "skipped", None, None, "clock event reasons not supported"
@@ -109,15 +224,19 @@ class Nvml:
         hits = [name for name, bit in _CRITICAL_THROTTLE.items() if mask & bit]
         return ("fail" if hits else "pass"), hex(mask), "no hw/thermal slowdown", ", ".join(hits) or "clocks ok"
 
-    def foreign_processes(self, index: int, allowed: Iterable[int] = ()) -> Outcome:
+    def processes(self, index: str | int) -> list[int]:
+        """Pids of the compute processes on the device."""
+        return sorted(p.pid for p in self._call("nvmlDeviceGetComputeRunningProcesses", self.handle(index)))
+
+    def foreign_processes(self, index: str | int, allowed: Iterable[int] = ()) -> Outcome:
         """Compute processes on the GPU other than this process and `allowed` pids (another job's memory)."""
         ok = {os.getpid(), *allowed}
         try:
-            procs = self._call("nvmlDeviceGetComputeRunningProcesses", self.handle(index))
+            pids = self.processes(index)
         except Exception as exc:
             if self._unsupported(exc):
                 return "skipped", None, 0, "process listing not supported"
             return "fail", None, 0, f"NVML process query failed: {exc}"
-        foreign = sorted(p.pid for p in procs if p.pid not in ok)
+        foreign = [p for p in pids if p not in ok]
         msg = f"foreign processes: {foreign}" if foreign else "no foreign processes"
         return ("fail" if foreign else "pass"), len(foreign), 0, msg

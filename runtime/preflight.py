@@ -1,7 +1,7 @@
 """Device preflight: structured pass/fail/skipped checks before a job (quick) and on idle devices (full).
 
-Devices are strings: GPU indices "0", "1" (physical, PCI bus order, as NVML numbers them) or virtual CPU
-slots "cpu:0". Checks, per device:
+Devices are names as `runtime.devices` defines them: GPU indices "0", "1" (physical, PCI bus order, as NVML
+numbers them), GPU-/MIG- UUIDs, or virtual CPU slots "cpu:0". Checks, per device:
 
 - quick: ``visible``, ``cuda_init``, ``alloc``, ``matmul`` (device result vs CPU), and through NVML ``ecc``,
   ``retired_pages``, ``throttle``, ``foreign_procs``; per path (device "host"): ``disk`` (free space) and
@@ -19,25 +19,27 @@ hands out); `monitor_sample()` is the cheap NVML-only sample it takes while a jo
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from runtime import faults
-from runtime.errors import PreflightError
+from runtime.checks import STATUSES, CheckResult, healthy, outcome, reason
+from runtime.devices import DeviceSpecError, cuda_index, is_cpu, parse_devices
 from runtime.nvml import Nvml
+
+__all__ = ["CHECKS", "FULL", "GPU_ONLY", "HOST", "QUICK", "STATUSES", "CheckResult", "DeviceSpecError", "Nvml",
+           "PreflightConfig", "healthy", "is_cpu", "monitor_sample", "parse_devices", "reason", "run",
+           "run_isolated"]
 
 QUICK = ("visible", "cuda_init", "alloc", "matmul", "ecc", "retired_pages", "throttle", "foreign_procs")
 FULL = QUICK + ("matmul_tflops", "mem_bandwidth")
 HOST = ("disk", "volume")
 CHECKS = FULL + ("allreduce",) + HOST
 GPU_ONLY = {"cuda_init", "ecc", "retired_pages", "throttle", "foreign_procs", "matmul_tflops", "mem_bandwidth"}
-STATUSES = ("pass", "fail", "skipped")
+MONITOR = ("ecc", "retired_pages", "throttle")
 
 # Sustained dense bf16 TFLOPS and device-copy GB/s a healthy card reaches in a plain torch loop (about 70-80%
 # of the datasheet); a card below `PreflightConfig.expect_fraction` of these is flagged.
@@ -45,30 +47,7 @@ EXPECTED = {
     "H200": (700.0, 3600.0), "H100 PCIe": (480.0, 1600.0), "H100": (650.0, 2600.0), "A100": (250.0, 1500.0),
     "L40S": (250.0, 700.0), "L4": (90.0, 240.0), "A10": (100.0, 480.0), "V100": (90.0, 750.0),
 }
-
-
-class DeviceSpecError(PreflightError, ValueError):
-    """A --devices value that names no devices (bad syntax, or `auto` on a host without GPUs)."""
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One check on one device. `value` is what was measured, `threshold` what it was held against."""
-
-    check: str
-    device: str
-    status: str
-    value: Any = None
-    threshold: Any = None
-    message: str = ""
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, not {self.status!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
+_result = outcome
 
 
 @dataclass(frozen=True)
@@ -88,66 +67,6 @@ class PreflightConfig:
             raise ValueError("min_free_gb must be >= 0, alloc_mb and matmul_n > 0")
         if not 0 < self.expect_fraction <= 1:
             raise ValueError("expect_fraction must be in (0, 1]")
-
-
-def parse_devices(spec: str) -> list[str]:
-    """"cpu:N" -> ["cpu:0", ..., "cpu:N-1"]; "0,1,3" -> ["0", "1", "3"]; "auto" -> this host's GPUs."""
-    text = (spec or "").strip()
-    if text == "auto":
-        with Nvml() as nv:
-            n = nv.count()
-        if not n:
-            import torch
-
-            n = torch.cuda.device_count()
-        if not n:
-            raise DeviceSpecError("no GPU found (NVML and torch.cuda see none); use --devices cpu:N for N CPU slots")
-        return [str(i) for i in range(n)]
-    if m := re.fullmatch(r"cpu:(\d+)", text):
-        if not 1 <= int(m.group(1)) <= 1024:
-            raise DeviceSpecError(f"bad devices {spec!r}: cpu:N needs 1 <= N <= 1024")
-        return [f"cpu:{i}" for i in range(int(m.group(1)))]
-    if re.fullmatch(r"\d+(,\d+)*", text) and len(set(text.split(","))) == len(text.split(",")):
-        return text.split(",")
-    raise DeviceSpecError(f"bad devices {spec!r}: expected auto, cpu:N or GPU indices like 0,1,3")
-
-
-def is_cpu(device: str) -> bool:
-    """Whether `device` is a virtual CPU slot."""
-    return device.startswith("cpu:")
-
-
-def torch_index(device: str) -> int:
-    """The torch.cuda index of physical GPU `device` in this process (CUDA_VISIBLE_DEVICES renumbers)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not re.fullmatch(r"\d+(,\d+)*", visible):
-        return int(device)
-    order = visible.split(",")
-    if device not in order:
-        raise PreflightError(f"GPU {device} is outside CUDA_VISIBLE_DEVICES={visible}")
-    return order.index(device)
-
-
-def healthy(results: Iterable[CheckResult]) -> bool:
-    """True when no check failed (skipped is fine)."""
-    return all(r.status != "fail" for r in results)
-
-
-def reason(results: Iterable[CheckResult]) -> str:
-    """A one-line summary of the failures, for a quarantine reason ('' when healthy)."""
-    return "; ".join(f"{r.device}:{r.check}: {r.message}" for r in results if r.status == "fail")
-
-
-def _result(check: str, device: str, fn: Callable[[], tuple], skip: str | None = None) -> CheckResult:
-    if faults.injected(device, check):
-        return CheckResult(check, device, "fail", message=faults.INJECTED)
-    if skip:
-        return CheckResult(check, device, "skipped", message=skip)
-    try:
-        status, value, threshold, message = fn()
-    except Exception as exc:
-        status, value, threshold, message = "fail", None, None, f"{type(exc).__name__}: {exc}"
-    return CheckResult(check, device, status, value, threshold, message)
 
 
 def _matmul_check(dev: str, cfg: PreflightConfig) -> tuple:
@@ -241,20 +160,20 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
 
     out: list[CheckResult] = []
     try:
-        idx = torch_index(device)
-        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        vis = ("pass", idx, seen, f"torch index {idx}") if idx < seen else \
-              ("fail", idx, seen, f"GPU {device} not visible ({seen} CUDA devices)")
-    except PreflightError as exc:
+        idx = cuda_index(device, nv)  # by UUID: NVML's device and CUDA's must be the same card
+        vis = ("pass", idx, torch.cuda.device_count(), f"torch index {idx}")
+    except DeviceSpecError as exc:
         idx, vis = -1, ("fail", None, None, str(exc))
     out.append(_result("visible", device, lambda: vis))
     down = None if out[0].status == "pass" else "device not visible"
     dev = f"cuda:{idx}"
+    if not down:
+        torch.cuda.set_device(dev)  # later CUDA calls (and their context) land on this card, never on cuda:0
     out.append(_result("cuda_init", device, lambda: _cuda_init(dev), down))
     down = down or (None if out[-1].status == "pass" else "CUDA did not initialise")
     gpu_name = torch.cuda.get_device_name(dev) if not down else ""
     nvml_skip = None if nv.available else f"NVML unavailable: {nv.error}"
-    phys = int(device)
+    phys = device
     runs = {
         "alloc": lambda: _alloc_check(dev, cfg), "matmul": lambda: _matmul_check(dev, cfg),
         "matmul_tflops": lambda: _throughput(dev, gpu_name, cfg), "mem_bandwidth": lambda: _bandwidth(dev, gpu_name, cfg),
@@ -319,46 +238,62 @@ def run(devices: Sequence[str], level: str = "quick", *, paths: Iterable[str | o
     return results
 
 
-def monitor_sample(devices: Sequence[str], *, allowed_pids: Iterable[int] | None = None) -> list[CheckResult]:
+def monitor_sample(devices: Sequence[str], *, allowed_pids: Iterable[int] | None = None,
+                   nvml: Nvml | None = None) -> list[CheckResult]:
     """The cheap run-time sample (NVML only, no CUDA context): ecc, retired_pages, throttle, and
-    foreign_procs when `allowed_pids` (the job's processes) is given. Faults are honoured on cpu slots too."""
-    names = ["ecc", "retired_pages", "throttle"] + (["foreign_procs"] if allowed_pids is not None else [])
+    foreign_procs when `allowed_pids` (the job's processes) is given. Faults are honoured on cpu slots too.
+    `nvml`: an open long-lived session to use (the service's monitor); None opens one for this call."""
+    names = list(MONITOR) + (["foreign_procs"] if allowed_pids is not None else [])
     allowed = tuple(allowed_pids or ())
+    if nvml is None:
+        with Nvml() as nv:
+            return monitor_sample(devices, allowed_pids=allowed_pids, nvml=nv)
+    nv = nvml
     out = []
-    with Nvml() as nv:
-        for device in devices:
-            for c in names:
-                if is_cpu(device) or not nv.available:
-                    out.append(_result(c, device, lambda: (), "cpu slot: no GPU" if is_cpu(device) else nv.error))
-                    continue
-                idx = int(device)
-                fn = {"ecc": lambda: nv.ecc(idx), "retired_pages": lambda: nv.retired_pages(idx),
-                      "throttle": lambda: nv.throttle(idx), "foreign_procs": lambda: nv.foreign_processes(idx, allowed)}[c]
-                out.append(_result(c, device, fn))
+    for device in devices:
+        for c in names:
+            if is_cpu(device) or not nv.available:
+                out.append(_result(c, device, lambda: (), "cpu slot: no GPU" if is_cpu(device) else nv.error))
+                continue
+            fn = {"ecc": lambda: nv.ecc(device), "retired_pages": lambda: nv.retired_pages(device),
+                  "throttle": lambda: nv.throttle(device),
+                  "foreign_procs": lambda: nv.foreign_processes(device, allowed)}[c]
+            out.append(_result(c, device, fn))
     return out
 
 
 def run_isolated(devices: Sequence[str], level: str = "quick", *, paths: Iterable[str | os.PathLike] = (),
                  timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[CheckResult]:
     """`run()` in a child process, so the caller (the service) never holds a CUDA context on a GPU it hands
-    to jobs, and a hung driver call cannot hang it. A child that dies or times out fails every device."""
+    to jobs, and a hung driver call cannot hang it. A child that dies or times out fails every device.
+
+    The results come back in a file of their own, not on stdout: the child's stdout is shared with NCCL,
+    CUDA and library chatter (NCCL_DEBUG=INFO prints there), which must not turn into a failed device."""
     import json
     import subprocess
     import sys
+    import tempfile
 
-    cmd = [sys.executable, "-m", "runtime.preflight", "--level", level, "--names", ",".join(devices)]
-    for p in paths:
-        cmd += ["--path", str(p)]
-    root = str(Path(__file__).resolve().parents[1])
-    child_env = dict(env if env is not None else os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env)
-        return [CheckResult(**r) for r in json.loads(proc.stdout)]
-    except subprocess.TimeoutExpired:
-        why = f"preflight did not finish within {timeout_s:.0f}s"
-    except (ValueError, TypeError):
-        why = f"preflight process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    with tempfile.TemporaryDirectory(prefix="autoresearch-preflight-") as tmp:
+        result_file = Path(tmp) / "results.json"
+        cmd = [sys.executable, "-m", "runtime.preflight", "--level", level, "--names", ",".join(devices),
+               "--result-file", str(result_file)]
+        for p in paths:
+            cmd += ["--path", str(p)]
+        root = str(Path(__file__).resolve().parents[1])
+        child_env = dict(env if env is not None else os.environ)
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  timeout=timeout_s, env=child_env)
+        except subprocess.TimeoutExpired:
+            why = f"preflight did not finish within {timeout_s:.0f}s"
+        else:
+            try:
+                return [CheckResult(**r) for r in json.loads(result_file.read_text())]
+            except (OSError, ValueError, TypeError):
+                tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-300:]
+                why = f"preflight process failed (exit {proc.returncode}): {tail}"
     return [CheckResult("preflight", d, "fail", message=why) for d in devices]
 
 
@@ -370,9 +305,17 @@ def _main() -> None:
     ap.add_argument("--names", default="", help="device names, comma-separated: cpu:0,cpu:1 or 0,1")
     ap.add_argument("--level", default="quick", choices=("quick", "full"))
     ap.add_argument("--path", action="append", default=[])
+    ap.add_argument("--result-file", help="write the JSON results here (atomically) instead of to stdout")
     a = ap.parse_args()
     devices = [d for d in a.names.split(",") if d]
-    print(json.dumps([r.to_dict() for r in run(devices, a.level, paths=a.path)]))
+    text = json.dumps([r.to_dict() for r in run(devices, a.level, paths=a.path)])
+    if not a.result_file:
+        print(text)
+        return
+    tmp = f"{a.result_file}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, a.result_file)  # a child killed mid-write leaves no half a result behind
 
 
 if __name__ == "__main__":

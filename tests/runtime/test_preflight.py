@@ -136,3 +136,25 @@ def test_run_isolated_in_a_child_process(tmp_path):
     assert {r.device for r in results} == {"cpu:0", "cpu:1", "host"}
     dead = pf.run_isolated(["cpu:0"], "quick", timeout_s=0.01)
     assert [(r.check, r.status) for r in dead] == [("preflight", "fail")]
+
+
+NOISE = """
+import sys
+# What NCCL_DEBUG=INFO and friends print on the shared stdout of a preflight child and its workers.
+print("host:1234:1234 [0] NCCL INFO Bootstrap : Using lo:127.0.0.1<0>")
+print('[{"check": "visible", "device": "cpu:0", "status": "fail"}]')
+print("NCCL INFO cudaDriverVersion 12040", flush=True)
+"""
+
+
+def test_run_isolated_ignores_noise_on_the_child_stdout(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOISE)  # runs first in the child, as a chatty library would
+    env = dict(os.environ, PYTHONPATH=str(site), NCCL_DEBUG="INFO")
+    env.pop("AUTORESEARCH_FAULTS", None)
+    probe = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True)
+    assert "NCCL INFO" in probe.stdout  # the noise really reaches a child's stdout
+    results = pf.run_isolated(["cpu:0", "cpu:1"], "quick", env=env)
+    assert pf.healthy(results), pf.reason(results)
+    assert {r.device for r in results} == {"cpu:0", "cpu:1"}
