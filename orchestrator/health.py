@@ -28,7 +28,9 @@ class HealthConfig:
     preflight: "quick" before every start, or "off". A device that passed less than `preflight_ttl` seconds
     ago is not checked again (a burst of short jobs should not pay a matmul each). Idle devices get the
     `recheck_level` checks every `recheck_every` seconds. A running job whose heartbeat is older than
-    `hang_timeout` seconds is stopped and requeued (0 turns hang detection off).
+    `hang_timeout` seconds is stopped and requeued (0 turns hang detection off). The run-time monitor samples
+    every `monitor_every` seconds, each NVML call bounded by `nvml_timeout`; a throttle or a failed NVML query
+    counts only after `monitor_hits` consecutive failing samples (ECC and row-remap faults count at once).
     """
 
     preflight: str = "quick"
@@ -37,6 +39,8 @@ class HealthConfig:
     recheck_every: float = 600.0
     monitor_every: float = 5.0
     hang_timeout: float = 1800.0
+    monitor_hits: int = 3
+    nvml_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.preflight not in ("quick", "off"):
@@ -45,6 +49,8 @@ class HealthConfig:
             raise ValueError(f"recheck_level must be quick or full, not {self.recheck_level!r}")
         if min(self.preflight_ttl, self.recheck_every, self.monitor_every, self.hang_timeout) < 0:
             raise ValueError("health intervals must be >= 0")
+        if self.monitor_hits < 1 or self.nvml_timeout <= 0:
+            raise ValueError("monitor_hits must be >= 1 and nvml_timeout > 0")
 
     @classmethod
     def from_env(cls) -> "HealthConfig":
@@ -54,7 +60,9 @@ class HealthConfig:
                    recheck_level=env.get("AUTORESEARCH_RECHECK_LEVEL", "full"),
                    recheck_every=float(env.get("AUTORESEARCH_RECHECK_EVERY", 600.0)),
                    monitor_every=float(env.get("AUTORESEARCH_MONITOR_EVERY", 5.0)),
-                   hang_timeout=float(env.get("AUTORESEARCH_HANG_TIMEOUT", 1800.0)))
+                   hang_timeout=float(env.get("AUTORESEARCH_HANG_TIMEOUT", 1800.0)),
+                   monitor_hits=int(env.get("AUTORESEARCH_MONITOR_HITS", 3)),
+                   nvml_timeout=float(env.get("AUTORESEARCH_NVML_TIMEOUT", 5.0)))
 
 
 @dataclass
@@ -103,7 +111,6 @@ class Health:
         self.config = config
         self.paths = [str(p) for p in paths]
         self._passed_at: dict[str, float] = {}
-        self._last_monitor = 0.0
         self._lock = threading.Lock()  # the start-up warm-up and the dispatcher may check at once
 
     def preflight(self, devices: Sequence[str]) -> Verdict:
@@ -135,18 +142,12 @@ class Health:
             return Verdict()
         return summarize(_run(list(devices), self.config.recheck_level, paths=self.paths))
 
-    def monitor_due(self) -> bool:
-        now = time.monotonic()
-        if now - self._last_monitor < self.config.monitor_every:
-            return False
-        self._last_monitor = now
-        return True
-
-    def sample(self, devices: Sequence[str]) -> Verdict:
-        """The cheap run-time sample of a running job's devices (NVML where present; faults honoured)."""
+    def sample(self, devices: Sequence[str], nvml=None) -> Verdict:
+        """The cheap run-time sample of a running job's devices (NVML where present; faults honoured).
+        `nvml`: an open `runtime.nvml.Nvml` session to reuse (None opens one for this sample)."""
         from runtime import preflight
 
-        return summarize(preflight.monitor_sample(list(devices)))
+        return summarize(preflight.monitor_sample(list(devices), nvml=nvml))
 
     def hung(self, heartbeat_file: Path, started_at: Optional[float]) -> Optional[str]:
         """Why a job counts as hung (its heartbeat is older than the hang timeout), or None.

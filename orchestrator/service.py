@@ -4,8 +4,8 @@ Threads:
 - the dispatcher: woken by a submit/cancel datagram, by a job's exit, or by APScheduler's tick; each pass
   records finished attempts, enforces stops (SIGTERM, then SIGKILL after the grace), asks the pure policy
   (`orchestrator.scheduling.plan`) for starts and preemptions, and carries them out;
-- APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, health monitor)
-  and the periodic re-check of idle devices;
+- APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, reaping), and the
+  device guard's run-time monitor and periodic re-check of idle devices (`orchestrator.guard`);
 - the executor's watcher, which reports exits.
 
 Restart semantics (documented choice): stopping the service (SIGINT/SIGTERM) or losing it (`kill -9`) leaves
@@ -33,10 +33,11 @@ from orchestrator.api import SERVICE_STALE_AFTER
 from orchestrator.config import Settings
 from orchestrator.errors import ServiceAlreadyRunning
 from orchestrator.executors.base import Exit, Executor, executor_class, job_env
+from orchestrator.guard import DeviceGuard
 from orchestrator.health import Health, HealthConfig
 from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
-from orchestrator.queue.states import HOLDING, JobState
+from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.supervisor import Supervisor
 from orchestrator import wakeup
@@ -94,6 +95,8 @@ class Service:
             config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)
         self.health = Health(config, paths=[self.layout.checkpoints_dir])
         self.recheck_every = self.health.config.recheck_every
+        self.guard = DeviceGuard(self.store, self.host, self.health, heartbeat_file=self.layout.heartbeat_file,
+                                 stop_job=self._send_stop, wake=self.wake)
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
 
@@ -173,7 +176,9 @@ class Service:
         sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
         sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
         if self.recheck_every:
-            sched.add_job(self._recheck_idle_devices, "interval", seconds=self.recheck_every, id="recheck")
+            sched.add_job(self.guard.recheck_idle, "interval", seconds=self.recheck_every, id="recheck")
+        if self.health.config.monitor_every:  # its own thread: a slow NVML must not delay the heartbeat
+            sched.add_job(self.guard.monitor, "interval", seconds=self.health.config.monitor_every, id="monitor")
         sched.start()
         self._scheduler = sched
 
@@ -190,6 +195,7 @@ class Service:
         self._spawner.shutdown(wait=True)
         if self.executor is not None:
             self.executor.close()
+        self.guard.close()
         try:
             self.store.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
@@ -233,19 +239,20 @@ class Service:
             if self._stop.is_set():
                 break
             try:
-                self.dispatch_once()
+                with self.guard.placing():  # devices under an idle check stay out of the pass, to its claim
+                    self.dispatch_once()
             except Exception:
                 log.exception("dispatch pass failed; retrying on the next wake-up")
                 time.sleep(0.2)
 
     def dispatch_once(self) -> None:
-        """One pass: record exits, enforce stops, plan, preempt, start."""
+        """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
         from orchestrator import scheduling
 
         self._record_exits()
         queued, mine = self.store.snapshot(self.host)
         self._enforce_stops(mine)
-        usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
+        usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
         now = time.time()
         waiting = [scheduling.Waiting(job_id, prio, submitted, gpus)
                    for job_id, prio, submitted, gpus in queued if gpus <= len(self.device_names)]
@@ -271,7 +278,7 @@ class Service:
                 if job.track and not job.mlflow_run_id:
                     job.mlflow_run_id = ensure_job_run(self._tracking(), job)
                     self.store.set_run_id(job.id, job.mlflow_run_id)
-                if self._preflight_ok(job):
+                if self.guard.preflight_ok(job):
                     ready.append(job)
             except Exception as exc:
                 log.exception("could not prepare job %s", job.id)
@@ -301,13 +308,8 @@ class Service:
             self._tracking()
         except Exception:
             log.exception("MLflow tracking store %s is not usable", self.settings.tracking_uri)
-        if not self._local_devices:
-            return
-        try:
-            usable = [d.name for d in self.store.devices(self.host) if d.state == "available"]
-            self._apply(usable, self.health.preflight(usable), "preflight")
-        except Exception:
-            log.exception("start-up preflight failed")
+        if self._local_devices:
+            self.guard.warm_up()
 
     def _tracking(self):
         with self._tracking_lock:
@@ -319,31 +321,6 @@ class Service:
 
             self.tracking = Tracker(self.settings.tracking_uri, self.settings.artifacts_dir)
         return self.tracking
-
-    def _preflight_ok(self, job: Job) -> bool:
-        """Quick checks on the job's devices; on a failure quarantine them and put the job back in line
-        without spending an attempt (the next pass places it on healthy devices)."""
-        verdict = self.health.preflight(list(job.devices or []))
-        self._apply(list(job.devices or []), verdict, "preflight")
-        if verdict.ok:
-            return True
-        bad = ",".join(sorted(verdict.failed))
-        self.store.requeue(job.id, f"preflight failed on {bad}; requeued without spending an attempt", self.host)
-        self.wake()
-        return False
-
-    def _apply(self, devices: list[str], verdict, origin: str) -> None:
-        """Record a check's outcome on each device: failures are quarantined with their reason, passes
-        become the device's last check (nothing is recorded when nothing was checked)."""
-        for device in devices:
-            if device in verdict.failed:
-                self._quarantine(device, f"{origin}: {verdict.failed[device]}", verdict)
-            elif verdict.results:
-                self.store.record_check(self.host, device, verdict.for_device(device))
-
-    def _quarantine(self, device: str, why: str, verdict) -> None:
-        log.warning("quarantining %s: %s", device, why)
-        self.store.set_device_state(self.host, device, "quarantined", why, verdict.for_device(device))
 
     # ---- stopping jobs ----------------------------------------------------------------------------------
 
@@ -366,34 +343,5 @@ class Service:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
-            self._monitor()
         except Exception:
             log.exception("housekeeping failed")
-
-    def _monitor(self) -> None:
-        """Run-time health: a device fault under a running job, or a job without progress, stops the job
-        (SIGTERM: it checkpoints) and puts it back in line; a faulty device is quarantined first."""
-        if not self._local_devices or not self.health.monitor_due():
-            return
-        for job in self.store.list([S.RUNNING], host=self.host):
-            verdict = self.health.sample(list(job.devices or []))
-            why = None
-            if not verdict.ok:
-                for device, fault in verdict.failed.items():
-                    self._quarantine(device, f"monitor: {fault}", verdict)
-                why = "device fault: " + "; ".join(f"{d}: {f}" for d, f in sorted(verdict.failed.items()))
-            else:
-                why = self.health.hung(self.layout.heartbeat_file(job.id), job.started_at)
-            if why:
-                for stopping in self.store.preempt([job.id], f"{why}; requeued", self.host):
-                    self._send_stop(stopping)
-                self.wake()
-
-    def _recheck_idle_devices(self) -> None:
-        """The deeper checks on devices no job holds; failures are quarantined."""
-        try:
-            held = {d for job in self.store.list(HOLDING, host=self.host) for d in job.devices or []}
-            idle = [d.name for d in self.store.devices(self.host) if d.state == "available" and d.name not in held]
-            self._apply(idle, self.health.recheck(idle), "idle check")
-        except Exception:
-            log.exception("idle device re-check failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from orchestrator import api
 from orchestrator.health import HealthConfig
@@ -88,3 +89,73 @@ def test_a_device_failing_at_start_up_is_quarantined_before_any_job(make_service
     job = api.submit(JobSpec(argv=["true"], track=False))[0].id
     wait_for(lambda: service.store.get(job).state == "SUCCEEDED", timeout=30)
     assert service.store.get(job).devices == ["cpu:0"]
+
+
+def _states(service):
+    return {d.name: d for d in service.store.devices(service.host)}
+
+
+def test_a_restart_does_not_check_the_devices_of_adopted_jobs(make_service, monkeypatch):
+    first = make_service("cpu:3", health=HealthConfig(preflight="quick", recheck_every=3600))
+    for name in ("cpu:0", "cpu:1"):
+        first.store.set_device_state(first.host, name, "disabled", "steer the job to cpu:2")
+    job_id = api.submit(ckpt_job(1200))[0].id  # a minute of steps: still running across the restart
+    wait_for(lambda: first.store.get(job_id).state == "RUNNING", timeout=60)
+    assert first.store.get(job_id).devices == ["cpu:2"]
+    for name in ("cpu:0", "cpu:1"):
+        first.store.set_device_state(first.host, name, "available")
+    first.stop()
+    before = _states(first)["cpu:2"].checked_at
+    # A check of cpu:2 now would fail it (on a GPU: the adopted job is a foreign process, its memory is taken).
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:2:alloc")
+    second = make_service("cpu:3", health=HealthConfig(preflight="quick", recheck_every=3600))
+    wait_for(lambda: all(_states(second)[n].checked_at for n in ("cpu:0", "cpu:1")), timeout=60,
+             what="the start-up preflight of the free devices")
+    devs = _states(second)
+    assert devs["cpu:2"].state == "available" and devs["cpu:2"].checked_at == before
+    assert second.store.get(job_id).state == "RUNNING" and second.store.get(job_id).attempts == 1
+
+
+def test_a_device_under_an_idle_check_gets_no_job_until_the_check_ends(make_service, monkeypatch):
+    import threading
+
+    service = make_service("cpu:1", health=HealthConfig(preflight="off", recheck_level="quick", recheck_every=3600))
+    started, release = threading.Event(), threading.Event()
+    real = service.health.recheck
+
+    def slow_recheck(devices):  # the real check, held open as a GPU's tens of seconds would be
+        started.set()
+        release.wait(30)
+        return real(devices)
+
+    monkeypatch.setattr(service.health, "recheck", slow_recheck)
+    checker = threading.Thread(target=service.guard.recheck_idle)
+    checker.start()
+    try:
+        assert started.wait(10) and service.guard.checking == {"cpu:0"}
+        job_id = api.submit(JobSpec(argv=["true"], track=False))[0].id
+        time.sleep(1.5)  # several dispatch passes (tick 0.2 s)
+        assert service.store.get(job_id).state == "QUEUED"
+    finally:
+        release.set()
+        checker.join(30)
+    wait_for(lambda: service.store.get(job_id).state == "SUCCEEDED", timeout=30, what="the start after the check")
+    job, dev = service.store.get(job_id), _states(service)["cpu:0"]
+    assert service.guard.checking == frozenset() and dev.state == "available"
+    assert dev.checked_at <= job.started_at  # the check ended, then the job started
+
+
+def test_a_throttle_acts_only_after_consecutive_samples(make_service, monkeypatch):
+    service = make_service("cpu:1", health=HealthConfig(preflight="off", monitor_every=0, monitor_hits=3,
+                                                        recheck_every=3600))
+    job_id = api.submit(ckpt_job(1200))[0].id
+    wait_for(lambda: service.store.get(job_id).state == "RUNNING", timeout=60)
+    for faulty in (True, True, False, True, True):  # a pass in between resets the count
+        monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:throttle" if faulty else "")
+        service.guard.monitor()
+        assert _states(service)["cpu:0"].state == "available"
+        assert service.store.get(job_id).state == "RUNNING"
+    monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:throttle")
+    service.guard.monitor()  # the third failing sample in a row
+    assert _states(service)["cpu:0"].state == "quarantined" and "throttle" in _states(service)["cpu:0"].reason
+    assert service.store.get(job_id).state in ("PREEMPTING", "QUEUED")
