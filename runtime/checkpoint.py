@@ -18,7 +18,8 @@ the only loadable one is never deleted. Typical loop::
 
 What `maybe_save` costs the loop: it snapshots the small state (buffers, RNG, loader position, step) and
 returns; parameters and optimizer state are copied by a background thread into host buffers kept for the
-whole run (one extra copy of that state in host memory, pinned on CUDA), and the next ``optimizer.step()``
+whole run (one extra copy of that state in host memory, exact-sized, pinned on CUDA, freed by `close()`; with
+several ranks only rank 0 holds the replicated part), and the next ``optimizer.step()``
 waits until the copy is done (a step pre-hook). Code that changes parameters any other way before that step
 must call `wait_staged()` first. The upload then runs in the background; the next save waits for it, and a
 failed one raises CheckpointError from the next `maybe_save`/`save_now`/`wait`.
@@ -62,6 +63,13 @@ log = logging.getLogger("autoresearch.runtime.checkpoint")
 # DCP warns on every single-process save/load; single-process is a normal case here, not a mistake.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _cuda_device() -> int | None:
+    """The rank's current CUDA device, for the save's own threads (None when CUDA is not in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
 
 
 def _rank() -> int:
@@ -164,7 +172,7 @@ class CheckpointManager:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # A group of our own: the upload thread's collectives must not interleave with the loop's.
         self._pg = dist.new_group(backend="gloo") if distributed else None
-        self._stager = SnapshotStager()
+        self._stager = SnapshotStager(group=self._pg)
         sweep_stage(Path(stage_dir) if stage_dir else None)
         self._inflight: Future | None = None  # the save in flight: done once committed and retention ran
         self._hooks: dict[int, Any] = {}
@@ -229,8 +237,9 @@ class CheckpointManager:
         sd = _as_dict(state)
         self._guard(sd)
         self._stager.step = step
+        writer = VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step, device=_cuda_device())
         resp = dcp.async_save(
-            sd, storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step),
+            sd, storage_writer=writer,
             process_group=self._pg, no_dist=self._pg is None, async_stager=self._stager)
         # Retention runs in the upload thread before the save counts as done, so wait() sees a tidy dir.
         self._inflight = done = Future()
@@ -262,6 +271,12 @@ class CheckpointManager:
         self.stats["saves"] += 1
         self.stats["blocked_s"] += dt
         self.stats["last_call_s"] = dt
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory this rank holds for staging saves (exact-sized; 0 before the first save and after
+        `close()`; on ranks > 0 of a DDP job only their own small entries)."""
+        return self._stager.staged_bytes
 
     @property
     def in_flight(self) -> bool:

@@ -99,6 +99,7 @@ def _publish(src: Path, dst: Path, sync: bool) -> None:
 class VolumeWriter(FileSystemWriter):
     """DCP StorageWriter for a checkpoint dir on a slow shared volume: stage locally, publish, commit last.
 
+    `device`: the CUDA device of the rank, made current in the thread that writes (see `write_data`).
     `step` only serves fault injection (``checkpoint@STEP:crash`` in AUTORESEARCH_FAULTS kills the process
     after the data is published and before the metadata commit, the worst moment to die).
     """
@@ -111,8 +112,10 @@ class VolumeWriter(FileSystemWriter):
         thread_count: int = 1,
         sync_files: bool = True,
         step: int | None = None,
+        device: int | None = None,
     ) -> None:
         self.volume_path = Path(path)
+        self.device = device
         self.stage_root = Path(stage_dir) if stage_dir else default_stage_root()
         self.step = step
         super().__init__(self._new_stage_path(), single_file_per_rank=True, sync_files=sync_files,
@@ -128,6 +131,10 @@ class VolumeWriter(FileSystemWriter):
         self.path = self._new_stage_path()
 
     def write_data(self, plan, planner) -> Future:
+        if self.device is not None:
+            # Async saves write from an upload thread, whose current device is 0; DCP's writer asks CUDA for
+            # the current stream there: without this, a rank > 0 makes a context on GPU 0.
+            torch.cuda.set_device(self.device)
         Path(self.path).mkdir(parents=True, exist_ok=True)
         fut = super().write_data(plan, planner)  # FileSystemWriter writes synchronously; the future is done
         results = fut.wait()
@@ -189,43 +196,109 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+_ALIGN = 64  # bytes: every staged tensor starts on a cache line (and any dtype's alignment)
+
+
+class HostArena:
+    """One host buffer of exactly the bytes a set of tensors needs (plus at most 63 bytes of alignment each),
+    carved into one view per tensor. Pinned with cudaHostRegister when the sources live on CUDA, so it is
+    page-locked at its exact size: the caching host allocator behind ``pin_memory=True`` rounds every block
+    up to a power of two and keeps it cached after use. `release()` unpins and frees it."""
+
+    def __init__(self, layout: tuple[tuple[str, torch.Size, torch.dtype], ...], pin: bool) -> None:
+        self.layout, offsets, total = layout, [], 0
+        for _, shape, dtype in layout:
+            offsets.append(total)
+            n = shape.numel() * dtype.itemsize
+            total += -(-n // _ALIGN) * _ALIGN
+        self.nbytes = total
+        self._flat = torch.empty(total, dtype=torch.uint8)
+        self.pinned = False
+        if pin and total:
+            err = int(torch.cuda.cudart().cudaHostRegister(self._flat.data_ptr(), total, 0))
+            if err:
+                raise CheckpointError(f"pinning {total} bytes of staging memory failed (cudaError {err})")
+            self.pinned = True
+        self.views = {name: self._flat[o:o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                      for (name, shape, dtype), o in zip(layout, offsets)}
+
+    def release(self) -> None:
+        """Unpin and drop the buffer (the views must no longer be in use)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
+            self.pinned = False
+        self.views.clear()
+        self._flat = torch.empty(0, dtype=torch.uint8)
+        self.nbytes = 0
+
+
 class SnapshotStager:
     """DCP AsyncStager: snapshot small state now, copy the big optimizer-owned tensors in the background.
 
     Set `deferred` to the storage pointers of tensors that nothing but ``optimizer.step()`` mutates before
     each `stage()`; everything else is copied synchronously. The caller must not mutate a deferred tensor
-    until `wait()` returns (CheckpointManager enforces it with an optimizer step pre-hook). Buffers are
-    reused across saves, so only one staged state may be alive at a time (the manager keeps one in flight).
+    until `wait()` returns (CheckpointManager enforces it with an optimizer step pre-hook). The host buffer
+    (a `HostArena`, exact-sized, pinned on CUDA) is reused across saves while the layout stays the same, so
+    only one staged state may be alive at a time (the manager keeps one in flight); `close()` frees it.
+
+    With a process `group`, a rank stages only what it will write: a plain tensor that a lower rank also
+    has is replicated (DDP), DCP writes one copy of it, and with the lower rank holding it that copy is
+    the lower rank's; so rank 0 stages the replicated model and optimizer state and the other ranks only
+    their own entries (their RNG/loader blobs), instead of every rank pinning a full copy.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._arena: HostArena | None = None
         self._future: Future | None = None
         self.deferred: set[int] = set()
         # The step being staged; only serves fault injection (``checkpoint@STEP:crash-staging`` stalls
         # halfway through the background copy, then SIGKILLs the process), like VolumeWriter's `step`.
         self.step: int | None = None
+        self.group = group
+        self.left_to_lower_ranks = 0  # tensors the last stage() left out (a lower rank writes them)
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return False
 
-    def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            # Pinned host memory makes the device-to-host copy asynchronous and fast on CUDA.
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-            self._buffers[key] = buf
-        return buf
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of host memory held for the background copies (0 when none is held)."""
+        return self._arena.nbytes if self._arena is not None else 0
+
+    def _lower_ranks_have(self, state_dict: dict[str, Any]) -> set[str]:
+        if self.group is None:
+            return set()
+        import torch.distributed as dist
+
+        mine: list[str] = []
+
+        def paths(obj: Any, name: str) -> None:
+            if type(obj) is torch.Tensor:
+                mine.append(name)
+            elif isinstance(obj, dict):
+                for k, v in obj.items():
+                    paths(v, f"{name}.{k}")
+            elif isinstance(obj, list):
+                for k, v in enumerate(obj):
+                    paths(v, f"{name}.{k}")
+
+        paths(state_dict, "")
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        rank = dist.get_rank(self.group)
+        return {p for lower in everyone[:rank] for p in lower}
 
     def stage(self, state_dict: dict[str, Any]) -> Future:
         """Return a Future of a CPU copy of `state_dict`; small parts are copied before returning."""
         # (container, key, source, buffer name): the slot is filled in the background, where the buffer is
         # also allocated the first time, so even the first save's page faults / pinning stay off this thread.
         jobs: list[tuple[Any, Any, torch.Tensor, str]] = []
+        elsewhere = self._lower_ranks_have(state_dict)
+        self.left_to_lower_ranks = 0
 
         def walk(obj: Any, name: str) -> Any:
             if isinstance(obj, torch.Tensor):
@@ -238,10 +311,13 @@ class SnapshotStager:
             else:
                 return copy.deepcopy(obj)  # tuples included: they hold no optimizer-owned tensors in practice
             for k, v in items:
-                if type(v) is torch.Tensor and v.numel() and _storage_key(v) in self.deferred:
-                    jobs.append((out, k, v, f"{name}.{k}"))
+                path = f"{name}.{k}"
+                if type(v) is torch.Tensor and path in elsewhere and isinstance(out, dict):
+                    self.left_to_lower_ranks += 1  # not staged, not in this rank's plan: a lower rank writes it
+                elif type(v) is torch.Tensor and v.numel() and _storage_key(v) in self.deferred:
+                    jobs.append((out, k, v, path))
                 else:
-                    out[k] = walk(v, f"{name}.{k}")
+                    out[k] = walk(v, path)
             return out
 
         staged = walk(state_dict, "")
@@ -254,9 +330,24 @@ class SnapshotStager:
         self._future = self._pool.submit(self._copy, jobs, event, staged, crash_at)
         return self._future
 
+    def _arena_for(self, jobs) -> HostArena:
+        layout = tuple((name, src.shape, src.dtype) for _, _, src, name in jobs)
+        if self._arena is None or self._arena.layout != layout:
+            if self._arena is not None:
+                self._arena.release()  # exact sizes: a new layout gets a new buffer, not a bigger cached one
+                self._arena = None
+            self._arena = HostArena(layout, pin=any(src.is_cuda for _, _, src, _ in jobs))
+        return self._arena
+
     def _copy(self, jobs, event, staged, crash_at=None):
-        # This thread's current CUDA device is 0 whatever the rank uses: name the tensors' device explicitly.
-        stream = torch.cuda.Stream(device=next(s.device for _, _, s, _ in jobs if s.is_cuda)) if event is not None else None
+        stream = None
+        if event is not None:
+            # A new thread's current device is 0: set the tensors' device first, or this thread's first CUDA
+            # call (and leaving a stream context) creates a context on GPU 0 for every rank.
+            device = next(s.device for _, _, s, _ in jobs if s.is_cuda)
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device=device)
+        arena = self._arena_for(jobs)
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if stream is not None:
                 stream.wait_event(event)
@@ -264,7 +355,7 @@ class SnapshotStager:
                 if i == crash_at:  # stall as a big model's copy would, so the loop could run ahead; then die
                     time.sleep(0.5)
                     os.kill(os.getpid(), signal.SIGKILL)
-                buf = self._buffer(name, src)
+                buf = arena.views[name]
                 buf.copy_(src, non_blocking=stream is not None)
                 container[key] = buf
         if stream is not None:
@@ -280,6 +371,8 @@ class SnapshotStager:
         self.wait()
 
     def close(self) -> None:
-        """Stop the staging thread and drop the reusable buffers."""
+        """Stop the staging thread and free (unpin) the host buffer."""
         self._pool.shutdown(wait=True)
-        self._buffers.clear()
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None

@@ -299,11 +299,7 @@ class JobContext:
 
 
 def _pick_device(local_rank: int) -> str:
-    # CUDA_VISIBLE_DEVICES="" is how the executor says "cpu slot"; don't even import torch.cuda then.
-    if os.environ.get(protocol.VISIBLE_DEVICES, None) == "":
-        return "cpu"
-    import torch
+    # One rule for which GPU a rank gets, and a loud error for a rank without one (runtime.devices).
+    from runtime.devices import job_device
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return f"cuda:{local_rank % torch.cuda.device_count()}"
-    return "cpu"
+    return job_device(local_rank)

@@ -288,3 +288,18 @@ def test_a_checkpoint_of_another_model_is_skipped_not_fatal(tmp_path):
     before = other.weight.detach().clone()
     assert CheckpointManager(tmp_path / "ck", async_save=False).load_latest(TrainState(other)) is None
     assert torch.equal(other.weight, before)
+
+
+@pytest.mark.slow
+def test_ranks_stage_only_what_they_write_in_exact_sized_buffers(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", AUTORESEARCH_CKPT_STAGE=str(tmp_path / "stage"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(SCRIPT.parent / "stage_ranks.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = (json.loads((tmp_path / f"stage-rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["loaded"] == r1["loaded"] == 3 and r0["same"] and r1["same"]  # the async checkpoint loads
+    # Rank 0 holds one copy of the replicated state, at its size (plus <= 63 bytes of alignment a tensor).
+    assert r0["deferred"] <= r0["staged"] <= r0["deferred"] + 64 * 20
+    assert r1["staged"] == 0 and r1["left"] > 0  # rank 1 stages none of it: rank 0 writes it
+    assert r0["freed"] == r1["freed"] == 0  # close() releases the buffer
