@@ -96,7 +96,8 @@ class TrainState(Stateful):
 
     def _blob(self) -> torch.Tensor:
         state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+                 # This rank's device only: get_rng_state_all() visits (and so makes a context on) every GPU.
+                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
                  "loader": self.loader.state_dict() if self.loader is not None else None}
         return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
@@ -136,7 +137,10 @@ class TrainState(Stateful):
         np.random.set_state(state["numpy"])
         random.setstate(state["python"])
         if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            if isinstance(state["cuda"], (list, tuple)):  # written before per-device states: one per GPU
+                torch.cuda.set_rng_state_all(state["cuda"])
+            else:
+                torch.cuda.set_rng_state(state["cuda"])
         if self.loader is not None and state["loader"] is not None:
             self.loader.load_state_dict(state["loader"])
 
