@@ -1,5 +1,6 @@
-"""Device specs for the service: `auto` (the real GPUs, through NVML or torch), `cpu:N` virtual slots, or a
-list `0,1,3`. Parsing is `runtime.preflight.parse_devices` (one definition for jobs, preflight and service)."""
+"""Device specs for the service: `auto` (the real GPUs NVML sees, within the service's own
+CUDA_VISIBLE_DEVICES), `cpu:N` virtual slots, or a list `0,1,3` / `GPU-...,MIG-...`. Parsing and identity are
+`runtime.devices` (one definition for jobs, preflight and service)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from orchestrator.errors import BadInput
 
 
 def parse(spec: str) -> list[str]:
-    """Device names for a spec. `cpu:2` -> ["cpu:0", "cpu:1"]; `0,2` -> ["0", "2"]; `auto` -> visible GPUs.
-    A bad spec, or `auto` on a host without GPUs, is BadInput (exit 2) that suggests `cpu:N`."""
-    from runtime.preflight import DeviceSpecError, parse_devices
+    """Device names for a spec. `cpu:2` -> ["cpu:0", "cpu:1"]; `0,2` -> ["0", "2"]; `auto` -> visible GPUs,
+    named as the inherited CUDA_VISIBLE_DEVICES names them (UUIDs stay UUIDs). A bad spec, `auto` on a host
+    without GPUs, or a CUDA_VISIBLE_DEVICES that NVML cannot match is BadInput (exit 2), one line."""
+    from runtime.devices import DeviceSpecError, parse_devices
 
     try:
         return parse_devices(spec)
@@ -23,5 +25,6 @@ def is_cpu_slot(name: str) -> bool:
 
 
 def cuda_visible(devices: list[str]) -> str:
-    """CUDA_VISIBLE_DEVICES for a job's devices: GPU indices, or empty for cpu slots."""
+    """CUDA_VISIBLE_DEVICES for a job's devices, as the service was given them (indices or UUIDs); empty for
+    cpu slots."""
     return ",".join(d for d in devices if not is_cpu_slot(d))
