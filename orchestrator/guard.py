@@ -47,6 +47,7 @@ class DeviceGuard:
         self._checking: set[str] = set()
         self._hits: dict[str, int] = {}
         self._nvml = None  # the monitor's long-lived NVML session, opened on first use
+        self.open_nvml: Callable[[], object] = self._open_nvml  # the NVML edge (tests give a fake)
 
     # ---- placement ----------------------------------------------------------------------------------
 
@@ -125,11 +126,14 @@ class DeviceGuard:
 
     # ---- the run-time monitor -----------------------------------------------------------------------
 
+    def _open_nvml(self):
+        from runtime.nvml import Nvml
+
+        return Nvml(timeout_s=self.health.config.nvml_timeout).open()
+
     def _session(self):
         if self._nvml is None:
-            from runtime.nvml import Nvml
-
-            self._nvml = Nvml(timeout_s=self.health.config.nvml_timeout).open()
+            self._nvml = self.open_nvml()
         return self._nvml
 
     def monitor(self) -> None:

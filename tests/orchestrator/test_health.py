@@ -159,3 +159,32 @@ def test_a_throttle_acts_only_after_consecutive_samples(make_service, monkeypatc
     service.guard.monitor()  # the third failing sample in a row
     assert _states(service)["cpu:0"].state == "quarantined" and "throttle" in _states(service)["cpu:0"].reason
     assert service.store.get(job_id).state in ("PREEMPTING", "QUEUED")
+
+
+def test_a_hung_nvml_neither_stalls_the_heartbeat_nor_acts_on_one_sample(make_service):
+    import threading
+
+    from runtime.nvml import Nvml
+    from tests.support.fake_nvml import FakeNvml
+
+    gate = threading.Event()  # never set while the test watches: the driver call is wedged for good
+    fake = FakeNvml(["GPU-aaaa", "GPU-bbbb"], hang=gate)
+    service = make_service("0,1", health=HealthConfig(preflight="off", monitor_every=0.2, monitor_hits=3,
+                                                      nvml_timeout=0.5, recheck_every=3600))
+    service.guard.open_nvml = lambda: Nvml(fake, timeout_s=0.5).open()
+    try:
+        job_id = api.submit(JobSpec(argv=["sleep", "60"], grace=1.0, track=False))[0].id
+        wait_for(lambda: service.store.get(job_id).state == "RUNNING", timeout=30)
+        device = service.store.get(job_id).devices[0]
+        hung_at = time.time()
+        wait_for(lambda: _states(service)[device].state == "quarantined", timeout=30, what="the monitor to act")
+        reason = _states(service)[device].reason
+        assert "took over 0.5s" in reason or "still hung" in reason
+        events = [e.reason for e in service.store.events(job_id)]
+        assert any("device fault" in r for r in events)
+        # Housekeeping (the heartbeat other hosts judge us by) kept its pace while NVML was stuck.
+        wait_for(lambda: service.store.services()[0].heartbeat_at > hung_at + 1.5, timeout=10,
+                 what="a heartbeat after the hang")
+        assert fake.inits == 1  # one long-lived session, not one per sample
+    finally:
+        gate.set()
