@@ -57,7 +57,10 @@ def parse_devices(spec: str, *, env: dict[str, str] | None = None, nvml: Nvml | 
     given, become the names). `env` and `nvml` default to this process's environment and a new NVML session."""
     text = (spec or "").strip()
     if text == "auto":
-        return _auto(os.environ if env is None else env, nvml or Nvml())
+        if nvml is not None and nvml.available:  # the caller's open session: use it, leave it open
+            return _auto(os.environ if env is None else env, nvml)
+        with nvml or Nvml() as nv:
+            return _auto(os.environ if env is None else env, nv)
     if m := re.fullmatch(r"cpu:(\d+)", text):
         if not 1 <= int(m.group(1)) <= 1024:
             raise DeviceSpecError(f"bad devices {spec!r}: cpu:N needs 1 <= N <= 1024")
@@ -73,8 +76,7 @@ def _auto(env, nv: Nvml) -> list[str]:
     if inherited is not None and not _entries(inherited):
         raise DeviceSpecError(f"{VISIBLE_DEVICES} is empty, so this service may use no GPU; use --devices cpu:N")
     wanted = _entries(inherited) if inherited is not None else None
-    with nv:
-        known = nv.inventory() if nv.available else None
+    known = nv.inventory() if nv.available else None
     if known:
         if wanted is None:
             return [name for name, uuid in known if name.isdigit()]

@@ -11,7 +11,7 @@ contain one:
     AUTORESEARCH_FAULTS="checkpoint@20:crash-staging"  # ... halfway through the async save's copy of
                                                  # step 20's parameters and optimizer state to host memory
 
-Targets are device strings as `runtime.preflight.parse_devices` returns them ("cpu:0", "0", ...), ``host``
+Targets are device names as `runtime.devices.parse_devices` returns them ("cpu:0", "0", "GPU-...", ...), ``host``
 for the disk/volume checks, ``*`` for every target, or ``checkpoint@STEP`` for the checkpoint writer. Check names are those in
 `runtime.preflight.CHECKS`; an injected fault turns that check's result into ``fail`` with the message
 "injected fault (AUTORESEARCH_FAULTS)" without running the real measurement, on that device only. The

@@ -47,7 +47,6 @@ EXPECTED = {
     "H200": (700.0, 3600.0), "H100 PCIe": (480.0, 1600.0), "H100": (650.0, 2600.0), "A100": (250.0, 1500.0),
     "L40S": (250.0, 700.0), "L4": (90.0, 240.0), "A10": (100.0, 480.0), "V100": (90.0, 750.0),
 }
-_result = outcome
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
     if is_cpu(device):
         cpu_runs = {"visible": lambda: ("pass", "cpu", None, "cpu slot"),
                     "alloc": lambda: _alloc_check("cpu", cfg), "matmul": lambda: _matmul_check("cpu", cfg)}
-        return [_result(c, device, cpu_runs.get(c, lambda: ()), None if c in cpu_runs else "cpu slot: no GPU")
+        return [outcome(c, device, cpu_runs.get(c, lambda: ()), None if c in cpu_runs else "cpu slot: no GPU")
                 for c in names]
     import torch
 
@@ -164,12 +163,12 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
         vis = ("pass", idx, torch.cuda.device_count(), f"torch index {idx}")
     except DeviceSpecError as exc:
         idx, vis = -1, ("fail", None, None, str(exc))
-    out.append(_result("visible", device, lambda: vis))
+    out.append(outcome("visible", device, lambda: vis))
     down = None if out[0].status == "pass" else "device not visible"
     dev = f"cuda:{idx}"
     if not down:
         torch.cuda.set_device(dev)  # later CUDA calls (and their context) land on this card, never on cuda:0
-    out.append(_result("cuda_init", device, lambda: _cuda_init(dev), down))
+    out.append(outcome("cuda_init", device, lambda: _cuda_init(dev), down))
     down = down or (None if out[-1].status == "pass" else "CUDA did not initialise")
     gpu_name = torch.cuda.get_device_name(dev) if not down else ""
     nvml_skip = None if nv.available else f"NVML unavailable: {nv.error}"
@@ -184,9 +183,9 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
     }
     for c in names[2:]:
         if c in nvml_runs:
-            out.append(_result(c, device, nvml_runs[c], nvml_skip))
+            out.append(outcome(c, device, nvml_runs[c], nvml_skip))
         else:
-            out.append(_result(c, device, runs[c], down))
+            out.append(outcome(c, device, runs[c], down))
     return out
 
 
@@ -215,7 +214,7 @@ def _path_checks(path: Path, cfg: PreflightConfig) -> list[CheckResult]:
         ms = (time.perf_counter() - t0) * 1000
         return ("pass" if ok else "fail"), round(ms, 1), None, f"write+fsync+read at {path} in {ms:.0f} ms"
 
-    return [_result("disk", "host", disk), _result("volume", "host", volume)]
+    return [outcome("disk", "host", disk), outcome("volume", "host", volume)]
 
 
 def run(devices: Sequence[str], level: str = "quick", *, paths: Iterable[str | os.PathLike] = (),
@@ -253,12 +252,12 @@ def monitor_sample(devices: Sequence[str], *, allowed_pids: Iterable[int] | None
     for device in devices:
         for c in names:
             if is_cpu(device) or not nv.available:
-                out.append(_result(c, device, lambda: (), "cpu slot: no GPU" if is_cpu(device) else nv.error))
+                out.append(outcome(c, device, lambda: (), "cpu slot: no GPU" if is_cpu(device) else nv.error))
                 continue
             fn = {"ecc": lambda: nv.ecc(device), "retired_pages": lambda: nv.retired_pages(device),
                   "throttle": lambda: nv.throttle(device),
                   "foreign_procs": lambda: nv.foreign_processes(device, allowed)}[c]
-            out.append(_result(c, device, fn))
+            out.append(outcome(c, device, fn))
     return out
 
 

@@ -101,3 +101,11 @@ def test_monitor_sample_uses_a_given_long_lived_session():
         assert {(r.device, r.status) for r in sample} == {("0", "pass"), (B, "pass")}
     nv.close()
     assert (fake.inits, fake.shutdowns) == (1, 1)
+
+
+def test_auto_leaves_an_open_session_open():
+    fake = FakeNvml([A, B])
+    nv = Nvml(fake).open()
+    assert parse_devices("auto", env={}, nvml=nv) == ["0", "1"]
+    assert nv.available and nv.uuid("1") == B and fake.shutdowns == 0
+    nv.close()
