@@ -3,7 +3,6 @@ preflight quarantine, the run-time monitor, hang detection, idle re-checks, and 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 

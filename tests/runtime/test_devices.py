@@ -10,7 +10,7 @@ import pytest
 
 from runtime import preflight as pf
 from runtime.devices import DeviceSpecError, job_device, normalize_uuid, parse_devices
-from runtime.nvml import Nvml, NvmlTimeout
+from runtime.nvml import Nvml
 from tests.support.fake_nvml import FakeNvml
 
 A, B = "GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000"
