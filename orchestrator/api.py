@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 
 from orchestrator.config import Settings
 from orchestrator.errors import BadInput
+from orchestrator.scheduling import unplaceable_reason
 from orchestrator.queue.models import Job, JobEvent, JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.wakeup import notify
@@ -19,13 +20,18 @@ SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is go
 
 
 def open_store(settings: Optional[Settings] = None) -> JobStore:
-    settings = settings or Settings.load()
-    return JobStore(settings.db_url)
+    """The queue of these settings (default: this home's)."""
+    return JobStore.from_settings(settings or Settings.load())
 
 
 def live_services(store: JobStore) -> list:
     """Services whose heartbeat is fresh."""
     return store.services(max_age=SERVICE_STALE_AFTER)
+
+
+def largest_capacity(services: list) -> int:
+    """Devices of the largest of these services (0 when none is known or none reports devices)."""
+    return max((len(s.devices or []) for s in services), default=0)
 
 
 def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) -> JobSpec:
@@ -41,17 +47,19 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
            store: Optional[JobStore] = None) -> tuple[Job, bool]:
     """Queue a job. Returns (job, whether a service is running to pick it up).
 
-    A job asking for more devices than every live service has is refused (BadInput) when any service runs.
+    A job asking for more devices than every live service has is refused (BadInput) when the live services'
+    devices are known; with none known it is accepted, and the services say in its reason when it cannot
+    be placed.
     """
     settings = settings or Settings.load()
-    store = store or JobStore(settings.db_url)
+    store = store or JobStore.from_settings(settings)
     if spec.cwd is None:
         spec = replace(spec, cwd=os.getcwd())
     services = live_services(store)
-    if services and spec.gpus > 1:
-        most = max(len(s.devices) for s in services)
-        if spec.gpus > most:
-            raise BadInput(f"--gpus {spec.gpus} is more than any running service has (at most {most})")
+    largest = largest_capacity(services)
+    why = unplaceable_reason(spec.gpus, largest) if largest else None
+    if why:
+        raise BadInput(f"--gpus {spec.gpus}: {why}")
     job = store.submit(spec)
     notify(settings.home)
     return job, bool(services)
@@ -60,13 +68,14 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
 def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:
     """Cancel a job (BadInput when it already finished)."""
     settings = settings or Settings.load()
-    store = store or JobStore(settings.db_url)
+    store = store or JobStore.from_settings(settings)
     job = store.cancel(job_id)
     notify(settings.home)
     return job
 
 
 def show(job_id: int, store: JobStore) -> tuple[Job, list[JobEvent]]:
+    """A job and its event log (JobNotFound: exit 2)."""
     return store.get(job_id), store.events(job_id)
 
 

@@ -21,3 +21,11 @@ def ensure_job_run(tracker: Tracker, job: Job) -> str:
 
         tracker.client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in job.params.items()])
     return run.info.run_id
+
+
+def discard_run(tracker: Tracker, run_id: str) -> None:
+    """Delete a run made for a job that another host prepared first (so no empty run is left behind)."""
+    try:
+        tracker.client.delete_run(run_id)
+    except Exception:  # best effort: an empty run tagged with the job is harmless
+        pass

@@ -34,7 +34,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Waiting", "Running", "Plan", "plan"]
+__all__ = ["Waiting", "Running", "Plan", "plan", "fits", "unplaceable_reason", "UNPLACEABLE"]
+
+UNPLACEABLE = "no live service has"  # how the reason of a job that nothing can place starts
+
+
+def fits(gpus: int, capacity: int) -> bool:
+    """The capacity rule, used by the policy, the service and `submit`: a job needing `gpus` devices can
+    ever run on `capacity` devices (all at once: jobs are never split)."""
+    return gpus <= capacity
+
+
+def unplaceable_reason(gpus: int, largest: int) -> str | None:
+    """Why no live service can place a job of `gpus` devices when the largest has `largest`; None if one can."""
+    if fits(gpus, largest):
+        return None
+    return f"{UNPLACEABLE} {gpus} devices; largest has {largest}"
 
 
 @dataclass(frozen=True)
@@ -133,7 +148,7 @@ def plan(
     starts: list[tuple[int, tuple[str, ...]]] = []
     preempt: list[int] = []
     for job in sorted(waiting, key=_line_key):
-        if job.gpus > len(usable):
+        if not fits(job.gpus, len(usable)):
             continue  # can never run on this host; must not block the line
         if job.gpus <= len(free):
             starts.append((job.id, tuple(free[: job.gpus])))

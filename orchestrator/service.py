@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from orchestrator import devices as devspec
-from orchestrator.api import SERVICE_STALE_AFTER
+from orchestrator import scheduling
+from orchestrator.api import SERVICE_STALE_AFTER, largest_capacity, live_services
 from orchestrator.config import Settings
 from orchestrator.errors import ServiceAlreadyRunning
 from orchestrator.executors.base import Exit, Executor, executor_class, job_env
@@ -45,6 +46,7 @@ from orchestrator import wakeup
 log = logging.getLogger(__name__)
 S = JobState
 HEARTBEAT_EVERY = 2.0
+TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 
 
 def node_name(home: Path) -> str:
@@ -63,14 +65,16 @@ class Service:
                  preempt_after: Optional[float] = None, tick: float = 0.5,
                  executor_factory: Optional[Callable[["Service"], Executor]] = None,
                  health: Optional["HealthConfig"] = None):
+        # Arguments given here are flags: they go through the same merge as the CLI's and win over the rest.
+        settings = settings.with_flags(devices=devices, executor=executor, preempt_after=preempt_after)
         self.settings = settings
         self.home = Path(settings.home)
-        self.store = JobStore(settings.db_url)
+        self.store = JobStore.from_settings(settings)
         self.host = node_name(self.home)
-        self.preempt_after = settings.preempt_after if preempt_after is None else float(preempt_after)
+        self.preempt_after = settings.preempt_after
         self.tick = tick
-        self.device_spec = devices or settings.devices
-        self._executor_name = executor or settings.executor
+        self.device_spec = settings.devices
+        self._executor_name = settings.executor
         self._executor_factory = executor_factory
         self.layout = Layout(self.home)
         self._local_devices = executor_class(self._executor_name).local_devices
@@ -89,7 +93,7 @@ class Service:
         self.passes = 0
         self._base_env = dict(os.environ)
         self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
-        config = health or HealthConfig.from_env()
+        config = health or settings.health
         if not self._local_devices:
             # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
             config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)
@@ -99,6 +103,8 @@ class Service:
                                  stop_job=self._send_stop, wake=self.wake)
         self._tracking_lock = threading.Lock()
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
+        self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
+        self._tracking_error = ""
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -247,15 +253,12 @@ class Service:
 
     def dispatch_once(self) -> None:
         """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
-        from orchestrator import scheduling
-
         self._record_exits()
         queued, mine = self.store.snapshot(self.host)
         self._enforce_stops(mine)
         usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
         now = time.time()
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus)
-                   for job_id, prio, submitted, gpus in queued if gpus <= len(self.device_names)]
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
@@ -268,16 +271,13 @@ class Service:
         self.passes += 1
 
     def _start_jobs(self, starts) -> None:
-        from orchestrator.jobruns import ensure_job_run
-
-        claimed = self.store.claim(list(starts), self.host, checkpoint_root=str(self.layout.checkpoints_dir),
+        """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn."""
+        starts = self._prepare_runs(list(starts))
+        claimed = self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                    log_root=str(self.layout.logs_dir))
         ready = []
         for job in claimed:
             try:
-                if job.track and not job.mlflow_run_id:
-                    job.mlflow_run_id = ensure_job_run(self._tracking(), job)
-                    self.store.set_run_id(job.id, job.mlflow_run_id)
                 if self.guard.preflight_ok(job):
                     ready.append(job)
             except Exception as exc:
@@ -292,6 +292,44 @@ class Service:
             else:
                 launched.append((job.id, outcome.pid, outcome.proc_start))
         self.store.mark_running_many(launched, self.host)
+
+    def _prepare_runs(self, starts: list) -> list:
+        """Create the MLflow run of each tracked job about to start, BEFORE it is claimed: a tracking store
+        that is down leaves the job QUEUED with the reason, no attempt spent; it is asked again after
+        TRACKING_RETRY_AFTER seconds. Returns the starts that are ready to claim."""
+        need = [j for j in self.store.get_many(job_id for job_id, _ in starts) if j.track and not j.mlflow_run_id]
+        if not need:
+            return starts
+        blocked: dict[int, str] = {}
+        if time.monotonic() < self._tracking_retry_at:
+            blocked = {j.id: self._tracking_error for j in need}  # still in the pause after a failure
+        else:
+            from orchestrator.jobruns import discard_run, ensure_job_run
+
+            for i, job in enumerate(need):
+                try:
+                    run_id = ensure_job_run(self._tracking(), job)
+                except Exception as exc:
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                    log.warning("MLflow tracking store %s is not usable: %s", self.settings.tracking_uri, first)
+                    why = self._tracking_error = f"waiting: MLflow tracking store not usable ({first}); no attempt spent"
+                    blocked.update({j.id: why for j in need[i:]})
+                    self._tracking_retry_at = time.monotonic() + TRACKING_RETRY_AFTER
+                    break
+                if not self.store.set_run_id(job.id, run_id):  # another host prepared it first
+                    discard_run(self._tracking(), run_id)
+        self.store.note(blocked)
+        return [start for start in starts if start[0] not in blocked]
+
+    def _note_unplaceable(self) -> None:
+        """Keep the reason of queued jobs that no live service can place (too many devices) up to date."""
+        largest = largest_capacity(live_services(self.store))
+        if not largest:
+            return  # no inventory known (a cluster still starting): say nothing rather than something wrong
+        notes = {}
+        for job in self.store.waiting_with(gpus_over=largest, reason_prefix=scheduling.UNPLACEABLE):
+            notes[job.id] = scheduling.unplaceable_reason(job.gpus, largest) or "waiting: a live service can place it"
+        self.store.note(notes)
 
     def _launch(self, job: Job):
         try:
@@ -343,5 +381,6 @@ class Service:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
+            self._note_unplaceable()
         except Exception:
             log.exception("housekeeping failed")

@@ -10,6 +10,13 @@ A training script starts with::
             if ctx.should_stop():          # same call pattern on every rank
                 manager.save_now(step + 1, state)
                 ctx.exit_preempted()
+        ctx.complete()                     # the last step is done: this job has finished
+
+Completion: a job that is preempted goes back in line whatever its exit code (a plain SIGTERM handler that
+saves and exits 0 has not finished its training). Only `complete()` tells the queue that this attempt did its
+last step, so that ending while being preempted counts as SUCCEEDED and the job is not run again. Leaving the
+`with` block without an exception and without a stop request also completes the job (a job that never saw
+its SIGTERM did finish); a job that saw one and finished anyway calls `complete()` itself.
 
 Inside a queued job the executor's environment fills every field. Run by hand (no AUTORESEARCH_JOB_ID) the
 context still works: job id None, attempt 0, params {}, and a checkpoint dir under
@@ -63,9 +70,8 @@ def _int_env(name: str, default: int) -> int:
 
 
 def _standalone_dir() -> Path:
-    root = os.environ.get(protocol.HOME) or str(Path.home() / ".autoresearch")
     script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else "interactive"
-    return Path(root).expanduser() / "checkpoints" / "standalone" / script
+    return protocol.home_dir() / "checkpoints" / "standalone" / script
 
 
 def read_heartbeat(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -126,6 +132,7 @@ class JobContext:
         self._last_beat = float("-inf")
         self._mlflow = None
         self._mlflow_off = False
+        self._completed = False
         if config.handle_signals:
             self._install_signals()
 
@@ -215,6 +222,15 @@ class JobContext:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
+    def complete(self) -> None:
+        """Tell the queue this attempt has done its last step: if a preemption arrives now, the job still
+        ends SUCCEEDED instead of running again. Rank 0 writes the marker (atomically) into the checkpoint
+        dir; call it on every rank after training. Idempotent. Outside a queued job it does nothing."""
+        if self.job_id is None or not self.is_main or self._completed:
+            return
+        write_json_atomic(self.checkpoint_dir / protocol.COMPLETE_FILE, {"attempt": self.attempt, "at": time.time()})
+        self._completed = True
+
     def exit_preempted(self) -> None:
         """Exit with EX_TEMPFAIL (75): stopped on request after checkpointing; requeue without an attempt."""
         self.close()
@@ -294,7 +310,10 @@ class JobContext:
         self.init_distributed()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # Finished the block normally and never asked to stop: the job did its last step.
+        if exc_type is None and not self._stop.is_set():
+            self.complete()
         self.close()
 
 

@@ -192,9 +192,9 @@ class VolumeDataset(IterableDataset):
             raise ValueError("pass either a VolumeConfig or keyword options, not both")
         cfg = self.config
         if cfg.cache_dir is None:
-            from orchestrator.config import home
+            from runtime.protocol import home_dir  # the runtime never imports the service's settings
 
-            self.cache_dir = str(home() / "cache")
+            self.cache_dir = str(home_dir().resolve() / "cache")
         else:
             self.cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
         self.source = open_source(cfg.source)

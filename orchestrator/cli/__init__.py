@@ -35,19 +35,16 @@ app = typer.Typer(
 )
 
 
-def _register() -> None:
-    # Imported for their side effect of adding commands to `app`; a missing module is a feature not built yet.
-    import importlib
+@app.callback()
+def _settings_first() -> None:
+    """Autonomous research agents and a GPU job queue with priorities and preemption."""
+    from orchestrator.cli.common import load_settings
 
-    for name in ("jobs", "serve", "gpus", "cache", "preflight", "agent", "data"):
-        try:
-            importlib.import_module(f"orchestrator.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"orchestrator.cli.{name}":
-                raise
+    load_settings()  # every command: a bad config.toml or setting is one line, exit 2, before any work
 
 
-_register()
+# Imported for their side effect of adding commands to `app`.
+from orchestrator.cli import agent, cache, data, gpus, jobs, preflight, serve  # noqa: E402,F401
 
 
 def _is_input_error(exc: BaseException) -> bool:

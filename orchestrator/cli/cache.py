@@ -23,9 +23,9 @@ _CACHE_DIR = typer.Option(None, "--cache-dir", help="Cache directory (default: $
 def _cache_dir(cache_dir: Optional[Path]) -> str:
     if cache_dir is not None:
         return str(cache_dir.expanduser().resolve())
-    from orchestrator.config import Settings
+    from orchestrator.cli.common import settings
 
-    return str(Settings.load().cache_dir)
+    return str(settings().cache_dir)
 
 
 def _human(n: int) -> str:

@@ -1,10 +1,28 @@
-"""Helpers shared by the CLI modules: JSON output and rich tables."""
+"""Helpers shared by the CLI modules: the command's settings, JSON output and rich tables."""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+from orchestrator.config import Settings
+
+_settings: Optional[Settings] = None
+
+
+def load_settings() -> Settings:
+    """Resolve this command's settings once (env, then config.toml): a malformed file fails every command
+    here, as one line and exit 2, before anything is touched."""
+    global _settings
+    _settings = Settings.load()
+    return _settings
+
+
+def settings(**flags: Any) -> Settings:
+    """The command's one settings object, with this command's flags on top (None: not given)."""
+    base = _settings or load_settings()
+    return base.with_flags(**flags) if flags else base
 
 
 def print_json(data: Any) -> None:

@@ -9,8 +9,7 @@ import typer
 
 from orchestrator import api
 from orchestrator.cli import app
-from orchestrator.cli.common import print_json, print_table
-from orchestrator.config import Settings
+from orchestrator.cli.common import print_json, print_table, settings
 
 gpus_app = typer.Typer(help="Devices and their health.", invoke_without_command=True, no_args_is_help=False)
 app.add_typer(gpus_app, name="gpus")
@@ -20,7 +19,7 @@ def _resolve(store, idx: str):
     from orchestrator.errors import BadInput
     from orchestrator.service import node_name
 
-    host = node_name(Settings.load().home)
+    host = node_name(settings().home)
     names = {d.name for d in store.devices(host)}
     if not names:
         raise BadInput("no devices known for this home yet: start `autoresearch serve` first")
@@ -35,7 +34,7 @@ def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
     """List devices with their state and last check."""
     if ctx.invoked_subcommand is not None:
         return
-    store = api.open_store()
+    store = api.open_store(settings())
     devs = store.devices()
     if as_json:
         print_json([d.to_dict() for d in devs])
@@ -49,7 +48,7 @@ def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
 def disable(idx: str = typer.Argument(..., metavar="IDX"),
             reason: str = typer.Option("disabled by a person", "--reason")) -> None:
     """Take a device out of scheduling (running jobs on it finish)."""
-    store = api.open_store()
+    store = api.open_store(settings())
     host, name = _resolve(store, idx)
     store.set_device_state(host, name, "disabled", reason)
     print(f"{name}: disabled")
@@ -58,10 +57,10 @@ def disable(idx: str = typer.Argument(..., metavar="IDX"),
 @gpus_app.command()
 def enable(idx: str = typer.Argument(..., metavar="IDX")) -> None:
     """Return a disabled or quarantined device to scheduling."""
-    store = api.open_store()
+    store = api.open_store(settings())
     host, name = _resolve(store, idx)
     store.set_device_state(host, name, "available", "")
     from orchestrator.wakeup import notify
 
-    notify(Settings.load().home)
+    notify(settings().home)
     print(f"{name}: available")

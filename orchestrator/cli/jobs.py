@@ -12,8 +12,7 @@ import typer
 
 from orchestrator import api
 from orchestrator.cli import app
-from orchestrator.cli.common import info, print_json, print_table
-from orchestrator.config import Settings
+from orchestrator.cli.common import info, print_json, print_table, settings
 from orchestrator.errors import BadInput
 from orchestrator.queue.models import JobSpec
 
@@ -48,7 +47,7 @@ def submit(
         if param:
             raise BadInput("--param needs --experiment")
         spec = JobSpec(argv=list(argv or []), **options)
-    job, served = api.submit(spec)
+    job, served = api.submit(spec, settings())
     if as_json:
         print_json({**job.to_dict(), "service_running": served})
     else:
@@ -63,20 +62,25 @@ def queue(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """List jobs (default: not finished)."""
-    store = api.open_store()
+    store = api.open_store(settings())
     jobs = store.list() if all_jobs else store.unfinished()
     if as_json:
         print_json([j.to_dict() for j in jobs])
         return
-    print_table("jobs", ["id", "name", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted"],
+    print_table("jobs", ["id", "name", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted",
+                         "reason"],
                 [(j.id, j.name, j.state, j.priority, j.gpus, ",".join(j.devices or []), j.attempts,
-                  j.preemptions, j.exit_code, _when(j.submitted_at)) for j in jobs])
+                  j.preemptions, j.exit_code, _when(j.submitted_at), _short(j.reason)) for j in jobs])
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    job, events = api.show(job_id, api.open_store())
+    job, events = api.show(job_id, api.open_store(settings()))
     if as_json:
         print_json({**job.to_dict(), "events": [e.to_dict() for e in events]})
         return
@@ -90,7 +94,7 @@ def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.
 @app.command()
 def cancel(job_id: int = typer.Argument(..., metavar="ID")) -> None:
     """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
-    job = api.cancel(job_id)
+    job = api.cancel(job_id, settings())
     print(f"job {job.id}: {job.state}")
 
 
@@ -98,7 +102,7 @@ def cancel(job_id: int = typer.Argument(..., metavar="ID")) -> None:
 def logs(job_id: int = typer.Argument(..., metavar="ID"),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job finishes.")) -> None:
     """The job's output."""
-    store = api.open_store()
+    store = api.open_store(settings())
     job = store.get(job_id)
     path = job.log_path
     if (not path or not os.path.exists(path)) and (job.proc_start or "").startswith("ray:"):
@@ -108,7 +112,7 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
         return
     if follow:
         while not path or not os.path.exists(path):
-            if job.job_state.finished:
+            if job.final:
                 raise BadInput(f"job {job_id} produced no output")
             time.sleep(0.5)
             job = store.get(job_id)
@@ -126,7 +130,7 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
             if not follow:
                 return
             job = store.get(job_id)
-            if job.job_state.finished and not (job.state == "FAILED" and job.failures < job.max_attempts):
+            if job.final:
                 rest = fh.read()
                 sys.stdout.buffer.write(rest)
                 sys.stdout.flush()

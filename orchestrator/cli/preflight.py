@@ -20,12 +20,12 @@ def preflight(
 ) -> int:
     """Check devices (and the checkpoint/cache dirs): pass, fail or skipped for each check."""
     from orchestrator import devices as device_specs
-    from orchestrator.config import Settings
+    from orchestrator.cli.common import settings as command_settings
     from orchestrator.errors import BadInput
 
     if level not in ("quick", "full"):
         raise BadInput(f"bad --level {level!r}: expected quick or full")
-    settings = Settings.load(devices=devices)
+    settings = command_settings(devices=devices)
     names = device_specs.parse(settings.devices)  # BadInput (exit 2) for a bad spec or auto without GPUs
     paths = path or [str(settings.checkpoints_dir), str(settings.cache_dir)]
 

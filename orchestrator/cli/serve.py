@@ -8,8 +8,7 @@ from typing import Optional
 import typer
 
 from orchestrator.cli import app
-from orchestrator.cli.common import info
-from orchestrator.config import Settings
+from orchestrator.cli.common import info, settings
 from orchestrator.errors import BadInput
 
 
@@ -37,24 +36,12 @@ def serve(
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     if preempt_after is not None and preempt_after < 0:
         raise BadInput("--preempt-after must be >= 0")
-    flags = dict(devices=devices, executor=executor, preempt_after=preempt_after)
-    if ray_address:
-        flags["ray_address"] = ray_address
-    settings = Settings.load(**{k: v for k, v in flags.items() if k != "ray_address"})
-    if ray_address:
-        settings.extra["ray_address"] = ray_address
-    if settings.executor == "local":
-        devspec.parse(settings.devices)  # bad spec: exit 2 before anything is touched
-    from dataclasses import replace
-
-    from orchestrator.health import HealthConfig
-
-    given = dict(preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
-    try:
-        health = replace(HealthConfig.from_env(), **{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-    service = Service(settings, health=health)
-    info(f"autoresearch: serving {settings.home} (executor {settings.executor}, devices {settings.devices}); "
+    chosen = settings(devices=devices, executor=executor, preempt_after=preempt_after, ray_address=ray_address,
+                      preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
+    if chosen.executor == "local":
+        devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
+    chosen.health  # bad health settings: exit 2 before anything is touched
+    service = Service(chosen)
+    info(f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
          "Ctrl-C stops (running jobs keep running)")
     service.serve_forever()

@@ -11,7 +11,18 @@ from typing import Any, Optional
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
-from orchestrator.queue.states import JobState
+from orchestrator.errors import BadInput
+from orchestrator.queue.states import FINISHED, JobState
+
+# Stated bounds of what a submitter may ask for: both backends store these as 32-bit integers, and a number
+# beyond them is a typo, not a plan.
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
+MAX_GPUS = 1_000_000
+MAX_ATTEMPTS = 1_000
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -35,21 +46,26 @@ class JobSpec:
     idempotency_key: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from orchestrator.errors import BadInput
-
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
             raise BadInput("the command is empty: give it after `--`, e.g. autoresearch submit -- python train.py")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise BadInput(f"priority must be an integer, got {self.priority!r}")
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise BadInput(f"--gpus must be an integer >= 1, got {self.gpus!r}")
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise BadInput(f"--max-attempts must be an integer >= 1, got {self.max_attempts!r}")
+        check_priority(self.priority)
+        if not _int_in(self.gpus, 1, MAX_GPUS):
+            raise BadInput(f"--gpus must be an integer from 1 to {MAX_GPUS}, got {self.gpus!r}")
+        if not _int_in(self.max_attempts, 1, MAX_ATTEMPTS):
+            raise BadInput(f"--max-attempts must be an integer from 1 to {MAX_ATTEMPTS}, got {self.max_attempts!r}")
         if not (isinstance(self.grace, (int, float)) and 0 <= self.grace <= 86400):
             raise BadInput(f"--grace must be between 0 and 86400 seconds, got {self.grace!r}")
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                       for k, v in self.env.items()):
             raise BadInput("env overrides must map strings to strings")
+
+
+def check_priority(priority: Any) -> int:
+    """`priority` if it is an integer within PRIORITY_RANGE, else BadInput naming the range."""
+    low, high = PRIORITY_RANGE
+    if not _int_in(priority, low, high):
+        raise BadInput(f"--priority must be an integer from {low} to {high}, got {priority!r}")
+    return priority
 
 
 class Job(SQLModel, table=True):
@@ -100,6 +116,28 @@ class Job(SQLModel, table=True):
     @property
     def job_state(self) -> JobState:
         return JobState(self.state)
+
+    # ---- the job's rules: the one place that decides whether a job is final or will be retried ----------
+
+    @property
+    def retrying(self) -> bool:
+        """FAILED with attempts left: it goes back in line after its backoff (Contract 2)."""
+        return self.state == JobState.FAILED.value and self.failures < self.max_attempts
+
+    @property
+    def final(self) -> bool:
+        """Finished for good: SUCCEEDED, CANCELLED, or FAILED with no attempts left. Never changes again."""
+        return JobState(self.state) in FINISHED and not self.retrying
+
+    @property
+    def retries_after_failure(self) -> bool:
+        """Whether this attempt failing (one more failure) would still leave an attempt to retry with."""
+        return self.failures + 1 < self.max_attempts
+
+    @classmethod
+    def retrying_sql(cls) -> Any:
+        """`retrying` as a SQL condition, for queries over many jobs."""
+        return (cls.state == JobState.FAILED.value) & (cls.failures < cls.max_attempts)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first)."""

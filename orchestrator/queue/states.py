@@ -33,13 +33,9 @@ class JobState(str, Enum):
         return self.value
 
     @property
-    def holds_devices(self) -> bool:
-        """Whether a job in this state occupies its devices."""
-        return self in HOLDING
-
-    @property
     def finished(self) -> bool:
-        """SUCCEEDED, CANCELLED and FAILED are finished (a FAILED job may still be retried; see store)."""
+        """SUCCEEDED, CANCELLED and FAILED are finished states; a FAILED job may still be retried, so whether
+        a job is final is the job's rule (`Job.final`, `Job.retrying`), not the state's."""
         return self in FINISHED
 
 
@@ -52,7 +48,7 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.CANCELLING: frozenset({S.CANCELLED}),
     S.SUCCEEDED: frozenset(),
     S.CANCELLED: frozenset(),
-    S.FAILED: frozenset({S.QUEUED}),  # only while attempts are left; the store checks that
+    S.FAILED: frozenset({S.QUEUED}),  # only while attempts are left (Job.retrying)
 }
 HOLDING = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
 FINISHED = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
@@ -60,5 +56,5 @@ ACTIVE = frozenset(set(JobState) - FINISHED)
 
 
 def allowed(src: JobState, dst: JobState) -> bool:
-    """Whether Contract 2 allows `src -> dst` (the retry rule on FAILED is checked by the store)."""
+    """Whether Contract 2 allows `src -> dst` (the retry rule on FAILED is the job's: `Job.retrying`)."""
     return dst in ALLOWED[src]

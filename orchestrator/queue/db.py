@@ -1,0 +1,96 @@
+"""The queue's database: one SQLAlchemy engine per URL (SQLite in WAL mode, or PostgreSQL) and transactions.
+
+`Database` is the base of the queue's record keepers (`JobStore` for jobs, `HostRecords` for devices and
+service heartbeats); it knows connections and transactions, nothing about jobs.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, SQLModel, create_engine
+
+from orchestrator.errors import StoreUnavailable
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # noqa: ANN001
+        # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url` (SQLite gets WAL, a busy timeout and immediate transactions)."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise StoreUnavailable(f"cannot open queue database {url}: directory {parent} does not exist")
+        return _sqlite_engine(url)
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+class Database:
+    """A connection to the queue's SQL database (SQLite or PostgreSQL), with the schema created."""
+
+    def __init__(self, url: str, *, create: bool = True):
+        self.url = url
+        self.is_postgres = url.startswith("postgres")
+        try:
+            self.engine = make_engine(url)
+            if create:
+                SQLModel.metadata.create_all(self.engine)
+            else:
+                with self.engine.connect():
+                    pass
+        except OperationalError as exc:
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc).splitlines()[0]
+            raise StoreUnavailable(f"cannot reach queue database {redact(url)}: {first}") from None
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # bad URL, missing driver
+            raise StoreUnavailable(f"cannot open queue database {redact(url)}: {exc}") from None
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as session:
+            with session.begin():
+                yield session
+
+    def _read(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
+
+
+def redact(url: str) -> str:
+    """Hide a password in a database URL before it reaches a message."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+    return url

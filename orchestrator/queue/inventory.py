@@ -1,0 +1,85 @@
+"""Each host's inventory in the queue's database: its devices (with their health state) and its service heartbeat."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from sqlmodel import select
+
+from orchestrator.errors import BadInput
+from orchestrator.queue.db import Database
+from orchestrator.queue.models import Device, ServiceRecord
+
+DEVICE_STATES = ("available", "disabled", "quarantined")
+
+
+class HostRecords(Database):
+    """Device inventories and service heartbeats, one row each."""
+
+    def sync_devices(self, host: str, names: Sequence[str]) -> list[Device]:
+        """Make `names` this host's device inventory, keeping the state of devices already known."""
+        with self._tx() as session:
+            known = {d.name: d for d in session.exec(select(Device).where(Device.host == host))}
+            for name in set(known) - set(names):
+                session.delete(known[name])
+            for pos, name in enumerate(names):
+                dev = known.get(name) or Device(host=host, name=name)
+                dev.position = pos
+                session.add(dev)
+        return self.devices(host)
+
+    def devices(self, host: Optional[str] = None) -> list[Device]:
+        """Devices of one host (or of every host), in inventory order."""
+        with self._read() as session:
+            stmt = select(Device)
+            if host is not None:
+                stmt = stmt.where(Device.host == host)
+            return list(session.exec(stmt.order_by(Device.host, Device.position)))
+
+    def set_device_state(self, host: str, name: str, state: str, reason: str = "",
+                         check: Optional[dict] = None) -> Device:
+        """available | disabled (by a person) | quarantined (by a check), with its reason."""
+        if state not in DEVICE_STATES:
+            raise BadInput(f"unknown device state {state!r}")
+        with self._tx() as session:
+            dev = session.get(Device, (host, name))
+            if dev is None:
+                raise BadInput(f"no device {name!r} on {host}; known: "
+                               + ", ".join(d.name for d in session.exec(select(Device).where(Device.host == host))))
+            dev.state, dev.reason = state, reason
+            if check is not None:
+                dev.last_check, dev.checked_at = check, time.time()
+            session.add(dev)
+            return dev
+
+    def record_check(self, host: str, name: str, check: dict) -> None:
+        """Keep a device's last check result (its state is unchanged)."""
+        with self._tx() as session:
+            dev = session.get(Device, (host, name))
+            if dev is not None:
+                dev.last_check, dev.checked_at = check, time.time()
+                session.add(dev)
+
+    def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float) -> None:
+        """Upsert this service's liveness row."""
+        with self._tx() as session:
+            rec = session.get(ServiceRecord, host) or ServiceRecord(host=host)
+            rec.pid, rec.home, rec.devices, rec.heartbeat_at = pid, home, list(devices), time.time()
+            rec.started_at = started_at
+            session.add(rec)
+
+    def services(self, max_age: Optional[float] = None) -> list[ServiceRecord]:
+        """Service rows; with `max_age`, only those whose heartbeat is that fresh."""
+        with self._read() as session:
+            stmt = select(ServiceRecord)
+            if max_age is not None:
+                stmt = stmt.where(ServiceRecord.heartbeat_at >= time.time() - max_age)
+            return list(session.exec(stmt))
+
+    def remove_service(self, host: str) -> None:
+        """Forget a service that said goodbye."""
+        with self._tx() as session:
+            rec = session.get(ServiceRecord, host)
+            if rec is not None:
+                session.delete(rec)

@@ -1,0 +1,96 @@
+"""Reading the queue: jobs by id, state, owner or host, their event logs, and what a dispatch pass needs.
+
+`JobQueries` only reads; every change of a job goes through `JobStore` (orchestrator.queue.store).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from sqlalchemy import func, or_
+from sqlmodel import Session, select
+
+from orchestrator.errors import JobNotFound
+from orchestrator.queue.inventory import HostRecords
+from orchestrator.queue.models import Job, JobEvent
+from orchestrator.queue.states import ACTIVE, HOLDING, JobState
+
+S = JobState
+
+
+class JobQueries(HostRecords):
+    """Read-only views of the jobs table (plus the hosts' records it inherits)."""
+
+    def find_by_key(self, key: str) -> Optional[Job]:
+        """The job submitted with this idempotency key, if any."""
+        with self._read() as session:
+            return session.exec(select(Job).where(Job.idempotency_key == key)).first()
+
+    def get(self, job_id: int) -> Job:
+        """The job with this id, or JobNotFound (a BadInput: exit 2)."""
+        with self._read() as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                raise JobNotFound(job_id)
+            return job
+
+    def get_many(self, job_ids: Iterable[int]) -> list[Job]:
+        """The jobs with these ids that exist, in id order."""
+        with self._read() as session:
+            return list(session.exec(select(Job).where(Job.id.in_(list(job_ids))).order_by(Job.id)))
+
+    def list(self, states: Optional[Iterable[JobState]] = None, *, owner: Optional[str] = None,
+             experiment: Optional[str] = None, host: Optional[str] = None) -> list[Job]:
+        """Jobs in id order, filtered by state(s), owner, experiment and host."""
+        stmt = select(Job)
+        if states is not None:
+            stmt = stmt.where(Job.state.in_([JobState(s).value for s in states]))
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        if experiment is not None:
+            stmt = stmt.where(Job.experiment == experiment)
+        if host is not None:
+            stmt = stmt.where(Job.host == host)
+        with self._read() as session:
+            return list(session.exec(stmt.order_by(Job.id)))
+
+    def unfinished(self) -> list[Job]:
+        """What `autoresearch queue` shows by default: active jobs and failed ones awaiting a retry."""
+        with self._read() as session:
+            stmt = select(Job).where(or_(Job.state.in_([s.value for s in ACTIVE]), Job.retrying_sql()))
+            return list(session.exec(stmt.order_by(Job.id)))
+
+    def events(self, job_id: int) -> list[JobEvent]:
+        """The job's event log, oldest first."""
+        self.get(job_id)
+        with self._read() as session:
+            stmt = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+            return list(session.exec(stmt))
+
+    def count(self) -> int:
+        """How many jobs exist."""
+        with Session(self.engine) as session:
+            return session.exec(select(func.count()).select_from(Job)).one()
+
+    def count_in(self, state: JobState) -> int:
+        """How many jobs are in `state`."""
+        with Session(self.engine) as session:
+            return session.exec(select(func.count()).select_from(Job).where(Job.state == JobState(state).value)).one()
+
+    def waiting_with(self, *, gpus_over: int, reason_prefix: str) -> list[Job]:
+        """QUEUED jobs needing more than `gpus_over` devices, or whose reason starts with `reason_prefix`."""
+        with self._read() as session:
+            stmt = select(Job).where(Job.state == S.QUEUED.value,
+                                     or_(Job.gpus > gpus_over, Job.reason.startswith(reason_prefix)))
+            return list(session.exec(stmt.order_by(Job.id)))
+
+    def snapshot(self, host: str, limit: int = 256) -> tuple[list[tuple], list[Job]]:
+        """What one dispatch pass needs: the first `limit` QUEUED jobs in line order as light
+        (id, priority, submitted_at, gpus) rows, and the jobs this host holds devices for."""
+        with self._read() as session:
+            waiting = list(session.exec(
+                select(Job.id, Job.priority, Job.submitted_at, Job.gpus).where(Job.state == S.QUEUED.value)
+                .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit)))
+            mine = list(session.exec(select(Job).where(Job.state.in_([s.value for s in HOLDING]),
+                                                       Job.host == host)))
+        return waiting, mine
