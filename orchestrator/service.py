@@ -105,6 +105,7 @@ class Service:
         self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_error = ""
+        self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -258,7 +259,10 @@ class Service:
         self._enforce_stops(mine)
         usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
         now = time.time()
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus in queued]
+        if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
+            self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus in queued
+                   if job_id not in self._tracking_blocked]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
@@ -318,6 +322,7 @@ class Service:
                     break
                 if not self.store.set_run_id(job.id, run_id):  # another host prepared it first
                     discard_run(self._tracking(), run_id)
+        self._tracking_blocked.update(blocked)  # out of the plan until the pause ends: others may start
         self.store.note(blocked)
         return [start for start in starts if start[0] not in blocked]
 

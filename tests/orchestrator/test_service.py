@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from orchestrator import api
 from orchestrator.queue.models import JobSpec
-from tests.orchestrator.helpers import ckpt_job, wait_for
+from tests.orchestrator.helpers import SCRIPTS, ckpt_job, wait_for
 from tests.support.dispatch import wait_for_dispatch
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def state(service, job_id):
@@ -69,10 +72,60 @@ def test_cancel_escalates_to_sigkill_after_grace(make_service):
     wait_for(lambda: state(service, job_id) == "CANCELLED", timeout=15, what="SIGKILL after the grace")
 
 
-def test_retries_with_backoff_and_exit_75(make_service, monkeypatch):
-    import orchestrator.queue.store as store_mod
+def test_a_plain_sigterm_handler_that_exits_0_is_requeued_and_resumes(make_service):
+    service = make_service("cpu:1", preempt_after=0)
+    plain = JobSpec(argv=[sys.executable, str(SCRIPTS / "plain_sigterm_job.py"), "400"], priority=0, track=False)
+    low = api.submit(plain)[0].id
+    wait_for(lambda: "starts at step" in log_of(service, low), what="the low job running")
+    time.sleep(1.0)  # some training to lose if the preemption dropped it
+    high = api.submit(ckpt_job(10, priority=50, name="high"))[0].id
+    wait_for(lambda: service.store.get(low).preemptions == 1, what="the low job to be preempted")
+    job = service.store.get(low)
+    assert job.state in ("QUEUED", "STARTING", "RUNNING") and job.exit_code == 0 and job.failures == 0
+    assert ("PREEMPTING", "QUEUED") in [(e.src, e.dst) for e in service.store.events(low)]
+    wait_for(lambda: state(service, high) == "SUCCEEDED", what="the high job")
+    text = wait_for(lambda: "attempt 2 starts" in log_of(service, low) and log_of(service, low),
+                    what="the preempted job to resume")
+    saved = int(text.split("saved at step ")[1].split()[0])
+    assert saved > 0 and f"attempt 2 starts at step {saved}" in text
+    api.cancel(low)
+    wait_for(lambda: state(service, low) == "CANCELLED", what="cancel")
 
-    monkeypatch.setattr(store_mod, "BACKOFF_BASE", 0.2)
+
+def test_a_runtime_job_that_finished_during_its_grace_succeeds_and_is_not_run_again(make_service):
+    service = make_service("cpu:1", preempt_after=0)
+    spec = JobSpec(argv=[sys.executable, str(SCRIPTS / "finish_in_grace_job.py")], priority=0, track=False,
+                   env={"PYTHONPATH": ROOT})
+    job_id = api.submit(spec)[0].id
+    wait_for(lambda: "training" in log_of(service, job_id), what="the runtime job running")
+    high = api.submit(JobSpec(argv=["true"], priority=50, track=False))[0].id
+    wait_for(lambda: state(service, high) == "SUCCEEDED", what="the high job")
+    job = service.store.get(job_id)
+    assert (job.state, job.attempts, job.preemptions, job.exit_code) == ("SUCCEEDED", 1, 0, 0)
+    assert [(e.src, e.dst) for e in service.store.events(job_id)][-2:] == [("RUNNING", "PREEMPTING"),
+                                                                           ("PREEMPTING", "SUCCEEDED")]
+    assert log_of(service, job_id).count("training") == 1 and "last step done" in log_of(service, job_id)
+
+
+def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an_attempt(make_service,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    service = make_service("cpu:1")
+    tracked = api.submit(JobSpec(argv=["true"]))[0].id
+    job = wait_for(lambda: (j := service.store.get(tracked)).reason.startswith("waiting: MLflow") and j,
+                   timeout=60, what="the tracked job's reason")  # MLflow's first import is slow
+    assert "127.0.0.1" in job.reason and "no attempt spent" in job.reason
+    untracked = api.submit(JobSpec(argv=["true"], track=False))[0].id  # needs no MLflow: not held up
+    wait_for(lambda: state(service, untracked) == "SUCCEEDED", what="the untracked job")
+    job = service.store.get(tracked)
+    assert (job.state, job.attempts, job.failures, job.mlflow_run_id) == ("QUEUED", 0, 0, None)
+    assert [(e.src, e.dst) for e in service.store.events(tracked)] == [(None, "QUEUED")]
+
+
+def test_retries_with_backoff_and_exit_75(make_service, monkeypatch):
+    monkeypatch.setenv("AUTORESEARCH_RETRY_BACKOFF", "0.2")  # a setting, read when a job fails
     service = make_service("cpu:1")
     flaky = JobSpec(argv=["sh", "-c", 'test "$AUTORESEARCH_ATTEMPT" -ge 3 || exit 1'], max_attempts=3, track=False)
     flaky_id = api.submit(flaky)[0].id

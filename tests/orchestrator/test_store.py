@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import pytest
@@ -73,6 +74,92 @@ def test_preemption_goes_back_in_line_keeping_priority_and_submit_time(store):
     assert back.state == "QUEUED" and back.preemptions == 1 and back.priority == 3
     assert back.submitted_at == job.submitted_at and back.devices == []
     assert back.failures == 0  # a preemption is not a failure
+
+
+def test_a_preempted_job_goes_back_in_line_whatever_its_exit_code(store, tmp_path):
+    # Slurm PreemptMode=REQUEUE: a SIGTERM handler that saves and exits 0 has not finished its training.
+    job = store.submit(spec())
+    store.claim([(job.id, ["cpu:0"])], "h1", checkpoint_root=str(tmp_path))
+    store.mark_running(job.id, 4242, None, "h1")
+    store.preempt([job.id], "for a higher job")
+    back = store.finish(job.id, 0, "h1")
+    assert (back.state, back.preemptions, back.failures, back.exit_code) == ("QUEUED", 1, 0, 0)
+
+
+def preempted_attempt(store, job_id, root, marker_attempt=None):
+    """Claim, run and preempt `job_id`; with `marker_attempt`, the job's completion marker names that attempt
+    (what runtime.context.JobContext.complete writes)."""
+    store.claim([(job_id, ["cpu:0"])], "h1", checkpoint_root=str(root))
+    store.mark_running(job_id, 4242, None, "h1")
+    store.preempt([job_id], "for a higher job")
+    if marker_attempt is not None:
+        (root / str(job_id)).mkdir(exist_ok=True)
+        (root / str(job_id) / "autoresearch-complete.json").write_text(json.dumps({"attempt": marker_attempt}))
+
+
+def test_only_a_job_that_marked_this_attempt_complete_ends_succeeded_while_preempted(store, tmp_path):
+    done = store.submit(spec())
+    preempted_attempt(store, done.id, tmp_path, marker_attempt=1)
+    ended = store.finish(done.id, 0, "h1")
+    assert ended.state == "SUCCEEDED" and "finished its last step" in ended.reason and ended.preemptions == 0
+    stale = store.submit(spec())
+    preempted_attempt(store, stale.id, tmp_path, marker_attempt=0)  # a marker of another attempt
+    assert store.finish(stale.id, 0, "h1").state == "QUEUED"
+    preempted_attempt(store, stale.id, tmp_path, marker_attempt=2)
+    back = store.finish(stale.id, 143, "h1")  # complete, but did not exit cleanly: resume, lose nothing
+    assert back.state == "QUEUED" and back.preemptions == 2
+
+
+def test_attempt_numbers_never_go_down_or_repeat(store):
+    job = store.submit(spec())
+    store.claim([(job.id, ["cpu:0"])], "h1")
+    back = store.requeue(job.id, "preflight failed on cpu:0")  # given back before it ran
+    assert back.state == "QUEUED" and back.attempts == 1 and back.failures == 0
+    [again] = store.claim([(job.id, ["cpu:1"])], "h1")
+    assert again.attempts == 2
+    # A late report about attempt 1 cannot end attempt 2.
+    assert store.finish_many([(job.id, 1, 1, "old")], "h1") == []
+    assert store.get(job.id).state == "STARTING"
+
+
+def test_the_job_decides_whether_it_is_final(store):
+    job = store.submit(spec(max_attempts=2))
+    assert not job.final and not job.retrying
+    run(store, job.id)
+    first = store.finish(job.id, 1)
+    assert first.state == "FAILED" and first.retrying and not first.final
+    assert [j.id for j in store.unfinished()] == [job.id]
+    store.requeue_due(now=1e12)
+    run(store, job.id)
+    last = store.finish(job.id, 1)
+    assert last.final and not last.retrying and store.unfinished() == []
+    with pytest.raises(BadInput):
+        store.demote(job.id, 0)
+
+
+def test_retry_backoff_is_the_stores_setting_read_when_a_job_fails(db_url):
+    store = JobStore(db_url, retry_backoff=0.5, retry_backoff_cap=0.75)
+    job = store.submit(spec(max_attempts=4))
+    for failures, wait in ((1, 0.5), (2, 0.75)):
+        run(store, job.id)
+        failed = store.finish(job.id, 1)
+        assert failed.not_before - failed.finished_at == pytest.approx(wait)
+        store.requeue_due(now=1e12)
+    store.retry_backoff = 2.0  # changed by whoever holds the store: the next failure uses it
+    store.retry_backoff_cap = 100.0
+    run(store, job.id)
+    failed = store.finish(job.id, 1)
+    assert failed.not_before - failed.finished_at == pytest.approx(backoff(3, 2.0, 100.0)) == 8.0
+    store.close()
+
+
+def test_priority_is_bounded(store):
+    with pytest.raises(BadInput, match="--priority must be an integer from"):
+        spec(priority=99999999999999999999)
+    job = store.submit(spec(priority=1_000_000))
+    with pytest.raises(BadInput):
+        store.demote(job.id, -10**12)
+    assert store.get(job.id).priority == 1_000_000
 
 
 def test_exit_75_requeues_without_spending_an_attempt(store):

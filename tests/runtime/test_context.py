@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,3 +122,44 @@ def test_mlflow_without_run_id_creates_one_or_skips(clean_env, monkeypatch):
     quiet = JobContext.from_env(ContextConfig(handle_signals=False))
     quiet.log_metrics({"loss": 1.0}, step=0)  # nowhere to log: skipped, no error
     assert quiet.run_id is None
+
+
+def test_complete_marks_this_attempt_finished_for_the_queue(clean_env, monkeypatch, tmp_path):
+    from runtime.protocol import COMPLETE_FILE, completed_attempt
+
+    monkeypatch.setenv("AUTORESEARCH_JOB_ID", "7")
+    monkeypatch.setenv("AUTORESEARCH_ATTEMPT", "2")
+    monkeypatch.setenv("AUTORESEARCH_CHECKPOINT_DIR", str(tmp_path / "ck"))
+    ctx = JobContext.from_env(ContextConfig(handle_signals=False))
+    assert completed_attempt(tmp_path / "ck") is None
+    ctx.complete()
+    ctx.complete()  # idempotent
+    assert completed_attempt(tmp_path / "ck") == 2
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [COMPLETE_FILE]  # atomic: no tmp left
+    monkeypatch.setenv("RANK", "1")
+    other = JobContext.from_env(ContextConfig(handle_signals=False))
+    other.attempt = 3
+    other.complete()  # only rank 0 writes
+    assert completed_attempt(tmp_path / "ck") == 2
+
+
+def test_leaving_the_block_completes_unless_a_stop_was_requested(clean_env, monkeypatch, tmp_path):
+    from runtime.protocol import completed_attempt
+
+    monkeypatch.setenv("AUTORESEARCH_JOB_ID", "7")
+    monkeypatch.setenv("AUTORESEARCH_ATTEMPT", "1")
+    for name, stop, fail in (("clean", False, False), ("stopped", True, False), ("raised", False, True)):
+        monkeypatch.setenv("AUTORESEARCH_CHECKPOINT_DIR", str(tmp_path / name))
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+            with JobContext.from_env(ContextConfig(handle_signals=False)) as ctx:
+                if stop:
+                    ctx.request_stop()  # what SIGTERM does: the job stopped early, e.g. with `break`
+                if fail:
+                    raise RuntimeError("training crashed")
+        assert completed_attempt(tmp_path / name) == (1 if name == "clean" else None), name
+    monkeypatch.delenv("AUTORESEARCH_JOB_ID")  # run by hand: nothing to tell a queue
+    monkeypatch.setenv("AUTORESEARCH_CHECKPOINT_DIR", str(tmp_path / "by-hand"))
+    with JobContext.from_env(ContextConfig(handle_signals=False)):
+        pass
+    assert not (tmp_path / "by-hand").exists()
+
