@@ -52,6 +52,8 @@ def test_submit_experiment_validates_params(home):
     (["cancel", "999"], "no job with id 999"),
     (["submit", "--gpus", "0", "--", "true"], "--gpus"),
     (["submit", "--priority", "high", "--", "true"], "--priority"),
+    (["submit", "--priority", "99999999999999999999", "--", "true"], "--priority must be an integer from"),
+    (["submit", "--gpus", "99999999999999999999", "--", "true"], "--gpus must be an integer from"),
     (["submit", "--"], "command is empty"),
     (["submit"], "command is empty"),
     (["submit", "--experiment", "nope"], "unknown experiment"),
@@ -85,7 +87,7 @@ def test_cancel_finished_job_and_gpus_over_capacity_with_a_service(home, make_se
     out = cli("cancel", str(done))
     assert out.returncode == 2 and "already SUCCEEDED" in out.stderr
     out = cli("submit", "--gpus", "3", "--", "true")
-    assert out.returncode == 2 and "more than any running service has (at most 2)" in out.stderr
+    assert out.returncode == 2 and "no live service has 3 devices; largest has 2" in out.stderr
     second = cli("serve", "--devices", "cpu:1")
     assert second.returncode == 2 and "already running" in second.stderr
     assert count() == before
@@ -95,6 +97,53 @@ def test_cancel_finished_job_and_gpus_over_capacity_with_a_service(home, make_se
     assert {d["device"]: d["state"] for d in json.loads(cli("gpus", "--json").stdout)}["cpu:1"] == "disabled"
     assert cli("gpus", "enable", "cpu:1").returncode == 0
     assert cli("gpus", "disable", "7").returncode == 2
+
+
+@pytest.mark.parametrize("command", [["queue"], ["show", "1"], ["submit", "--", "true"], ["cancel", "1"],
+                                     ["gpus"], ["serve", "--devices", "cpu:1"], ["preflight", "--devices", "cpu:1"],
+                                     ["sessions"], ["leaderboard"], ["cache", "stats"]])
+def test_a_malformed_config_file_is_one_line_exit_2_from_every_command(home, command):
+    cli("submit", "--", "true")
+    (home / "config.toml").write_text('devices = "cpu:2\n')  # unterminated string
+    out = cli(*command)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert str(home / "config.toml") in out.stderr and "not valid TOML" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    (home / "config.toml").unlink()
+    assert count() == 1 and json.loads(cli("queue", "--json").stdout)[0]["state"] == "QUEUED"
+
+
+def test_settings_come_from_flags_then_env_then_config_file(home, monkeypatch):
+    (home / "config.toml").write_text('devices = "cpu:3"\npreempt_after = 5\nhang_timeout = 7\nllm_model = "m"\n')
+    monkeypatch.setenv("AUTORESEARCH_PREEMPT_AFTER", "6")
+    settings = Settings.load(hang_timeout=8)
+    assert (settings.devices, settings.preempt_after, settings.hang_timeout, settings.llm_model) == ("cpu:3", 6, 8, "m")
+    assert settings.health.hang_timeout == 8
+    (home / "config.toml").write_text('preempt_after = "soon"\n')
+    monkeypatch.delenv("AUTORESEARCH_PREEMPT_AFTER")
+    out = cli("queue")
+    assert out.returncode == 2 and "config.toml: preempt_after: 'soon' is not a number" in out.stderr
+    out = cli("queue", env={"AUTORESEARCH_RETRY_BACKOFF": "-1"})
+    assert out.returncode == 2 and "config.toml" in out.stderr  # the file is read (and wrong) first
+    (home / "config.toml").unlink()
+    out = cli("queue", env={"AUTORESEARCH_RETRY_BACKOFF": "-1"})
+    assert out.returncode == 2 and "retry_backoff must be >= 0" in out.stderr
+
+
+def test_a_job_no_live_service_can_place_says_so_and_is_refused_once_services_are_known(home, make_service):
+    out = cli("submit", "--json", "--gpus", "100000", "--", "true")  # no service known yet: accepted
+    assert out.returncode == 0, out.stderr
+    big = json.loads(out.stdout)["id"]
+    make_service("cpu:2")
+    why = "no live service has 100000 devices; largest has 2"
+    wait_for(lambda: json.loads(cli("queue", "--json").stdout)[0]["reason"] == why, timeout=30,
+             what="the reason in `queue`")
+    shown = cli("show", str(big))
+    assert why in shown.stdout and json.loads(cli("show", str(big), "--json").stdout)["state"] == "QUEUED"
+    before = count()
+    out = cli("submit", "--gpus", "100000", "--", "true")
+    assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert count() == before
 
 
 def test_logs_follow_streams_until_the_job_ends(home, make_service):
