@@ -261,7 +261,7 @@ class Service:
         now = time.time()
         if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus in queued
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued
                    if job_id not in self._tracking_blocked]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
@@ -271,12 +271,13 @@ class Service:
             for job in self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host):
                 self._send_stop(job)
         if plan.starts:
-            self._start_jobs(plan.starts)
+            self._start_jobs(plan.starts, {row[0] for row in queued if row[4]})
         self.passes += 1
 
-    def _start_jobs(self, starts) -> None:
-        """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn."""
-        starts = self._prepare_runs(list(starts))
+    def _start_jobs(self, starts, need_runs: set[int]) -> None:
+        """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn.
+        `need_runs`: ids of jobs that are tracked and have no MLflow run yet."""
+        starts = self._prepare_runs(list(starts), need_runs)
         claimed = self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                    log_root=str(self.layout.logs_dir))
         ready = []
@@ -297,13 +298,14 @@ class Service:
                 launched.append((job.id, outcome.pid, outcome.proc_start))
         self.store.mark_running_many(launched, self.host)
 
-    def _prepare_runs(self, starts: list) -> list:
+    def _prepare_runs(self, starts: list, need_runs: set[int]) -> list:
         """Create the MLflow run of each tracked job about to start, BEFORE it is claimed: a tracking store
         that is down leaves the job QUEUED with the reason, no attempt spent; it is asked again after
         TRACKING_RETRY_AFTER seconds. Returns the starts that are ready to claim."""
-        need = [j for j in self.store.get_many(job_id for job_id, _ in starts) if j.track and not j.mlflow_run_id]
-        if not need:
+        wanted = [job_id for job_id, _ in starts if job_id in need_runs]
+        if not wanted:
             return starts
+        need = [j for j in self.store.get_many(wanted) if j.track and not j.mlflow_run_id]
         blocked: dict[int, str] = {}
         if time.monotonic() < self._tracking_retry_at:
             blocked = {j.id: self._tracking_error for j in need}  # still in the pause after a failure
@@ -316,7 +318,8 @@ class Service:
                 except Exception as exc:
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                     log.warning("MLflow tracking store %s is not usable: %s", self.settings.tracking_uri, first)
-                    why = self._tracking_error = f"waiting: MLflow tracking store not usable ({first}); no attempt spent"
+                    why = f"waiting: MLflow tracking store not usable ({first}); no attempt spent"
+                    self._tracking_error = why
                     blocked.update({j.id: why for j in need[i:]})
                     self._tracking_retry_at = time.monotonic() + TRACKING_RETRY_AFTER
                     break

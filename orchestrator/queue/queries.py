@@ -86,10 +86,11 @@ class JobQueries(HostRecords):
 
     def snapshot(self, host: str, limit: int = 256) -> tuple[list[tuple], list[Job]]:
         """What one dispatch pass needs: the first `limit` QUEUED jobs in line order as light
-        (id, priority, submitted_at, gpus) rows, and the jobs this host holds devices for."""
+        (id, priority, submitted_at, gpus, needs an MLflow run) rows, and the jobs this host holds devices for."""
         with self._read() as session:
             waiting = list(session.exec(
-                select(Job.id, Job.priority, Job.submitted_at, Job.gpus).where(Job.state == S.QUEUED.value)
+                select(Job.id, Job.priority, Job.submitted_at, Job.gpus, Job.track & Job.mlflow_run_id.is_(None))
+                .where(Job.state == S.QUEUED.value)
                 .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit)))
             mine = list(session.exec(select(Job).where(Job.state.in_([s.value for s in HOLDING]),
                                                        Job.host == host)))
