@@ -8,8 +8,9 @@
 Extensions (the contract may only be extended): STARTING can fail, be cancelled or go back to QUEUED
 (preflight found a bad device; spawn failed with a temporary error) or enter CANCELLING (cancelled while
 its process is being spawned); RUNNING -> QUEUED when the job exits
-75 (EX_TEMPFAIL) or its host was lost; a job being preempted may still finish on its own
-(PREEMPTING -> SUCCEEDED | FAILED) or be cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled.
+75 (EX_TEMPFAIL) or its host was lost; a job being preempted goes back in line whatever its exit code, unless it
+told the runtime that this attempt did its last step (PREEMPTING -> SUCCEEDED; runtime.protocol.COMPLETE_FILE),
+or is cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled.
 """
 
 from __future__ import annotations
