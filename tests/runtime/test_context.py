@@ -163,3 +163,18 @@ def test_leaving_the_block_completes_unless_a_stop_was_requested(clean_env, monk
         pass
     assert not (tmp_path / "by-hand").exists()
 
+
+
+def test_the_runtime_never_imports_the_service(clean_env, tmp_path):
+    # Training jobs import the runtime; the service's settings, store or CLI have no business in them.
+    (tmp_path / "shard.bin").write_bytes(b"x")
+    code = ("import pkgutil, importlib, sys, runtime\n"
+            "for m in pkgutil.iter_modules(runtime.__path__): importlib.import_module('runtime.' + m.name)\n"
+            "from runtime.data import VolumeDataset\n"
+            f"ds = VolumeDataset({str(tmp_path)!r})  # the default cache dir is under the home\n"
+            "assert ds.cache_dir.endswith('/cache'), ds.cache_dir\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'orchestrator'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
