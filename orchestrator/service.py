@@ -389,6 +389,6 @@ class Service:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
-            self._note_unplaceable()
+            self._note_unplaceable()  # the monitor runs on its own thread (guard), never behind this
         except Exception:
             log.exception("housekeeping failed")

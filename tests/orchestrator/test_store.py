@@ -162,6 +162,18 @@ def test_priority_is_bounded(store):
     assert store.get(job.id).priority == 1_000_000
 
 
+def test_waiting_jobs_carry_a_reason_without_a_transition(store):
+    small, big = store.submit(spec()), store.submit(spec(gpus=8))
+    assert [j.id for j in store.waiting_with(gpus_over=2, reason_prefix="no live")] == [big.id]
+    store.note({big.id: "no live service has 8 devices; largest has 2", small.id: "x"})
+    assert store.get(big.id).reason.startswith("no live") and store.get(big.id).state == "QUEUED"
+    assert [j.id for j in store.waiting_with(gpus_over=8, reason_prefix="no live")] == [big.id]
+    assert len(store.events(big.id)) == 1  # a reason, not a transition
+    run(store, small.id)
+    store.note({small.id: "ignored"})  # only waiting jobs carry such reasons
+    assert store.get(small.id).reason == "pid 4242"
+
+
 def test_exit_75_requeues_without_spending_an_attempt(store):
     job = store.submit(spec(max_attempts=1))
     run(store, job.id)
