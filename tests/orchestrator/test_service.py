@@ -73,27 +73,33 @@ def test_cancel_escalates_to_sigkill_after_grace(make_service):
 
 
 def test_a_plain_sigterm_handler_that_exits_0_is_requeued_and_resumes(make_service):
-    service = make_service("cpu:1", preempt_after=0)
+    # Issue 12's repro: two copies of a script whose SIGTERM handler saves and calls sys.exit(0) fill cpu:2,
+    # then a priority-50 job arrives.
+    service = make_service("cpu:2", preempt_after=0)
     plain = JobSpec(argv=[sys.executable, str(SCRIPTS / "plain_sigterm_job.py"), "400"], priority=0, track=False)
-    low = api.submit(plain)[0].id
-    wait_for(lambda: "starts at step" in log_of(service, low), what="the low job running")
+    low = [api.submit(plain)[0].id for _ in range(2)]
+    wait_for(lambda: all("starts at step" in log_of(service, j) for j in low), what="both low jobs running")
     time.sleep(1.0)  # some training to lose if the preemption dropped it
     high = api.submit(ckpt_job(10, priority=50, name="high"))[0].id
-    wait_for(lambda: service.store.get(low).preemptions == 1, what="the low job to be preempted")
-    job = service.store.get(low)
+    wait_for(lambda: any(service.store.get(j).preemptions for j in low), what="a low job to be preempted")
+    [victim] = [j for j in low if service.store.get(j).preemptions == 1]
+    job = service.store.get(victim)
     assert job.state in ("QUEUED", "STARTING", "RUNNING") and job.exit_code == 0 and job.failures == 0
-    assert ("PREEMPTING", "QUEUED") in [(e.src, e.dst) for e in service.store.events(low)]
+    assert ("PREEMPTING", "QUEUED") in [(e.src, e.dst) for e in service.store.events(victim)]
     wait_for(lambda: state(service, high) == "SUCCEEDED", what="the high job")
-    text = wait_for(lambda: "attempt 2 starts" in log_of(service, low) and log_of(service, low),
+    text = wait_for(lambda: "attempt 2 starts" in log_of(service, victim) and log_of(service, victim),
                     what="the preempted job to resume")
     saved = int(text.split("saved at step ")[1].split()[0])
     assert saved > 0 and f"attempt 2 starts at step {saved}" in text
-    api.cancel(low)
-    wait_for(lambda: state(service, low) == "CANCELLED", what="cancel")
+    for job_id in low:
+        api.cancel(job_id)
+    wait_for(lambda: all(state(service, j) == "CANCELLED" for j in low), what="cancels")
 
 
 def test_a_runtime_job_that_finished_during_its_grace_succeeds_and_is_not_run_again(make_service):
-    service = make_service("cpu:1", preempt_after=0)
+    service = make_service("cpu:2", preempt_after=0)
+    # The other slot is busy with work that may not be preempted, so the runtime job is the one victim.
+    blocker = api.submit(ckpt_job(1000, priority=0, preemptible=False))[0].id
     spec = JobSpec(argv=[sys.executable, str(SCRIPTS / "finish_in_grace_job.py")], priority=0, track=False,
                    env={"PYTHONPATH": ROOT})
     job_id = api.submit(spec)[0].id
@@ -105,6 +111,7 @@ def test_a_runtime_job_that_finished_during_its_grace_succeeds_and_is_not_run_ag
     assert [(e.src, e.dst) for e in service.store.events(job_id)][-2:] == [("RUNNING", "PREEMPTING"),
                                                                            ("PREEMPTING", "SUCCEEDED")]
     assert log_of(service, job_id).count("training") == 1 and "last step done" in log_of(service, job_id)
+    api.cancel(blocker)
 
 
 def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an_attempt(make_service,
