@@ -3,6 +3,8 @@
 ```
 HOME/logs/ID.log                 the job's output, every attempt appended (`autoresearch logs`)
 HOME/checkpoints/ID/             the job's checkpoint dir, the same for every attempt (Contract 3)
+HOME/checkpoints/ID/autoresearch-complete.json   written by the job's runtime when an attempt did its last step
+                                 (runtime.protocol.COMPLETE_FILE; read by the store when a preempted job ends)
 HOME/run/ID.ATTEMPT.exit         the exit code the attempt's wrapper recorded (read after a restart)
 HOME/run/ID.heartbeat            the job's progress heartbeat (the hang watchdog reads it)
 ```
