@@ -101,7 +101,8 @@ def test_cancel_finished_job_and_gpus_over_capacity_with_a_service(home, make_se
 
 @pytest.mark.parametrize("command", [["queue"], ["show", "1"], ["submit", "--", "true"], ["cancel", "1"],
                                      ["gpus"], ["serve", "--devices", "cpu:1"], ["preflight", "--devices", "cpu:1"],
-                                     ["sessions"], ["leaderboard"], ["cache", "stats"]])
+                                     ["sessions"], ["leaderboard"], ["cache", "stats"],
+                                     ["data", "export-delta", "t", "dest"]])
 def test_a_malformed_config_file_is_one_line_exit_2_from_every_command(home, command):
     cli("submit", "--", "true")
     (home / "config.toml").write_text('devices = "cpu:2\n')  # unterminated string
