@@ -1,0 +1,16 @@
+"""Program mode: the agent edits a training program's code (DESIGN.md, Contract 4).
+
+A program is a git repository (or a folder inside one) with an `autoresearch.toml`. Each trial is a commit
+made from its parent plus the model's search/replace edits, run from its own worktree under the home through
+the ordinary queue, with its metric read from MLflow. Modules, one job each:
+
+- `spec`: the program's `autoresearch.toml`, validated.
+- `repo`: git plumbing (session branch, one commit per trial, one worktree per running trial).
+- `edits`: applying and validating the model's edits before anything runs.
+- `answers`: the prompt and the parsing of the model's JSON answers.
+- `governor`: when a session changes course, and when it stops.
+- `tree`: the session's trials and nodes, persisted after every step (kill -9 safe).
+- `session`: the loop (propose, commit, submit, read, gate) and `start`/`resume`/`lineage`.
+- `wrap`: the job-side wrapper that reads `<metric>: <number>` lines and logs them to the run.
+- `sandbox`: the bubblewrap command line for `--sandbox`.
+"""
