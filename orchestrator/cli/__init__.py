@@ -39,7 +39,7 @@ def _register() -> None:
     # Imported for their side effect of adding commands to `app`; a missing module is a feature not built yet.
     import importlib
 
-    for name in ("jobs", "serve", "gpus", "cache", "preflight", "agent", "data"):
+    for name in ("jobs", "serve", "gpus", "cache", "preflight", "agent", "data", "programs"):
         try:
             importlib.import_module(f"orchestrator.cli.{name}")
         except ModuleNotFoundError as exc:

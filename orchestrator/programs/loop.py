@@ -1,0 +1,378 @@
+"""The program-mode loop: keep K variants in flight, read their metrics, gate children against parents.
+
+    loop = Loop(session_id, config, spec, ...)     # built by `orchestrator.programs.session`
+    summary = loop.run()
+
+Each pass: look at the session's jobs (record finished runs, their metrics and log tails), judge nodes (a
+crashed one asks for a debug step; a succeeded one gets re-runs on fresh seeds, then the noise gate against
+its parent decides kept or discarded; the governor counts outcomes), then fill free slots with proposals
+(debug first, else draft or improve from the incumbent). Every record is saved before the step that depends
+on it (see `tree`), so `resume` continues from any point.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from orchestrator.agent.gate import gate
+from orchestrator.agent.history import device_seconds, is_final
+from orchestrator.programs import answers, propose, tree
+from orchestrator.programs.governor import CHANGE, STOP, Governor
+from orchestrator.programs.wrap import TIME_LIMIT_EXIT, TIME_LIMIT_MESSAGE
+
+TAIL = 3000
+
+
+class Loop:
+    """One program session's loop over live resources (store, tracker, repo, LLM)."""
+
+    def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any, repo: Any,
+                 trees: tree.TreeStore, llm: Any, parallel: int, home: Path, parent_run: str,
+                 notify: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda s: None):
+        self.sid, self.cfg, self.spec = session_id, config, spec
+        self.store, self.tracker, self.repo, self.trees, self.llm = store, tracker, repo, trees, llm
+        self.parallel, self.home, self.parent_run = parallel, Path(home), parent_run
+        self.notify, self.say = notify, say
+        self.experiment = f"program:{spec.name}"
+        self.trials: list[dict] = trees.trials(session_id)
+        self.state: dict = trees.state(session_id) or self._initial_state()
+        self.gov = Governor.from_dict(self.state["governor"])
+        self._tick = time.time()
+
+    # -- state -----------------------------------------------------------------------------------------------------
+
+    def _initial_state(self) -> dict:
+        root = self.repo.head()
+        gov = Governor(max_failures=self.spec.max_failures, patience=self.spec.patience)
+        state = {"root": root, "incumbent": 0, "governor": gov.to_dict(), "pending_debug": [], "note": "",
+                 "drafts_left": self.parallel, "stop_reason": "", "usage": {}, "elapsed": 0.0, "rejected": 0}
+        self.repo.set_ref(self.repo.branch(self.sid), root)
+        self.trees.save_state(self.sid, state)
+        return state
+
+    def _save(self, t: dict | None = None) -> None:
+        if t is not None:
+            self.trees.save(self.sid, t)
+        self.state["governor"] = self.gov.to_dict()
+        self.trees.save_state(self.sid, self.state)
+
+    def _elapsed(self) -> float:
+        now = time.time()
+        self.state["elapsed"] += now - self._tick
+        self._tick = now
+        return self.state["elapsed"]
+
+    def _time_up(self) -> bool:
+        minutes = self.cfg.budget_minutes
+        return minutes is not None and self.state["elapsed"] >= minutes * 60
+
+    def _left(self) -> int | None:
+        """Jobs the budget still allows, less the re-runs already owed to nodes being measured."""
+        total = self.cfg.max_trials
+        if total is None:
+            return None
+        owed = sum(max(0, self.spec.repeats - len(tree.runs_of(self.trials, t["n"])))
+                   for t in tree.nodes(self.trials) if t["kind"] == "variant" and t["verdict"] is None
+                   and t["status"] not in ("failed", "cancelled"))
+        return total - len(self.trials) - owed
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Run to the end: budget spent, time up, or the governor's stop; returns the summary."""
+        if not self.trials:  # the baseline: the program as committed, on `repeats` seeds
+            for seed in range(self.spec.repeats):
+                self._add(tree.new_trial(self.sid, len(self.trials), kind="baseline", step="baseline", parent=None,
+                                         parent_node=None, node=0, commit=self.state["root"], seed=seed,
+                                         rationale="the program as committed"))
+        while True:
+            self._elapsed()
+            self._sync()
+            self._judge()
+            active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+            if not self.state["stop_reason"] and not self._time_up():
+                self._fill()
+                active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+            if not active and (self.state["stop_reason"] or self._time_up() or not self._can_add()):
+                break
+            self._save()
+            time.sleep(self.cfg.poll)
+        if not self.state["stop_reason"]:
+            self.state["stop_reason"] = "time budget used" if self._time_up() else "trial budget used"
+        self._save()
+        return self.state
+
+    def _can_add(self) -> bool:
+        left = self._left()
+        return left is None or left >= self.spec.repeats
+
+    # -- trials ----------------------------------------------------------------------------------------------------
+
+    def _add(self, t: dict) -> dict:
+        self.trials.append(t)
+        self._save(t)  # recorded before its commit or job exists: a crash from here on loses nothing
+        self._submit(t)
+        return t
+
+    def _submit(self, t: dict) -> None:
+        """Commit (variants), worktree, MLflow run and job, each found again if it already exists."""
+        from orchestrator.queue.models import JobSpec
+
+        if t["commit"] is None:
+            ref = self.repo.trial_ref(self.sid, t["n"])
+            t["commit"] = self.repo.resolve(ref) or self.repo.commit(
+                t["parent"], {self.spec.repo_path(f): text for f, text in t.pop("files").items()},
+                f"autoresearch {self.sid} trial {t['n']} ({t['step']}): {t['rationale'] or 'no rationale'}")
+            self.repo.set_ref(ref, t["commit"])
+            t.pop("files", None)
+            self._save(t)
+        job = self.store.find_by_key(t["key"])
+        if job is None:
+            worktree = self.repo.add_worktree(self.home / "programs" / self.sid / str(t["n"]), t["commit"])
+            self.repo.restore_protected(worktree, self.state["root"], [self.spec.repo_path(p)
+                                                                       for p in self.spec.protected])
+            cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
+            node = self.trials[t["node"]]
+            run_id = self.tracker.trial_run(
+                self.parent_run, self.experiment, key=t["key"], name=f"{self.sid} trial {t['n']}",
+                params={"commit": t["commit"], "parent": node["parent"] or "", "seed": t["seed"], "step": t["step"]},
+                tags={"autoresearch.session": self.sid, "autoresearch.owner": self.sid,
+                      "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
+                      "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
+                      "autoresearch.node": str(t["node"])})
+            if node["parent"]:
+                self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], t["commit"]), "patch.diff")
+            argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
+                    "--pattern", self.spec.pattern, "--time-limit", str(self.spec.time_limit)]
+            if self.cfg.sandbox:
+                argv += ["--sandbox", str(worktree)]
+                argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
+            spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t['n']}",
+                           priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
+                           owner=self.sid, params={"commit": t["commit"], "seed": t["seed"]},
+                           env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
+                           idempotency_key=t["key"])
+            job = self.store.submit(spec)
+            self.notify()
+        t.update(job_id=job.id, run_id=job.mlflow_run_id, status="queued" if t["status"] == "pending" else t["status"])
+        self._save(t)
+        if t["kind"] == "variant":
+            self.say(f"trial {t['n']} ({t['step']}) commit {t['commit'][:10]} from {t['parent'][:10]} -> job "
+                     f"{job.id}: {t['rationale']}")
+
+    def _sync(self) -> None:
+        """Submit what a crash left pending; record runs that started or ended."""
+        for t in self.trials:
+            if t["status"] == "pending":
+                self._submit(t)
+            if t["status"] not in ("queued", "running"):
+                continue
+            job = self.store.get(t["job_id"])
+            if is_final(job):
+                self._finish(t, job)
+            elif t["status"] == "queued" and job.state == "RUNNING":
+                t["status"] = "running"
+                self._save(t)
+
+    def _finish(self, t: dict, job: Any) -> None:
+        tail = _tail(job.log_path)
+        if job.state == "SUCCEEDED":
+            t["value"] = self.tracker.final(t["run_id"], self.spec.metric)
+            t["status"] = "succeeded" if t["value"] is not None else "failed"
+            if t["value"] is None:
+                t["error"] = f"no {self.spec.metric} in MLflow or in the output"
+        elif job.state == "FAILED":
+            t["status"] = "failed"
+            timed_out = job.exit_code == TIME_LIMIT_EXIT and TIME_LIMIT_MESSAGE in tail
+            t["error"] = TIME_LIMIT_MESSAGE if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
+        else:
+            t["status"], t["error"] = "cancelled", job.reason[:300]
+        if t["status"] == "failed":
+            t["log_tail"] = tail
+        t["device_s"] = device_seconds(self.store, job)
+        self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
+        self.repo.remove_worktree(self.home / "programs" / self.sid / str(t["n"]))
+        self._save(t)
+        if t["kind"] != "rerun":
+            self.say(f"trial {t['n']} {t['status']}: " + (f"{self.spec.metric} {t['value']:.5g}"
+                                                          if t["value"] is not None else t["error"]))
+
+    # -- judging ---------------------------------------------------------------------------------------------------
+
+    def _judge(self) -> None:
+        for node in tree.nodes(self.trials):
+            if node["verdict"] is None:
+                self._judge_node(node)
+
+    def _judge_node(self, node: dict) -> None:
+        runs = tree.runs_of(self.trials, node["n"])
+        if node["kind"] == "baseline":
+            if any(r["status"] in tree.ACTIVE for r in runs):
+                return
+            values = tree.values_of(self.trials, 0)
+            if not values:
+                self._verdict(node, "crashed", "the baseline failed: " + runs[0]["error"])
+                self.state["stop_reason"] = f"the unmodified program failed: {runs[0]['error']}"
+                return
+            s = tree.summary_of(self.trials, 0)
+            self._verdict(node, "baseline", f"baseline {s['mean']:.5g} over {s['n']} run(s)")
+            return
+        if node["status"] in tree.ACTIVE:
+            return
+        if node["status"] != "succeeded":
+            self._verdict(node, "crashed", node["error"])
+            if node["status"] == "failed" and node["depth"] < self.spec.max_debug:
+                self.state["pending_debug"].append(node["n"])
+            self._govern("failed")
+            return
+        if len(runs) < self.spec.repeats:  # fresh seeds: one good run is not a result
+            for seed in range(len(runs), self.spec.repeats):
+                self._add(tree.new_trial(self.sid, len(self.trials), kind="rerun", step="rerun",
+                                         parent=node["parent"], parent_node=node["parent_node"], node=node["n"],
+                                         commit=node["commit"], seed=seed, rationale=node["rationale"]))
+            return
+        if any(r["status"] in tree.ACTIVE for r in runs):
+            return
+        base = self._gate_parent(node)
+        if base is None or base["verdict"] is None:
+            return  # the parent is still being measured
+        values = tree.values_of(self.trials, node["n"])
+        if len(values) < 2:
+            self._verdict(node, "discarded", "its re-runs failed: the result does not reproduce")
+            self._govern("failed")
+            return
+        v = gate(tree.values_of(self.trials, base["n"]), values, direction=self.spec.direction)
+        if not v.win:
+            self._verdict(node, "discarded", v.describe() + f" (vs {base['commit'][:10]})")
+            self._govern("discarded")
+            return
+        self._verdict(node, "kept", v.describe() + f" (vs {base['commit'][:10]})")
+        best = self.trials[self.state["incumbent"]]
+        mean = tree.summary_of(self.trials, node["n"])["mean"]
+        if self.spec.better(mean, tree.summary_of(self.trials, best["n"])["mean"]):
+            self.state["incumbent"] = node["n"]
+            self.repo.set_ref(self.repo.branch(self.sid), node["commit"])
+            self.say(f"new incumbent: trial {node['n']} commit {node['commit'][:10]}, {self.spec.metric} "
+                     f"{mean:.5g} ({v.describe()})")
+        self._govern("improved")
+
+    def _gate_parent(self, node: dict) -> dict | None:
+        """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from)."""
+        n = node["parent_node"]
+        while n is not None:
+            parent = self.trials[n]
+            if parent["verdict"] in ("baseline", "kept", "discarded") or parent["verdict"] is None:
+                return parent
+            n = parent["parent_node"]
+        return None
+
+    def _verdict(self, node: dict, verdict: str, text: str) -> None:
+        node["verdict"], node["verdict_text"] = verdict, text
+        if node["run_id"]:
+            self.tracker.set_tags(node["run_id"], {"autoresearch.verdict": verdict,
+                                                   "autoresearch.verdict_text": text})
+        self._save(node)
+
+    def _govern(self, outcome: str) -> None:
+        action = self.gov.record(outcome)
+        if action == CHANGE:
+            self.state["note"] = (f"The session {self.gov.reason}. Go back to the incumbent and try a different, "
+                                  f"simpler idea; keep edits small and make sure the program still runs.")
+            self.state["drafts_left"] = self.parallel
+            self.state["pending_debug"] = []
+            self.say(self.gov.reason)
+        elif action == STOP:
+            self.state["stop_reason"] = self.gov.reason
+            self.say(f"stopping: {self.gov.reason}")
+        self._save()
+
+    # -- proposing -------------------------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        free = self.parallel + 1 - sum(1 for t in self.trials if t["status"] in tree.ACTIVE)
+        while free > 0 and not self.state["stop_reason"]:
+            left = self._left()
+            room = free if left is None else min(free, left // self.spec.repeats)
+            if room <= 0:
+                return
+            if self.state["pending_debug"]:
+                crashed = self.trials[self.state["pending_debug"][0]]
+                step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
+                                    log_tail=crashed.get("log_tail", ""))
+            else:
+                best = self.trials[self.state["incumbent"]]
+                kind = "draft" if self.state["drafts_left"] > 0 else "improve"
+                step = answers.Step(kind, best["commit"], self._files(best["commit"]), room, note=self.state["note"])
+            variants, reasons = propose.ask(
+                self.llm, goal=self.cfg.goal, spec=self.spec, step=step, history=self._history(),
+                best=self._best_line(), resolve=self._resolve, read=self._read, tried=self._tried(),
+                max_reasks=self.cfg.max_reasks)
+            self._usage()
+            if step.kind == "debug":
+                self.state["pending_debug"].pop(0)
+            if not variants:
+                self.state["rejected"] += 1
+                self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
+                self._govern("failed")
+                return
+            for v in variants:
+                parent = next(t for t in tree.nodes(self.trials) if t["commit"] == v.parent)
+                t = tree.new_trial(self.sid, len(self.trials), kind="variant", step=v.kind, parent=v.parent,
+                                   parent_node=parent["n"], rationale=v.rationale, edits=v.edits,
+                                   depth=parent["depth"] + 1 if v.kind == "debug" else 0)
+                t["files"], t["fingerprint"] = v.files, propose.fingerprint(v.files)
+                self._add(t)
+                if v.kind == "draft":
+                    self.state["drafts_left"] = max(0, self.state["drafts_left"] - 1)
+            free -= len(variants)
+
+    def _files(self, commit: str) -> dict[str, str]:
+        return {f: self._read(commit, f) or "" for f in self.spec.edit}
+
+    def _read(self, commit: str, file: str) -> str | None:
+        return self.repo.show(commit, self.spec.repo_path(file))
+
+    def _resolve(self, ref: str) -> str | None:
+        ref = ref.strip().lower()
+        if len(ref) < 4:
+            return None
+        return next((t["commit"] for t in tree.nodes(self.trials) if t["commit"] and t["commit"].startswith(ref)),
+                    None)
+
+    def _tried(self) -> set:
+        return {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
+
+    def _history(self) -> list[str]:
+        rows = []
+        for t in tree.nodes(self.trials)[-30:]:
+            s = tree.summary_of(self.trials, t["n"])
+            value = "-" if s["mean"] is None else f"{s['mean']:.5g}" + (f"±{s['std']:.2g}" if s["std"] else "")
+            rows.append(f"{(t['commit'] or '')[:10]} | {(t['parent'] or '-')[:10]} | {t['step']} | {value} | "
+                        f"{t['verdict'] or t['status']} | {t['rationale'][:200]}")
+        return rows
+
+    def _best_line(self) -> str:
+        best = self.trials[self.state["incumbent"]]
+        s = tree.summary_of(self.trials, best["n"])
+        value = "not measured yet" if s["mean"] is None else f"{self.spec.metric} {s['mean']:.5g} over {s['n']} run(s)"
+        return f"commit {best['commit'][:10]} ({best['step']}): {value}"
+
+    def _usage(self) -> None:
+        usage = self.state["usage"]
+        for k, v in self.llm.take_usage().items():
+            usage[k] = usage.get(k, 0) + v
+
+
+def _tail(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - TAIL))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
