@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.agent.conftest import _fresh_mlflow_from_template, mlflow_template  # noqa: F401  (fixtures)
+
 PREPARE = '''"""Data and evaluation: protected."""
 
 
