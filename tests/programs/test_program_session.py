@@ -201,7 +201,7 @@ def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socke
     program = make_program(tmp_path / "proj", repeats=2, extra="max_debug = 0\nmax_failures = 1\n")
     writes = "LR = 1.0\nopen('prepare.py', 'w').write('def evaluate(lr):\\n    return -1.0\\n')"
     connects = f"LR = 1.0\nimport socket\nsocket.create_connection(('{_host_ip()}', {port}), timeout=3)"
-    script = [ok(answer(edit("LR = 1.0", writes, why="cheat"), edit("LR = 1.0", connects, why="phone home")))]
+    script = [ok(answer(edit("LR = 1.0", writes, why="cheat"))), ok(answer(edit("LR = 1.0", connects, why="call")))]
     with FakeLLM(script) as fake:
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
         summary = start(config(program, trials=6, parallel=2, sandbox=True), devices="cpu:2")
@@ -214,7 +214,7 @@ def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socke
     store = JobStore(Settings.load().db_url)
     logs = [Path(store.get(r["job_ids"][0]).log_path).read_text() for r in rows[1:]]
     assert "Read-only file system" in logs[0] or "Permission denied" in logs[0]
-    assert "Network is unreachable" in logs[1] or "OSError" in logs[1]
+    assert "Network is unreachable" in logs[1] or "Connection refused" in logs[1], logs[1]
 
 
 def _host_ip() -> str:
