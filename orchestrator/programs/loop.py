@@ -12,6 +12,7 @@ on it (see `tree`), so `resume` continues from any point.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from orchestrator.agent.gate import gate
 from orchestrator.agent.history import device_seconds, is_final
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import CHANGE, STOP, Governor
-from orchestrator.programs.wrap import TIME_LIMIT_EXIT, TIME_LIMIT_MESSAGE
+from orchestrator.programs.wrap import TIME_LIMIT_EXIT, TIME_LIMIT_MESSAGE, read_values
 
 TAIL = 3000
 
@@ -180,7 +181,7 @@ class Loop:
     def _finish(self, t: dict, job: Any) -> None:
         tail = _tail(job.log_path)
         if job.state == "SUCCEEDED":
-            t["value"] = self.tracker.final(t["run_id"], self.spec.metric)
+            t["value"] = self._metric(t, job)
             t["status"] = "succeeded" if t["value"] is not None else "failed"
             if t["value"] is None:
                 t["error"] = f"no {self.spec.metric} in MLflow or in the output"
@@ -199,6 +200,17 @@ class Loop:
         if t["kind"] != "rerun":
             self.say(f"trial {t['n']} {t['status']}: " + (f"{self.spec.metric} {t['value']:.5g}"
                                                           if t["value"] is not None else t["error"]))
+
+    def _metric(self, t: dict, job: Any) -> float | None:
+        """The run's metric: from MLflow (a program using the runtime), else the output lines its wrapper read,
+        which are then logged to the run so MLflow shows them too."""
+        value = self.tracker.final(t["run_id"], self.spec.metric)
+        if value is not None:
+            return value
+        values = read_values(job.checkpoint_dir, self.spec.metric)
+        for step, v in enumerate(values):
+            self.tracker.log_metrics(t["run_id"], {self.spec.metric: v}, step=step)
+        return values[-1] if values and math.isfinite(values[-1]) else None
 
     # -- judging ---------------------------------------------------------------------------------------------------
 

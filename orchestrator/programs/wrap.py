@@ -1,16 +1,20 @@
-"""The job-side wrapper of a program run: pass output through, read `<metric>: <number>` lines, log them.
+"""The job-side wrapper of a program run: pass output through, read `<metric>: <number>` lines, report them.
 
-    python -m orchestrator.programs.wrap --metric val_bpb [--pattern REGEX] -- python train.py
+    python -m orchestrator.programs.wrap --metric val_bpb [--pattern REGEX] [--log] -- python train.py
 
-Unmodified scripts (karpathy/autoresearch prints `val_bpb: 0.9979`) then report to MLflow like runtime jobs:
-each matching line becomes a point of the metric in the job's run (`MLFLOW_RUN_ID`), logged when the command
-ends with exit 0 (a crashed run's partial numbers are not its result). The wrapper shares the job's process
-group, so the queue's SIGTERM reaches the command directly; the wrapper waits for it and exits with its code.
+Unmodified scripts (karpathy/autoresearch prints `val_bpb: 0.9979`) then report like runtime jobs. When the
+command ends with exit 0 (a crashed run's partial numbers are not its result), the values of the matching lines
+are written to `metric.json` in the job's checkpoint directory, from where the session logs them to the job's
+MLflow run (`read_values`); `--log` logs them to the run (`MLFLOW_RUN_ID`) from here instead. The default keeps
+MLflow's seconds of import and store set-up off the time the job holds its device.
+The wrapper shares the job's process group, so the queue's SIGTERM reaches the command directly; the wrapper
+waits for it and exits with its code. `--time-limit` stops the command (SIGTERM, SIGKILL after `--grace`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandbox", metavar="WORKTREE", default=None,
                         help="run under bubblewrap with this worktree writable")
     parser.add_argument("--protect", action="append", default=[], help="a file bound read-only (repeatable)")
+    parser.add_argument("--log", action="store_true", help="log the values to MLFLOW_RUN_ID from here")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds before the run is stopped")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # time the job holds its device.
     client: list = []
     warm = threading.Thread(target=lambda: client.append(_client()), daemon=True)
-    if os.environ.get("MLFLOW_RUN_ID"):
+    if args.log and os.environ.get("MLFLOW_RUN_ID"):
         warm.start()
     timed_out = threading.Event()
     if args.time_limit:
@@ -77,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if timed_out.is_set():
         print(f"autoresearch: {TIME_LIMIT_MESSAGE} ({args.time_limit:g} s); the run was stopped", flush=True)
         return TIME_LIMIT_EXIT
-    if code == 0 and values and os.environ.get("MLFLOW_RUN_ID"):
-        warm.join()
-        _log(client[0] if client else _client(), args.metric, values)
+    if code == 0 and values:
+        if args.log and os.environ.get("MLFLOW_RUN_ID"):
+            warm.join()
+            _log(client[0] if client else _client(), args.metric, values)
+        else:
+            _record(args.metric, values)
     if code < 0:  # killed by a signal: report it the way a shell would
         return 128 - code
     return code
@@ -101,6 +109,29 @@ def _limit(proc: subprocess.Popen, limit: float, grace: float, flag: threading.E
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def values_file(checkpoint_dir: str | os.PathLike | None) -> Path:
+    """Where a run's metric values are recorded (the job's checkpoint dir; the cwd without one)."""
+    return Path(checkpoint_dir or ".") / "metric.json"
+
+
+def _record(metric: str, values: list[float]) -> None:
+    path = values_file(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR"))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"metric": metric, "values": values}))
+    os.replace(tmp, path)  # whole or absent: a reader never sees half a file
+
+
+def read_values(checkpoint_dir: str | None, metric: str) -> list[float]:
+    """The values a finished run's wrapper recorded for `metric` ([] when none)."""
+    try:
+        data = json.loads(values_file(checkpoint_dir).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict) or data.get("metric") != metric or not isinstance(data.get("values"), list):
+        return []
+    return [float(v) for v in data["values"] if isinstance(v, (int, float))]
 
 
 def _client():
