@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from orchestrator.agent.gate import gate
@@ -42,6 +43,11 @@ class Loop:
         self.state: dict = trees.state(session_id) or self._initial_state()
         self.gov = Governor.from_dict(self.state["governor"])
         self._tick = time.time()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"llm-{session_id}")
+        self._asking: tuple[Future, answers.Step] | None = None
+        # Worktrees of runs that ended, including any a killed session left behind.
+        self._cleanup = [self._worktree(t) for t in self.trials
+                         if t["status"] not in tree.ACTIVE and self._worktree(t).exists()]
 
     # -- state -----------------------------------------------------------------------------------------------------
 
@@ -97,10 +103,16 @@ class Loop:
             if not self.state["stop_reason"] and not self._time_up():
                 self._fill()
                 active = [t for t in self.trials if t["status"] in tree.ACTIVE]
-            if not active and (self.state["stop_reason"] or self._time_up() or not self._can_add()):
+            idle = not active and self._asking is None
+            if idle and (self.state["stop_reason"] or self._time_up() or not self._can_add()):
                 break
+            if not active and self._asking is not None and (self.state["stop_reason"] or self._time_up()):
+                break  # an answer still being written would be thrown away: nothing of it was recorded
             self._save()
+            self._tidy()
             time.sleep(self.cfg.poll)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tidy()
         if not self.state["stop_reason"]:
             self.state["stop_reason"] = "time budget used" if self._time_up() else "trial budget used"
         self._save()
@@ -132,7 +144,7 @@ class Loop:
             self._save(t)
         job = self.store.find_by_key(t["key"])
         if job is None:
-            worktree = self.repo.add_worktree(self.home / "programs" / self.sid / str(t["n"]), t["commit"])
+            worktree = self.repo.add_worktree(self._worktree(t), t["commit"])
             self.repo.restore_protected(worktree, self.state["root"], [self.spec.repo_path(p)
                                                                        for p in self.spec.protected])
             cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
@@ -163,6 +175,14 @@ class Loop:
         if t["kind"] == "variant":
             self.say(f"trial {t['n']} ({t['step']}) commit {t['commit'][:10]} from {t['parent'][:10]} -> job "
                      f"{job.id}: {t['rationale']}")
+
+    def _worktree(self, t: dict) -> Path:
+        return self.home / "programs" / self.sid / str(t["n"])
+
+    def _tidy(self) -> None:
+        """Remove the worktrees of finished runs (their commits stay)."""
+        while self._cleanup:
+            self.repo.remove_worktree(self._cleanup.pop())
 
     def _sync(self) -> None:
         """Submit what a crash left pending; record runs that started or ended."""
@@ -195,7 +215,7 @@ class Loop:
             t["log_tail"] = tail
         t["device_s"] = device_seconds(self.store, job)
         self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
-        self.repo.remove_worktree(self.home / "programs" / self.sid / str(t["n"]))
+        self._cleanup.append(self._worktree(t))  # removed after this pass's submissions: devices first
         self._save(t)
         if t["kind"] != "rerun":
             self.say(f"trial {t['n']} {t['status']}: " + (f"{self.spec.metric} {t['value']:.5g}"
@@ -304,55 +324,66 @@ class Loop:
     # -- proposing -------------------------------------------------------------------------------------------------
 
     def _fill(self) -> None:
+        """Collect the model's answer when it is in; ask for the next step when slots are free.
+
+        The model thinks in a background thread while this loop keeps recording runs and queueing re-runs, and
+        one trial more than there are slots waits in the queue, so a device never waits for the model."""
+        if self._asking is not None:
+            future, step = self._asking
+            if not future.done():
+                return
+            self._asking = None
+            try:
+                variants, reasons = future.result()
+            except Exception as exc:  # an unexpected failure of the endpoint or of git: counted, not fatal
+                variants, reasons = [], [f"{type(exc).__name__}: {exc}"]
+            self._take(step, variants, reasons)
+        if self.state["stop_reason"] or self._time_up():
+            return
+        if self._asking is not None:
+            return
         free = self.parallel + 1 - sum(1 for t in self.trials if t["status"] in tree.ACTIVE)
-        while free > 0 and not self.state["stop_reason"]:
-            left = self._left()
-            room = free if left is None else min(free, left // self.spec.repeats)
-            if room <= 0:
-                return
-            if self.state["pending_debug"]:
-                crashed = self.trials[self.state["pending_debug"][0]]
-                step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
-                                    log_tail=crashed.get("log_tail", ""))
-            else:
-                best = self.trials[self.state["incumbent"]]
-                kind = "draft" if self.state["drafts_left"] > 0 else "improve"
-                step = answers.Step(kind, best["commit"], self._files(best["commit"]), room, note=self.state["note"])
-            variants, reasons = propose.ask(
-                self.llm, goal=self.cfg.goal, spec=self.spec, step=step, history=self._history(),
-                best=self._best_line(), resolve=self._resolve, read=self._read, tried=self._tried(),
-                max_reasks=self.cfg.max_reasks)
-            self._usage()
-            if step.kind == "debug":
-                self.state["pending_debug"].pop(0)
-            if not variants:
-                self.state["rejected"] += 1
-                self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
-                self._govern("failed")
-                return
-            for v in variants:
-                parent = next(t for t in tree.nodes(self.trials) if t["commit"] == v.parent)
-                t = tree.new_trial(self.sid, len(self.trials), kind="variant", step=v.kind, parent=v.parent,
-                                   parent_node=parent["n"], rationale=v.rationale, edits=v.edits,
-                                   depth=parent["depth"] + 1 if v.kind == "debug" else 0)
-                t["files"], t["fingerprint"] = v.files, propose.fingerprint(v.files)
-                self._add(t)
-                if v.kind == "draft":
-                    self.state["drafts_left"] = max(0, self.state["drafts_left"] - 1)
-            free -= len(variants)
+        left = self._left()
+        room = free if left is None else min(free, left // self.spec.repeats)
+        if room <= 0:
+            return
+        if self.state["pending_debug"]:
+            crashed = self.trials[self.state["pending_debug"].pop(0)]
+            step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
+                                log_tail=crashed.get("log_tail", ""))
+        else:
+            best = self.trials[self.state["incumbent"]]
+            kind = "draft" if self.state["drafts_left"] > 0 else "improve"
+            step = answers.Step(kind, best["commit"], self._files(best["commit"]), room, note=self.state["note"])
+        commits = [t["commit"] for t in tree.nodes(self.trials) if t["commit"]]
+        self._asking = (self._pool.submit(
+            propose.ask, self.llm, goal=self.cfg.goal, spec=self.spec, step=step, history=self._history(),
+            best=self._best_line(), resolve=lambda ref: _resolve(commits, ref), read=self._read,
+            tried=self._tried(), max_reasks=self.cfg.max_reasks), step)
+
+    def _take(self, step: answers.Step, variants: list, reasons: list[str]) -> None:
+        """Record and submit the variants of one answered step (or count a step that gave none)."""
+        self._usage()
+        if not variants:
+            self.state["rejected"] += 1
+            self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
+            self._govern("failed")
+            return
+        for v in variants:
+            parent = next(t for t in tree.nodes(self.trials) if t["commit"] == v.parent)
+            t = tree.new_trial(self.sid, len(self.trials), kind="variant", step=v.kind, parent=v.parent,
+                               parent_node=parent["n"], rationale=v.rationale, edits=v.edits,
+                               depth=parent["depth"] + 1 if v.kind == "debug" else 0)
+            t["files"], t["fingerprint"] = v.files, propose.fingerprint(v.files)
+            self._add(t)
+            if v.kind == "draft":
+                self.state["drafts_left"] = max(0, self.state["drafts_left"] - 1)
 
     def _files(self, commit: str) -> dict[str, str]:
         return {f: self._read(commit, f) or "" for f in self.spec.edit}
 
     def _read(self, commit: str, file: str) -> str | None:
         return self.repo.show(commit, self.spec.repo_path(file))
-
-    def _resolve(self, ref: str) -> str | None:
-        ref = ref.strip().lower()
-        if len(ref) < 4:
-            return None
-        return next((t["commit"] for t in tree.nodes(self.trials) if t["commit"] and t["commit"].startswith(ref)),
-                    None)
 
     def _tried(self) -> set:
         return {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
@@ -376,6 +407,12 @@ class Loop:
         usage = self.state["usage"]
         for k, v in self.llm.take_usage().items():
             usage[k] = usage.get(k, 0) + v
+
+
+def _resolve(commits: list[str], ref: str) -> str | None:
+    """The session commit a proposal's parent names (a prefix of at least 4 hex digits), or None."""
+    ref = ref.strip().lower()
+    return next((c for c in commits if c.startswith(ref)), None) if len(ref) >= 4 else None
 
 
 def _tail(path: str | None) -> str:
