@@ -102,7 +102,12 @@ def _limit(proc: subprocess.Popen, limit: float, grace: float, flag: threading.E
         pass
     flag.set()
     try:
-        os.killpg(os.getpgid(0), signal.SIGTERM)  # the wrapper ignores it; the command and its children get it
+        if os.environ.get("AUTORESEARCH_JOB_ID"):
+            # A queue job: the group is the job's own, so its whole tree gets SIGTERM as from the queue (this
+            # wrapper and the executor's shell ignore it).
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+        else:  # run by hand: the group may be the caller's; signal the command only
+            proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         pass
     try:

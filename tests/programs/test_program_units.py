@@ -115,5 +115,27 @@ def test_wrapper_reads_metric_lines_and_stops_a_run_past_its_time_limit(tmp_path
     script.write_text("import time\nprint('score: 1.25', flush=True)\ntime.sleep(30)\n")
     out = subprocess.run([sys.executable, "-m", "orchestrator.programs.wrap", "--metric", "score", "--time-limit",
                           "1", "--grace", "1", "--", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=25)
+                         timeout=25, start_new_session=True)
     assert out.returncode == 124 and "score: 1.25" in out.stdout and "time limit exceeded" in out.stdout
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          env=full, timeout=120)
+
+
+def test_start_program_bad_input_is_one_line_and_exit_2(home, program):
+    cases = [(["--program", str(program / "nowhere")], "no such directory"),
+             (["--program", str(program), "--experiment", "digits"], "exactly one of"),
+             (["--program", str(program)], "needs an LLM")]
+    for args, why in cases:
+        out = _cli("start", "--goal", "lower", *args, "--devices", "cpu:1")
+        assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = _cli("tree", "s-00000000")
+    assert out.returncode == 2 and "no session" in out.stderr
+    assert not (home / "agent" / "agent.db").exists() or "s-" not in _cli("sessions", "--json").stdout
