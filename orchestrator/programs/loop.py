@@ -23,7 +23,8 @@ from orchestrator.agent.gate import gate
 from orchestrator.agent.history import device_seconds, is_final
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import CHANGE, STOP, Governor
-from orchestrator.programs.wrap import TIME_LIMIT_EXIT, TIME_LIMIT_MESSAGE, read_values
+from orchestrator.programs.wrap import read_values
+from orchestrator.queue.states import TIME_LIMIT
 
 TAIL = 3000
 
@@ -159,7 +160,7 @@ class Loop:
             if node["parent"]:
                 self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], t["commit"]), "patch.diff")
             argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
-                    "--pattern", self.spec.pattern, "--time-limit", str(self.spec.time_limit)]
+                    "--pattern", self.spec.pattern]
             if self.cfg.sandbox:
                 argv += ["--sandbox", str(worktree)]
                 argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
@@ -167,7 +168,7 @@ class Loop:
                            priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
                            owner=self.sid, params={"commit": t["commit"], "seed": t["seed"]},
                            env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
-                           idempotency_key=t["key"])
+                           idempotency_key=t["key"], time_limit=self.spec.time_limit)
             job = self.store.submit(spec)
             self.notify()
         t.update(job_id=job.id, run_id=job.mlflow_run_id, status="queued" if t["status"] == "pending" else t["status"])
@@ -207,8 +208,8 @@ class Loop:
                 t["error"] = f"no {self.spec.metric} in MLflow or in the output"
         elif job.state == "FAILED":
             t["status"] = "failed"
-            timed_out = job.exit_code == TIME_LIMIT_EXIT and TIME_LIMIT_MESSAGE in tail
-            t["error"] = TIME_LIMIT_MESSAGE if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
+            timed_out = job.reason.startswith(TIME_LIMIT)  # the queue stopped it at the program's time_limit
+            t["error"] = TIME_LIMIT if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
         else:
             t["status"], t["error"] = "cancelled", job.reason[:300]
         if t["status"] == "failed":

@@ -23,27 +23,12 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from orchestrator.durations import parse_duration
 from orchestrator.errors import BadInput
 
 CONFIG = "autoresearch.toml"
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 DEFAULT_PATTERN = r"^{metric}:\s*" + NUMBER
-_UNITS = {"s": 1, "m": 60, "h": 3600, "": 1}
-
-
-def parse_duration(text: str | int | float) -> float:
-    """Seconds from `90`, `"90s"`, `"5m"`, `"1.5h"` (BadInput otherwise)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
-        if not m:
-            raise BadInput(f"bad duration {text!r}: expected e.g. 90s, 5m or 1.5h")
-        value, unit = float(m.group(1)), m.group(2)
-    seconds = value * _UNITS[unit]
-    if not 0 < seconds <= 7 * 86400:
-        raise BadInput(f"duration {text!r} must be more than 0 and at most 7 days")
-    return seconds
 
 
 def _relpath(name: object, key: str) -> str:
@@ -167,4 +152,4 @@ def load(directory: str | Path) -> ProgramSpec:
     return ProgramSpec(root=root, repo=repo, prefix="" if prefix == "." else prefix,
                        name=str(section.get("name") or root.name), edit=edit, protected=protected,
                        run=section["run"], metric=section["metric"],
-                       time_limit=parse_duration(section.get("time_limit", "5m")), **extra)
+                       time_limit=parse_duration(section.get("time_limit", "5m"), what="time_limit"), **extra)

@@ -9,7 +9,8 @@ Extensions (the contract may only be extended): STARTING can fail, be cancelled 
 (preflight found a bad device; spawn failed with a temporary error) or enter CANCELLING (cancelled while
 its process is being spawned); RUNNING -> QUEUED when the job exits
 75 (EX_TEMPFAIL) or its host was lost; a job being preempted may still finish on its own
-(PREEMPTING -> SUCCEEDED | FAILED) or be cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled.
+(PREEMPTING -> SUCCEEDED | FAILED) or be cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled;
+a job stopped for running past its time limit goes RUNNING -> CANCELLING -> FAILED ("time limit exceeded").
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.STARTING: frozenset({S.RUNNING, S.QUEUED, S.FAILED, S.CANCELLED, S.CANCELLING}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTING, S.CANCELLING, S.QUEUED}),
     S.PREEMPTING: frozenset({S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
-    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
     S.SUCCEEDED: frozenset(),
     S.CANCELLED: frozenset(),
     S.FAILED: frozenset({S.QUEUED}),  # only while attempts are left; the store checks that
@@ -57,6 +58,9 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 HOLDING = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
 FINISHED = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
 ACTIVE = frozenset(set(JobState) - FINISHED)
+
+
+TIME_LIMIT = "time limit exceeded"  # the reason of a job stopped at its time limit
 
 
 def allowed(src: JobState, dst: JobState) -> bool:

@@ -25,7 +25,7 @@ def test_spec_reads_contract_keys_and_refuses_bad_ones(program):
     good = toml.read_text()
     for bad, why in [(good.replace('"minimize"', '"lowest"'), "direction"),
                      (good.replace('edit = ["train.py"]', 'edit = ["prepare.py"]'), "both editable and protected"),
-                     (good.replace('time_limit = "60s"', 'time_limit = "soon"'), "bad duration"),
+                     (good.replace('time_limit = "60s"', 'time_limit = "soon"'), "bad time_limit"),
                      (good.replace('edit = ["train.py"]', 'edit = ["../x.py"]'), "inside the program"),
                      (good + "\nfoo = 1\n", "unknown key")]:
         toml.write_text(bad)
