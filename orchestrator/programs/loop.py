@@ -23,7 +23,7 @@ from orchestrator.agent.gate import gate
 from orchestrator.agent.history import device_seconds, is_final
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import CHANGE, STOP, Governor
-from orchestrator.programs.wrap import read_values
+from orchestrator.programs.wrap import log_tail, read_values
 from orchestrator.queue.states import TIME_LIMIT
 
 TAIL = 3000
@@ -200,7 +200,7 @@ class Loop:
                 self._save(t)
 
     def _finish(self, t: dict, job: Any) -> None:
-        tail = _tail(job.log_path)
+        tail = log_tail(job.log_path, TAIL)
         if job.state == "SUCCEEDED":
             t["value"] = self._metric(t, job)
             t["status"] = "succeeded" if t["value"] is not None else "failed"
@@ -349,7 +349,7 @@ class Loop:
         if room <= 0:
             return
         if self.state["pending_debug"]:
-            crashed = self.trials[self.state["pending_debug"].pop(0)]
+            crashed = self.trials[self.state["pending_debug"][0]]  # dropped from the list once answered
             step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
                                 log_tail=crashed.get("log_tail", ""))
         else:
@@ -365,6 +365,9 @@ class Loop:
     def _take(self, step: answers.Step, variants: list, reasons: list[str]) -> None:
         """Record and submit the variants of one answered step (or count a step that gave none)."""
         self._usage()
+        pending = self.state["pending_debug"]
+        if step.kind == "debug" and pending and self.trials[pending[0]]["commit"] == step.parent:
+            pending.pop(0)  # answered (a crash before this point asks again on resume)
         if not variants:
             self.state["rejected"] += 1
             self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
@@ -390,19 +393,10 @@ class Loop:
         return {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
 
     def _history(self) -> list[str]:
-        rows = []
-        for t in tree.nodes(self.trials)[-30:]:
-            s = tree.summary_of(self.trials, t["n"])
-            value = "-" if s["mean"] is None else f"{s['mean']:.5g}" + (f"±{s['std']:.2g}" if s["std"] else "")
-            rows.append(f"{(t['commit'] or '')[:10]} | {(t['parent'] or '-')[:10]} | {t['step']} | {value} | "
-                        f"{t['verdict'] or t['status']} | {t['rationale'][:200]}")
-        return rows
+        return tree.history_lines(self.trials)
 
     def _best_line(self) -> str:
-        best = self.trials[self.state["incumbent"]]
-        s = tree.summary_of(self.trials, best["n"])
-        value = "not measured yet" if s["mean"] is None else f"{self.spec.metric} {s['mean']:.5g} over {s['n']} run(s)"
-        return f"commit {best['commit'][:10]} ({best['step']}): {value}"
+        return tree.best_line(self.trials, self.state["incumbent"], self.spec.metric)
 
     def _usage(self) -> None:
         usage = self.state["usage"]
@@ -414,15 +408,3 @@ def _resolve(commits: list[str], ref: str) -> str | None:
     """The session commit a proposal's parent names (a prefix of at least 4 hex digits), or None."""
     ref = ref.strip().lower()
     return next((c for c in commits if c.startswith(ref)), None) if len(ref) >= 4 else None
-
-
-def _tail(path: str | None) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - TAIL))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""

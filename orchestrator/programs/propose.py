@@ -88,7 +88,8 @@ def ask(llm: Any, *, goal: str, spec: ProgramSpec, step: answers.Step, history: 
         if len(got) >= step.n:
             break
         if round_ < max_reasks:
-            why = "That answer was rejected: " + "; ".join(errors)[:3000] if errors else "That answer had too few proposals"
+            why = ("That answer was rejected: " + "; ".join(errors)[:3000] if errors
+                   else "That answer had too few proposals")
             messages += [{"role": "assistant", "content": (text or "")[:6000]},
                          {"role": "user", "content": f"{why}. Reply again with JSON only, {step.n - len(got)} "
                                                      f"more proposal(s)."}]

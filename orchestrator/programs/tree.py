@@ -87,3 +87,22 @@ def summary_of(trials: list[dict], node: int) -> dict[str, Any]:
 def nodes(trials: list[dict]) -> list[dict]:
     """The node trials (first run of each commit), in order."""
     return [t for t in trials if t["node"] == t["n"]]
+
+
+def history_lines(trials: list[dict], last: int = 30) -> list[str]:
+    """The latest nodes as prompt lines: commit | parent | step | metric | outcome | rationale."""
+    rows = []
+    for t in nodes(trials)[-last:]:
+        s = summary_of(trials, t["n"])
+        value = "-" if s["mean"] is None else f"{s['mean']:.5g}" + (f"±{s['std']:.2g}" if s["std"] else "")
+        rows.append(f"{(t['commit'] or '')[:10]} | {(t['parent'] or '-')[:10]} | {t['step']} | {value} | "
+                    f"{t['verdict'] or t['status']} | {t['rationale'][:200]}")
+    return rows
+
+
+def best_line(trials: list[dict], n: int, metric: str) -> str:
+    """The incumbent, as the prompt shows it."""
+    best = trials[n]
+    s = summary_of(trials, n)
+    value = "not measured yet" if s["mean"] is None else f"{metric} {s['mean']:.5g} over {s['n']} run(s)"
+    return f"commit {best['commit'][:10]} ({best['step']}): {value}"

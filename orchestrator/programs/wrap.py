@@ -116,6 +116,19 @@ def _limit(proc: subprocess.Popen, limit: float, grace: float, flag: threading.E
         proc.kill()
 
 
+def log_tail(path: str | os.PathLike | None, chars: int = 3000) -> str:
+    """The last `chars` characters of a job's log ("" when there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - chars))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def values_file(checkpoint_dir: str | os.PathLike | None) -> Path:
     """Where a run's metric values are recorded (the job's checkpoint dir; the cwd without one)."""
     return Path(checkpoint_dir or ".") / "metric.json"
