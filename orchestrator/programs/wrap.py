@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.log and os.environ.get("MLFLOW_RUN_ID"):
             warm.join()
             _log(client[0] if client else _client(), args.metric, values)
-        else:
+        elif os.environ.get("AUTORESEARCH_CHECKPOINT_DIR"):  # a queue job: the session reads them from there
             _record(args.metric, values)
     if code < 0:  # killed by a signal: report it the way a shell would
         return 128 - code
@@ -129,13 +129,13 @@ def log_tail(path: str | os.PathLike | None, chars: int = 3000) -> str:
         return ""
 
 
-def values_file(checkpoint_dir: str | os.PathLike | None) -> Path:
-    """Where a run's metric values are recorded (the job's checkpoint dir; the cwd without one)."""
-    return Path(checkpoint_dir or ".") / "metric.json"
+def values_file(checkpoint_dir: str | os.PathLike) -> Path:
+    """Where a run's metric values are recorded: its job's checkpoint directory."""
+    return Path(checkpoint_dir) / "metric.json"
 
 
 def _record(metric: str, values: list[float]) -> None:
-    path = values_file(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR"))
+    path = values_file(os.environ["AUTORESEARCH_CHECKPOINT_DIR"])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"metric": metric, "values": values}))
     os.replace(tmp, path)  # whole or absent: a reader never sees half a file
@@ -143,6 +143,8 @@ def _record(metric: str, values: list[float]) -> None:
 
 def read_values(checkpoint_dir: str | None, metric: str) -> list[float]:
     """The values a finished run's wrapper recorded for `metric` ([] when none)."""
+    if not checkpoint_dir:
+        return []
     try:
         data = json.loads(values_file(checkpoint_dir).read_text())
     except (OSError, ValueError):
