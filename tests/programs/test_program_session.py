@@ -192,7 +192,12 @@ def test_kill_9_mid_run_and_resume_loses_no_trial_and_no_commit(home, tmp_path, 
 
 
 def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socket(home, tmp_path, monkeypatch):
+    import shutil
     import socket
+
+    from tests.support.requires import require
+
+    require("bubblewrap", None if shutil.which("bwrap") else "no bwrap on PATH (apt-get install -y bubblewrap)")
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
