@@ -189,7 +189,12 @@ def leaderboard(
     """Configurations ranked by mean metric over seeds, agent-made and hand-submitted runs together."""
     from orchestrator.agent import runner
 
-    boards = runner.leaderboard(experiment)
+    if experiment and experiment.startswith("program:"):  # a program session's commits (see `tree`)
+        from orchestrator.programs.session import leaderboard as program_board
+
+        boards = [program_board(experiment)]
+    else:
+        boards = runner.leaderboard(experiment)
     if as_json:
         print_json(boards)
         return

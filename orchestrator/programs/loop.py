@@ -157,8 +157,6 @@ class Loop:
                       "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
                       "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
                       "autoresearch.node": str(t["node"])})
-            if node["parent"]:
-                self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], t["commit"]), "patch.diff")
             argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
                     "--pattern", self.spec.pattern]
             if self.cfg.sandbox:
@@ -171,6 +169,10 @@ class Loop:
                            idempotency_key=t["key"], time_limit=self.spec.time_limit)
             job = self.store.submit(spec)
             self.notify()
+            self._log_patch(node, run_id, t["commit"])
+        elif t["status"] == "pending" and job.mlflow_run_id:  # submitted just before a crash: finish the record
+            if "patch.diff" not in [a.path for a in self.tracker.client.list_artifacts(job.mlflow_run_id)]:
+                self._log_patch(self.trials[t["node"]], job.mlflow_run_id, t["commit"])
         t.update(job_id=job.id, run_id=job.mlflow_run_id, status="queued" if t["status"] == "pending" else t["status"])
         self._save(t)
         if t["kind"] == "variant":
@@ -184,6 +186,12 @@ class Loop:
         """Remove the worktrees of finished runs (their commits stay)."""
         while self._cleanup:
             self.repo.remove_worktree(self._cleanup.pop())
+
+    def _log_patch(self, node: dict, run_id: str, commit: str) -> None:
+        """The diff from the node's parent, as the run's `patch.diff` (logged after the submit: the device
+        need not wait for the artifact store)."""
+        if node["parent"]:
+            self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], commit), "patch.diff")
 
     def _sync(self) -> None:
         """Submit what a crash left pending; record runs that started or ended."""

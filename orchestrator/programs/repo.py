@@ -110,7 +110,6 @@ class Repo:
         elif path.exists():
             shutil.rmtree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.git("worktree", "prune")
         self.git("worktree", "add", "--detach", "--force", str(path), commit)
         return path
 
@@ -127,7 +126,7 @@ class Repo:
         self.git("worktree", "remove", "--force", str(path), check=False)
         if path.exists():
             shutil.rmtree(path, ignore_errors=True)
-        self.git("worktree", "prune", check=False)
+            self.git("worktree", "prune", check=False)
 
     def restore_protected(self, worktree: Path, root_commit: str, paths: list[str]) -> None:
         """Write each protected file as it is at the session's root commit, read-only."""

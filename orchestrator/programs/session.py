@@ -241,3 +241,38 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
                      "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node["rationale"],
                      "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs]})
     return rows
+
+
+def leaderboard(name: str, settings: Settings | None = None) -> dict[str, Any]:
+    """Every commit that ran for program `name` (`program:<folder>`), all sessions, ranked by mean over its runs
+    (the shape of `autoresearch leaderboard`; a commit's params are its short id and its change)."""
+    from orchestrator.agent.session import Registry
+    from orchestrator.tracking import leaderboard as rank
+
+    settings = settings or Settings.load()
+    registry = Registry(settings.home)
+    try:
+        sessions = [r for r in registry.all() if "program" in r["config"] and r["experiment"] == name]
+    finally:
+        registry.close()
+    if not sessions:
+        raise BadInput(f"no program session for {name!r}; see `autoresearch sessions`")
+    try:
+        spec = specs.load(sessions[0]["config"]["program"])
+        metric, direction = spec.metric, spec.direction
+    except BadInput:  # the folder moved: the sessions' own record still says how they were scored
+        metric = sessions[0]["summary"].get("metric", "metric")
+        direction = sessions[0]["summary"].get("direction", "minimize")
+    trees = tree.TreeStore(settings.home)
+    rows = []
+    try:
+        for row in sessions:
+            trials = trees.trials(row["id"])
+            for t in trials:
+                node = trials[t["node"]]
+                if t["status"] == "succeeded" and t["value"] is not None:
+                    rows.append({"params": {"commit": (t["commit"] or "")[:10], "change": node["rationale"][:80]},
+                                 "value": t["value"], "job_id": t["job_id"], "source": row["id"]})
+    finally:
+        trees.close()
+    return {"experiment": name, "metric": metric, **rank(rows, direction)}

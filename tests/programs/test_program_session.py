@@ -84,6 +84,12 @@ def test_improving_edit_is_kept_after_reruns_and_bad_edits_are_reasked(home, tmp
                          text=True, env=env, timeout=120)
     (row,) = json.loads(out.stdout)
     assert row["status"] == "finished" and row["summary"]["stop_reason"] == "trial budget used"
+    assert row["experiment"] == "program:proj"
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "leaderboard", "--experiment", "program:proj",
+                          "--json"], capture_output=True, text=True, env=env, timeout=120)
+    (board,) = json.loads(out.stdout)
+    assert board["metric"] == "score" and board["entries"][0]["params"]["commit"] == best["commit"][:10]
+    assert board["entries"][0]["n"] == 2 and board["entries"][1]["params"]["change"] == "the program as committed"
 
 
 def test_crash_gets_a_debug_step_with_its_log_tail(home, tmp_path, monkeypatch):
