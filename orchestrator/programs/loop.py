@@ -91,8 +91,9 @@ class Loop:
 
     def run(self) -> dict:
         """Run to the end: budget spent, time up, or the governor's stop; returns the summary."""
-        if not self.trials:  # the baseline: the program as committed, on `repeats` seeds
-            for seed in range(self.spec.repeats):
+        # The baseline: the program as committed, on `repeats` seeds (completed after a crash mid-way).
+        if all(t["kind"] == "baseline" for t in self.trials):
+            for seed in range(len(self.trials), self.spec.repeats):
                 self._add(tree.new_trial(self.sid, len(self.trials), kind="baseline", step="baseline", parent=None,
                                          parent_node=None, node=0, commit=self.state["root"], seed=seed,
                                          rationale="the program as committed"))
