@@ -10,7 +10,9 @@ the ordinary queue, with its metric read from MLflow. Modules, one job each:
 - `answers`: the prompt and the parsing of the model's JSON answers.
 - `governor`: when a session changes course, and when it stops.
 - `tree`: the session's trials and nodes, persisted after every step (kill -9 safe).
-- `session`: the loop (propose, commit, submit, read, gate) and `start`/`resume`/`lineage`.
+- `loop`: K variants in flight (ask, commit, submit, read); `judge`: re-runs, the noise gate, verdicts.
+- `propose`: one step's question to the model, with bounded re-asks.
+- `session`: `start`, `resume`, `lineage` (`autoresearch tree`) and the program leaderboard.
 - `wrap`: the job-side wrapper that reads `<metric>: <number>` lines and logs them to the run.
 - `sandbox`: the bubblewrap command line for `--sandbox`.
 """
