@@ -13,6 +13,6 @@ the ordinary queue, with its metric read from MLflow. Modules, one job each:
 - `loop`: K variants in flight (ask, commit, submit, read); `judge`: re-runs, the noise gate, verdicts.
 - `propose`: one step's question to the model, with bounded re-asks.
 - `session`: `start`, `resume`, `lineage` (`autoresearch tree`) and the program leaderboard.
-- `wrap`: the job-side wrapper that reads `<metric>: <number>` lines and logs them to the run.
+- `wrap`: the job-side wrapper: reads `<metric>: <number>` lines (logged to the run), runs the sandbox.
 - `sandbox`: the bubblewrap command line for `--sandbox`.
 """

@@ -13,6 +13,7 @@ namespaces, bwrap itself and device access are out of scope. Read what the model
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +33,10 @@ def available() -> str:
 def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protected: Sequence[Path]) -> list[str]:
     """`argv` wrapped in bwrap: read-only root, `writable` dirs and a private /tmp, `protected` read-only."""
     out = [available(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    # The minimal /dev above has no GPUs: pass the NVIDIA and DRM device nodes through (CUDA_VISIBLE_DEVICES
+    # still selects the job's own).
+    for node in sorted(glob.glob("/dev/nvidia*")) + (["/dev/dri"] if os.path.exists("/dev/dri") else []):
+        out += ["--dev-bind", node, node]
     for path in writable:
         path = Path(path).resolve()
         path.mkdir(parents=True, exist_ok=True)
