@@ -256,6 +256,7 @@ class Service:
         """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
         self._record_exits()
         queued, mine = self.store.snapshot(self.host)
+        mine = self._expire(mine)
         self._enforce_stops(mine)
         usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
         now = time.time()
@@ -372,6 +373,17 @@ class Service:
 
     def _send_stop(self, job: Job) -> None:
         self.supervisor.send_stop(job)
+
+    def _expire(self, mine: list[Job]) -> list[Job]:
+        """Jobs running past their time limit start stopping (the pass's list, with those updated)."""
+        now = time.time()
+        out = []
+        for job in mine:
+            if (job.time_limit and job.started_at and job.job_state is S.RUNNING
+                    and now - job.started_at >= job.time_limit):
+                job = self.store.expire(job.id, now) or job
+            out.append(job)
+        return out
 
     def _enforce_stops(self, mine: list[Job]) -> None:
         self.supervisor.enforce_stops(mine)

@@ -93,7 +93,10 @@ def _print_summary(summary: dict) -> None:
 @app.command()
 def start(
     goal: str = typer.Option(..., "--goal", help="What to achieve, in words (the LLM proposer reads it)."),
-    experiment: str = typer.Option(..., "--experiment", help="A bundled experiment, or package.module:SPEC."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="A bundled experiment, or package.module:SPEC."),
+    program: Optional[str] = typer.Option(None, "--program", help="A program folder with autoresearch.toml: the "
+                                          "agent edits its code (see `autoresearch tree`)."),
+    sandbox: bool = typer.Option(False, "--sandbox", help="Program mode: run each variant under bubblewrap."),
     trials: Optional[int] = typer.Option(None, "--trials", help="Jobs to run in all (re-runs included)."),
     parallel: Optional[int] = typer.Option(None, "--parallel", help="Trials in flight (default: device count)."),
     proposer: Optional[str] = typer.Option(None, "--proposer", help="llm|tpe|cmaes|random|hybrid (default: llm "
@@ -115,6 +118,14 @@ def start(
     from orchestrator.agent.session import SessionConfig, new_id
     from orchestrator.config import Settings
 
+    if (program is None) == (experiment is None):
+        raise BadInput("give exactly one of --experiment NAME or --program DIR")
+    if program is not None:
+        from orchestrator.cli import programs
+
+        return programs.start(goal=goal, program=program, trials=trials, parallel=parallel, devices=devices,
+                              budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
+                              model=model or Settings.load().llm_model)
     name = proposer or default_name()
     config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
                            budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
@@ -136,7 +147,10 @@ def resume(
 ) -> None:
     """Continue an interrupted agent session from its last checkpoint."""
     from orchestrator.agent import runner
+    from orchestrator.cli import programs
 
+    if programs.resume(session, devices, as_json):
+        return
     info(f"resuming session {session}")
     summary = runner.resume(session, devices=devices, on_event=progress)
     print_json(summary) if as_json else _print_summary(summary)
@@ -160,7 +174,9 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
         return _fmt(w.get("mean", w.get("value", ""))) if w else ""
 
     print_table("sessions", ["id", "experiment", "proposer", "status", "trials", "best", "started", "goal"],
-                [(r["id"], r["experiment"], r["proposer"], r["status"], r["summary"].get("trials", ""), best(r),
+                [(r["id"], r["experiment"], r["proposer"],
+                  r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
+                  r["summary"].get("trials", ""), best(r),
                   dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"][:40])
                  for r in rows])
 
@@ -173,7 +189,12 @@ def leaderboard(
     """Configurations ranked by mean metric over seeds, agent-made and hand-submitted runs together."""
     from orchestrator.agent import runner
 
-    boards = runner.leaderboard(experiment)
+    if experiment and experiment.startswith("program:"):  # a program session's commits (see `tree`)
+        from orchestrator.programs.session import leaderboard as program_board
+
+        boards = [program_board(experiment)]
+    else:
+        boards = runner.leaderboard(experiment)
     if as_json:
         print_json(boards)
         return

@@ -34,11 +34,16 @@ def submit(
     param: List[str] = typer.Option([], "--param", help="KEY=VALUE for --experiment (repeatable)."),
     env: List[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's environment (repeatable)."),
     no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
+    time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Stop an attempt that runs longer "
+                                             "(90s, 5m, 2h): SIGTERM, SIGKILL after --grace, then FAILED."),
     as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
+    from orchestrator.durations import parse_duration
+
     options = dict(name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
-                   preemptible=not no_preempt, env=api.parse_params(env), track=not no_track)
+                   preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
+                   time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
     if experiment:
         if argv:
             raise BadInput("give either --experiment or a command after `--`, not both")

@@ -44,6 +44,7 @@ class JobSpec:
     track: bool = True  # create an MLflow run for the job (MLFLOW_RUN_ID); --no-track skips it
     mlflow_run_id: Optional[str] = None
     idempotency_key: Optional[str] = None
+    time_limit: Optional[float] = None  # seconds an attempt may run; then stopped and FAILED ("time limit exceeded")
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -55,6 +56,10 @@ class JobSpec:
             raise BadInput(f"--max-attempts must be an integer from 1 to {MAX_ATTEMPTS}, got {self.max_attempts!r}")
         if not (isinstance(self.grace, (int, float)) and 0 <= self.grace <= 86400):
             raise BadInput(f"--grace must be between 0 and 86400 seconds, got {self.grace!r}")
+        if self.time_limit is not None and not (isinstance(self.time_limit, (int, float))
+                                                and not isinstance(self.time_limit, bool)
+                                                and 0 < self.time_limit <= 30 * 86400):
+            raise BadInput(f"--time-limit must be more than 0 and at most 30 days, got {self.time_limit!r}")
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                       for k, v in self.env.items()):
             raise BadInput("env overrides must map strings to strings")
@@ -92,6 +97,7 @@ class Job(SQLModel, table=True):
     experiment: Optional[str] = Field(default=None, index=True)
     params: Optional[dict] = Field(default=None, sa_column=Column(JSON, nullable=True))
     idempotency_key: Optional[str] = None
+    time_limit: Optional[float] = None
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -150,7 +156,7 @@ class Job(SQLModel, table=True):
             "preemptible": self.preemptible, "reason": self.reason, "host": self.host, "pid": self.pid,
             "log_path": self.log_path, "checkpoint_dir": self.checkpoint_dir,
             "submitted_at": self.submitted_at, "started_at": self.started_at, "finished_at": self.finished_at,
-            "not_before": self.not_before, "idempotency_key": self.idempotency_key,
+            "not_before": self.not_before, "idempotency_key": self.idempotency_key, "time_limit": self.time_limit,
         }
 
 

@@ -10,7 +10,8 @@ Extensions (the contract may only be extended): STARTING can fail, be cancelled 
 its process is being spawned); RUNNING -> QUEUED when the job exits
 75 (EX_TEMPFAIL) or its host was lost; a job being preempted goes back in line whatever its exit code, unless it
 told the runtime that this attempt did its last step (PREEMPTING -> SUCCEEDED; runtime.protocol.COMPLETE_FILE),
-or is cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled.
+or is cancelled (PREEMPTING -> CANCELLING); a QUEUED job can be cancelled;
+a job stopped for running past its time limit goes RUNNING -> CANCELLING -> FAILED ("time limit exceeded").
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     S.STARTING: frozenset({S.RUNNING, S.QUEUED, S.FAILED, S.CANCELLED, S.CANCELLING}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTING, S.CANCELLING, S.QUEUED}),
     S.PREEMPTING: frozenset({S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLING}),
-    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
     S.SUCCEEDED: frozenset(),
     S.CANCELLED: frozenset(),
     S.FAILED: frozenset({S.QUEUED}),  # only while attempts are left (Job.retrying)
@@ -54,6 +55,9 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 HOLDING = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
 FINISHED = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
 ACTIVE = frozenset(set(JobState) - FINISHED)
+
+
+TIME_LIMIT = "time limit exceeded"  # the reason of a job stopped at its time limit
 
 
 def allowed(src: JobState, dst: JobState) -> bool:

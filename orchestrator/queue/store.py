@@ -21,7 +21,7 @@ from sqlmodel import Session, select
 from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Job, JobEvent, JobSpec, check_priority
 from orchestrator.queue.queries import JobQueries
-from orchestrator.queue.states import FINISHED, HOLDING, JobState, allowed
+from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
 
 S = JobState
@@ -99,7 +99,7 @@ class JobStore(JobQueries):
                   priority=spec.priority, gpus=spec.gpus, max_attempts=spec.max_attempts, grace=float(spec.grace),
                   preemptible=spec.preemptible, owner=spec.owner, experiment=spec.experiment,
                   params=spec.params, mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
-                  state=S.QUEUED.value, reason="submitted", submitted_at=now)
+                  time_limit=spec.time_limit, state=S.QUEUED.value, reason="submitted", submitted_at=now)
         try:
             with self._tx() as session:
                 session.add(job)
@@ -208,6 +208,9 @@ class JobStore(JobQueries):
                 detail: str) -> Job:
         state = job.job_state
         how = detail or f"exit code {code}"
+        if state is S.CANCELLING and job.reason == TIME_LIMIT:  # stopped by expire(): a failure, never retried
+            return self._move(session, job, S.FAILED, f"{TIME_LIMIT} ({how})", host, now, exit_code=code,
+                              failures=job.max_attempts, not_before=None)
         if state is S.CANCELLING:
             return self._move(session, job, S.CANCELLED, f"cancelled ({how})", host, now, exit_code=code)
         if state is S.PREEMPTING:
@@ -317,6 +320,16 @@ class JobStore(JobQueries):
                                      reason=f"{reason}: retries stopped"))
                 return job
             raise BadInput(f"job {job_id} is already {state.value}; nothing to cancel")
+
+    def expire(self, job_id: int, now: Optional[float] = None) -> Optional[Job]:
+        """A RUNNING job past its time limit -> CANCELLING ("time limit exceeded"); the service then stops it
+        (SIGTERM, SIGKILL after its grace) and its exit makes it FAILED. None when it is not running any more."""
+        now = time.time() if now is None else now
+        with self._tx() as session:
+            job = self._lock(session, job_id)
+            if job.job_state is not S.RUNNING:
+                return None
+            return self._move(session, job, S.CANCELLING, TIME_LIMIT, None, now, stop_sent_at=None)
 
     def demote(self, job_id: int, priority: int, reason: str = "demoted") -> Job:
         """Lower a job's priority; a running job is preempted (it checkpoints and waits in line)."""

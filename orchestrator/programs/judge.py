@@ -1,0 +1,102 @@
+"""Judging a program session's nodes: crashed (ask for a debug step), re-run on fresh seeds, then kept or
+discarded by the noise gate against the nearest measured ancestor; every outcome goes to the governor.
+
+A mixin of `Loop` (it uses the loop's trials, state, tracker and repo); kept apart so each module has one job.
+"""
+
+from __future__ import annotations
+
+from orchestrator.agent.gate import gate
+from orchestrator.programs import tree
+from orchestrator.programs.governor import CHANGE, STOP
+
+
+class Judge:
+    """Verdicts on nodes; see `Loop` for the attributes it uses."""
+
+    def _judge(self) -> None:
+        for node in tree.nodes(self.trials):
+            if node["verdict"] is None:
+                self._judge_node(node)
+
+    def _judge_node(self, node: dict) -> None:
+        runs = tree.runs_of(self.trials, node["n"])
+        if node["kind"] == "baseline":
+            if any(r["status"] in tree.ACTIVE for r in runs):
+                return
+            values = tree.values_of(self.trials, 0)
+            if not values:
+                self._verdict(node, "crashed", "the baseline failed: " + runs[0]["error"])
+                self.state["stop_reason"] = f"the unmodified program failed: {runs[0]['error']}"
+                return
+            s = tree.summary_of(self.trials, 0)
+            self._verdict(node, "baseline", f"baseline {s['mean']:.5g} over {s['n']} run(s)")
+            return
+        if node["status"] in tree.ACTIVE:
+            return
+        if node["status"] != "succeeded":
+            self._verdict(node, "crashed", node["error"])
+            if node["status"] == "failed" and node["depth"] < self.spec.max_debug:
+                self.state["pending_debug"].append(node["n"])
+            self._govern("failed")
+            return
+        if len(runs) < self.spec.repeats:  # fresh seeds: one good run is not a result
+            for seed in range(len(runs), self.spec.repeats):
+                self._add(tree.new_trial(self.sid, len(self.trials), kind="rerun", step="rerun",
+                                         parent=node["parent"], parent_node=node["parent_node"], node=node["n"],
+                                         commit=node["commit"], seed=seed, rationale=node["rationale"]))
+            return
+        if any(r["status"] in tree.ACTIVE for r in runs):
+            return
+        base = self._gate_parent(node)
+        if base is None or base["verdict"] is None:
+            return  # the parent is still being measured
+        values = tree.values_of(self.trials, node["n"])
+        if len(values) < 2:
+            self._verdict(node, "discarded", "its re-runs failed: the result does not reproduce")
+            self._govern("failed")
+            return
+        v = gate(tree.values_of(self.trials, base["n"]), values, direction=self.spec.direction)
+        if not v.win:
+            self._verdict(node, "discarded", v.describe() + f" (vs {base['commit'][:10]})")
+            self._govern("discarded")
+            return
+        self._verdict(node, "kept", v.describe() + f" (vs {base['commit'][:10]})")
+        best = self.trials[self.state["incumbent"]]
+        mean = tree.summary_of(self.trials, node["n"])["mean"]
+        if self.spec.better(mean, tree.summary_of(self.trials, best["n"])["mean"]):
+            self.state["incumbent"] = node["n"]
+            self.repo.set_ref(self.repo.branch(self.sid), node["commit"])
+            self.say(f"new incumbent: trial {node['n']} commit {node['commit'][:10]}, {self.spec.metric} "
+                     f"{mean:.5g} ({v.describe()})")
+        self._govern("improved")
+
+    def _gate_parent(self, node: dict) -> dict | None:
+        """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from)."""
+        n = node["parent_node"]
+        while n is not None:
+            parent = self.trials[n]
+            if parent["verdict"] in ("baseline", "kept", "discarded") or parent["verdict"] is None:
+                return parent
+            n = parent["parent_node"]
+        return None
+
+    def _verdict(self, node: dict, verdict: str, text: str) -> None:
+        node["verdict"], node["verdict_text"] = verdict, text
+        if node["run_id"]:
+            self.tracker.set_tags(node["run_id"], {"autoresearch.verdict": verdict,
+                                                   "autoresearch.verdict_text": text})
+        self._save(node)
+
+    def _govern(self, outcome: str) -> None:
+        action = self.gov.record(outcome)
+        if action == CHANGE:
+            self.state["note"] = (f"The session {self.gov.reason}. Go back to the incumbent and try a different, "
+                                  f"simpler idea; keep edits small and make sure the program still runs.")
+            self.state["drafts_left"] = self.parallel
+            self.state["pending_debug"] = []
+            self.say(self.gov.reason)
+        elif action == STOP:
+            self.state["stop_reason"] = self.gov.reason
+            self.say(f"stopping: {self.gov.reason}")
+        self._save()

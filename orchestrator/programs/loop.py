@@ -1,0 +1,330 @@
+"""The program-mode loop: keep K variants in flight, read their metrics, gate children against parents.
+
+    loop = Loop(session_id, config, spec, ...)     # built by `orchestrator.programs.session`
+    summary = loop.run()
+
+Each pass: look at the session's jobs (record finished runs, their metrics and log tails), judge nodes (a
+crashed one asks for a debug step; a succeeded one gets re-runs on fresh seeds, then the noise gate against
+its parent decides kept or discarded; the governor counts outcomes), then fill free slots with proposals
+(debug first, else draft or improve from the incumbent). Every record is saved before the step that depends
+on it (see `tree`), so `resume` continues from any point.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from orchestrator.agent.history import device_seconds, is_final
+from orchestrator.programs import answers, propose, tree
+from orchestrator.programs.governor import Governor
+from orchestrator.programs.judge import Judge
+from orchestrator.programs.wrap import log_tail, read_values
+from orchestrator.queue.states import TIME_LIMIT
+
+TAIL = 3000
+
+
+class Loop(Judge):
+    """One program session's loop over live resources (store, tracker, repo, LLM); verdicts come from `Judge`."""
+
+    def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any, repo: Any,
+                 trees: tree.TreeStore, llm: Any, parallel: int, home: Path, parent_run: str,
+                 notify: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda s: None):
+        self.sid, self.cfg, self.spec = session_id, config, spec
+        self.store, self.tracker, self.repo, self.trees, self.llm = store, tracker, repo, trees, llm
+        self.parallel, self.home, self.parent_run = parallel, Path(home), parent_run
+        self.notify, self.say = notify, say
+        self.experiment = f"program:{spec.name}"
+        self.trials: list[dict] = trees.trials(session_id)
+        self.state: dict = trees.state(session_id) or self._initial_state()
+        self.gov = Governor.from_dict(self.state["governor"])
+        self._tick = time.time()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"llm-{session_id}")
+        self._asking: tuple[Future, answers.Step] | None = None
+        # Worktrees of runs that ended, including any a killed session left behind.
+        self._cleanup = [self._worktree(t) for t in self.trials
+                         if t["status"] not in tree.ACTIVE and self._worktree(t).exists()]
+
+    # -- state -----------------------------------------------------------------------------------------------------
+
+    def _initial_state(self) -> dict:
+        root = self.repo.head()
+        gov = Governor(max_failures=self.spec.max_failures, patience=self.spec.patience)
+        state = {"root": root, "incumbent": 0, "governor": gov.to_dict(), "pending_debug": [], "note": "",
+                 "drafts_left": self.parallel, "stop_reason": "", "usage": {}, "elapsed": 0.0, "rejected": 0}
+        self.repo.set_ref(self.repo.branch(self.sid), root)
+        self.trees.save_state(self.sid, state)
+        return state
+
+    def _save(self, t: dict | None = None) -> None:
+        if t is not None:
+            self.trees.save(self.sid, t)
+        self.state["governor"] = self.gov.to_dict()
+        self.trees.save_state(self.sid, self.state)
+
+    def _elapsed(self) -> float:
+        now = time.time()
+        self.state["elapsed"] += now - self._tick
+        self._tick = now
+        return self.state["elapsed"]
+
+    def _time_up(self) -> bool:
+        minutes = self.cfg.budget_minutes
+        return minutes is not None and self.state["elapsed"] >= minutes * 60
+
+    def _left(self) -> int | None:
+        """Jobs the budget still allows, less the re-runs already owed to nodes being measured."""
+        total = self.cfg.max_trials
+        if total is None:
+            return None
+        owed = sum(max(0, self.spec.repeats - len(tree.runs_of(self.trials, t["n"])))
+                   for t in tree.nodes(self.trials) if t["kind"] == "variant" and t["verdict"] is None
+                   and t["status"] not in ("failed", "cancelled"))
+        return total - len(self.trials) - owed
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Run to the end: budget spent, time up, or the governor's stop; returns the summary."""
+        # The baseline: the program as committed, on `repeats` seeds (completed after a crash mid-way).
+        if all(t["kind"] == "baseline" for t in self.trials):
+            for seed in range(len(self.trials), self.spec.repeats):
+                self._add(tree.new_trial(self.sid, len(self.trials), kind="baseline", step="baseline", parent=None,
+                                         parent_node=None, node=0, commit=self.state["root"], seed=seed,
+                                         rationale="the program as committed"))
+        while True:
+            self._elapsed()
+            self._sync()
+            self._judge()
+            active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+            if not self.state["stop_reason"] and not self._time_up():
+                self._fill()
+                active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+            idle = not active and self._asking is None
+            if idle and (self.state["stop_reason"] or self._time_up() or not self._can_add()):
+                break
+            if not active and self._asking is not None and (self.state["stop_reason"] or self._time_up()):
+                break  # an answer still being written would be thrown away: nothing of it was recorded
+            self._save()
+            self._tidy()
+            time.sleep(self.cfg.poll)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tidy()
+        if not self.state["stop_reason"]:
+            self.state["stop_reason"] = "time budget used" if self._time_up() else "trial budget used"
+        self._save()
+        return self.state
+
+    def _can_add(self) -> bool:
+        left = self._left()
+        return left is None or left >= self.spec.repeats
+
+    # -- trials ----------------------------------------------------------------------------------------------------
+
+    def _add(self, t: dict) -> dict:
+        self.trials.append(t)
+        self._save(t)  # recorded before its commit or job exists: a crash from here on loses nothing
+        self._submit(t)
+        return t
+
+    def _submit(self, t: dict) -> None:
+        """Commit (variants), worktree, MLflow run and job, each found again if it already exists."""
+        from orchestrator.queue.models import JobSpec
+
+        if t["commit"] is None:
+            ref = self.repo.trial_ref(self.sid, t["n"])
+            t["commit"] = self.repo.resolve(ref) or self.repo.commit(
+                t["parent"], {self.spec.repo_path(f): text for f, text in t.pop("files").items()},
+                f"autoresearch {self.sid} trial {t['n']} ({t['step']}): {t['rationale'] or 'no rationale'}")
+            self.repo.set_ref(ref, t["commit"])
+            t.pop("files", None)
+            self._save(t)
+        job = self.store.find_by_key(t["key"])
+        if job is None:
+            worktree = self.repo.add_worktree(self._worktree(t), t["commit"])
+            self.repo.restore_protected(worktree, self.state["root"], [self.spec.repo_path(p)
+                                                                       for p in self.spec.protected])
+            cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
+            node = self.trials[t["node"]]
+            run_id = self.tracker.trial_run(
+                self.parent_run, self.experiment, key=t["key"], name=f"{self.sid} trial {t['n']}",
+                params={"commit": t["commit"], "parent": node["parent"] or "", "seed": t["seed"], "step": t["step"]},
+                tags={"autoresearch.session": self.sid, "autoresearch.owner": self.sid,
+                      "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
+                      "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
+                      "autoresearch.node": str(t["node"])})
+            argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
+                    "--pattern", self.spec.pattern]
+            if self.cfg.sandbox:
+                argv += ["--sandbox", str(worktree)]
+                argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
+            spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t['n']}",
+                           priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
+                           owner=self.sid, params={"commit": t["commit"], "seed": t["seed"]},
+                           env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
+                           idempotency_key=t["key"], time_limit=self.spec.time_limit)
+            job = self.store.submit(spec)
+            self.notify()
+            self._log_patch(node, run_id, t["commit"])
+        elif t["status"] == "pending" and job.mlflow_run_id:  # submitted just before a crash: finish the record
+            if "patch.diff" not in [a.path for a in self.tracker.client.list_artifacts(job.mlflow_run_id)]:
+                self._log_patch(self.trials[t["node"]], job.mlflow_run_id, t["commit"])
+        t.update(job_id=job.id, run_id=job.mlflow_run_id, status="queued" if t["status"] == "pending" else t["status"])
+        self._save(t)
+        if t["kind"] == "variant":
+            self.say(f"trial {t['n']} ({t['step']}) commit {t['commit'][:10]} from {t['parent'][:10]} -> job "
+                     f"{job.id}: {t['rationale']}")
+
+    def _worktree(self, t: dict) -> Path:
+        return self.home / "programs" / self.sid / str(t["n"])
+
+    def _tidy(self) -> None:
+        """Remove the worktrees of finished runs (their commits stay)."""
+        while self._cleanup:
+            self.repo.remove_worktree(self._cleanup.pop())
+
+    def _log_patch(self, node: dict, run_id: str, commit: str) -> None:
+        """The diff from the node's parent, as the run's `patch.diff` (logged after the submit: the device
+        need not wait for the artifact store)."""
+        if node["parent"]:
+            self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], commit), "patch.diff")
+
+    def _sync(self) -> None:
+        """Submit what a crash left pending; record runs that started or ended."""
+        for t in self.trials:
+            if t["status"] == "pending":
+                self._submit(t)
+            if t["status"] not in ("queued", "running"):
+                continue
+            job = self.store.get(t["job_id"])
+            if is_final(job):
+                self._finish(t, job)
+            elif t["status"] == "queued" and job.state == "RUNNING":
+                t["status"] = "running"
+                self._save(t)
+
+    def _finish(self, t: dict, job: Any) -> None:
+        tail = log_tail(job.log_path, TAIL)
+        if job.state == "SUCCEEDED":
+            t["value"] = self._metric(t, job)
+            t["status"] = "succeeded" if t["value"] is not None else "failed"
+            if t["value"] is None:
+                t["error"] = f"no {self.spec.metric} in MLflow or in the output"
+        elif job.state == "FAILED":
+            t["status"] = "failed"
+            timed_out = job.reason.startswith(TIME_LIMIT)  # the queue stopped it at the program's time_limit
+            t["error"] = TIME_LIMIT if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
+        else:
+            t["status"], t["error"] = "cancelled", job.reason[:300]
+        if t["status"] == "failed":
+            t["log_tail"] = tail
+        t["device_s"] = device_seconds(self.store, job)
+        self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
+        self._cleanup.append(self._worktree(t))  # removed after this pass's submissions: devices first
+        self._save(t)
+        if t["kind"] != "rerun":
+            self.say(f"trial {t['n']} {t['status']}: " + (f"{self.spec.metric} {t['value']:.5g}"
+                                                          if t["value"] is not None else t["error"]))
+
+    def _metric(self, t: dict, job: Any) -> float | None:
+        """The run's metric: from MLflow (a program using the runtime), else the output lines its wrapper read,
+        which are then logged to the run so MLflow shows them too."""
+        value = self.tracker.final(t["run_id"], self.spec.metric)
+        if value is not None:
+            return value
+        values = read_values(job.checkpoint_dir, self.spec.metric)
+        for step, v in enumerate(values):
+            self.tracker.log_metrics(t["run_id"], {self.spec.metric: v}, step=step)
+        return values[-1] if values and math.isfinite(values[-1]) else None
+
+    # -- proposing -------------------------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Collect the model's answer when it is in; ask for the next step when slots are free.
+
+        The model thinks in a background thread while this loop keeps recording runs and queueing re-runs, and
+        one trial more than there are slots waits in the queue, so a device never waits for the model."""
+        if self._asking is not None:
+            future, step = self._asking
+            if not future.done():
+                return
+            self._asking = None
+            try:
+                variants, reasons = future.result()
+            except Exception as exc:  # an unexpected failure of the endpoint or of git: counted, not fatal
+                variants, reasons = [], [f"{type(exc).__name__}: {exc}"]
+            self._take(step, variants, reasons)
+        if self.state["stop_reason"] or self._time_up():
+            return
+        if self._asking is not None:
+            return
+        free = self.parallel + 1 - sum(1 for t in self.trials if t["status"] in tree.ACTIVE)
+        left = self._left()
+        room = free if left is None else min(free, left // self.spec.repeats)
+        if room <= 0:
+            return
+        if self.state["pending_debug"]:
+            crashed = self.trials[self.state["pending_debug"][0]]  # dropped from the list once answered
+            step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
+                                log_tail=crashed.get("log_tail", ""))
+        else:
+            best = self.trials[self.state["incumbent"]]
+            kind = "draft" if self.state["drafts_left"] > 0 else "improve"
+            step = answers.Step(kind, best["commit"], self._files(best["commit"]), room, note=self.state["note"])
+        commits = [t["commit"] for t in tree.nodes(self.trials) if t["commit"]]
+        self._asking = (self._pool.submit(
+            propose.ask, self.llm, goal=self.cfg.goal, spec=self.spec, step=step, history=self._history(),
+            best=self._best_line(), resolve=lambda ref: _resolve(commits, ref), read=self._read,
+            tried=self._tried(), max_reasks=self.cfg.max_reasks), step)
+
+    def _take(self, step: answers.Step, variants: list, reasons: list[str]) -> None:
+        """Record and submit the variants of one answered step (or count a step that gave none)."""
+        self._usage()
+        pending = self.state["pending_debug"]
+        if step.kind == "debug" and pending and self.trials[pending[0]]["commit"] == step.parent:
+            pending.pop(0)  # answered (a crash before this point asks again on resume)
+        if not variants:
+            self.state["rejected"] += 1
+            self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
+            self._govern("failed")
+            return
+        for v in variants:
+            parent = next(t for t in tree.nodes(self.trials) if t["commit"] == v.parent)
+            t = tree.new_trial(self.sid, len(self.trials), kind="variant", step=v.kind, parent=v.parent,
+                               parent_node=parent["n"], rationale=v.rationale, edits=v.edits,
+                               depth=parent["depth"] + 1 if v.kind == "debug" else 0)
+            t["files"], t["fingerprint"] = v.files, propose.fingerprint(v.files)
+            self._add(t)
+            if v.kind == "draft":
+                self.state["drafts_left"] = max(0, self.state["drafts_left"] - 1)
+
+    def _files(self, commit: str) -> dict[str, str]:
+        return {f: self._read(commit, f) or "" for f in self.spec.edit}
+
+    def _read(self, commit: str, file: str) -> str | None:
+        return self.repo.show(commit, self.spec.repo_path(file))
+
+    def _tried(self) -> set:
+        return {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
+
+    def _history(self) -> list[str]:
+        return tree.history_lines(self.trials)
+
+    def _best_line(self) -> str:
+        return tree.best_line(self.trials, self.state["incumbent"], self.spec.metric)
+
+    def _usage(self) -> None:
+        usage = self.state["usage"]
+        for k, v in self.llm.take_usage().items():
+            usage[k] = usage.get(k, 0) + v
+
+
+def _resolve(commits: list[str], ref: str) -> str | None:
+    """The session commit a proposal's parent names (a prefix of at least 4 hex digits), or None."""
+    ref = ref.strip().lower()
+    return next((c for c in commits if c.startswith(ref)), None) if len(ref) >= 4 else None

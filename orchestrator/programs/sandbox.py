@@ -1,0 +1,59 @@
+"""`--sandbox`: run a variant under bubblewrap (Debian package `bubblewrap`).
+
+What it does: the whole filesystem is mounted read-only; writable are only the trial's worktree, its
+checkpoint directory and a private, empty `/tmp`; the protected files are bound read-only on top of the
+worktree (so even a root process cannot rewrite them in place); the network is a fresh namespace with only
+loopback (`--unshare-net`: no connection leaves the box); the sandbox dies with the job.
+
+What it does not do: it is not a security boundary against a determined attacker. The code still runs as the
+same user, can read everything that user can read (secrets in files included), can use all CPU, memory and
+GPUs it is given, talk to the GPU driver, spawn processes, and fill the writable directories. Kernel bugs in
+namespaces, bwrap itself and device access are out of scope. Read what the model wrote before trusting it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from orchestrator.errors import BadInput
+
+
+def available() -> str:
+    """The bwrap binary (BadInput with the install hint when missing)."""
+    path = shutil.which("bwrap")
+    if path is None:
+        raise BadInput("--sandbox needs bubblewrap: apt-get install -y bubblewrap")
+    return path
+
+
+def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protected: Sequence[Path]) -> list[str]:
+    """`argv` wrapped in bwrap: read-only root, `writable` dirs and a private /tmp, `protected` read-only."""
+    out = [available(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    # The minimal /dev above has no GPUs: pass the NVIDIA and DRM device nodes through (CUDA_VISIBLE_DEVICES
+    # still selects the job's own).
+    for node in sorted(glob.glob("/dev/nvidia*")) + (["/dev/dri"] if os.path.exists("/dev/dri") else []):
+        out += ["--dev-bind", node, node]
+    for path in writable:
+        path = Path(path).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        out += ["--bind", str(path), str(path)]
+    for path in protected:
+        path = Path(path).resolve()
+        if path.exists():
+            out += ["--ro-bind", str(path), str(path)]
+    out += ["--unshare-net", "--die-with-parent", "--chdir", str(Path(cwd).resolve()),
+            "--setenv", "TMPDIR", "/tmp", "--", *argv]
+    return out
+
+
+def writable_dirs(worktree: Path) -> list[Path]:
+    """The trial's worktree and its checkpoint dir (from the job's environment)."""
+    dirs = [Path(worktree)]
+    ckpt = os.environ.get("AUTORESEARCH_CHECKPOINT_DIR")
+    if ckpt:
+        dirs.append(Path(ckpt))
+    return dirs

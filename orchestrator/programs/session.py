@@ -1,0 +1,278 @@
+"""Program sessions: start, resume, and the lineage of commits and metrics (`autoresearch tree`).
+
+    summary = start(ProgramConfig(goal="lower val_bpb", program="examples/charlm-program", parallel=4))
+    summary = resume("s-1a2b3c4d")      # after the process running it was killed
+    rows = lineage("s-1a2b3c4d")
+
+Sessions share the experiment agent's registry (so `sessions` lists them and `resume` finds them); their
+trials and loop state live in `tree`. Like `autoresearch start --experiment`, a session embeds a queue
+service for the home when none runs, and otherwise uses the running one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from orchestrator.config import Settings
+from orchestrator.errors import BadInput
+from orchestrator.programs import spec as specs, tree
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    """What `autoresearch start --program` asked for. `trials` counts every job, baseline and re-runs included."""
+
+    goal: str
+    program: str
+    trials: int | None = None
+    parallel: int | None = None
+    budget_minutes: float | None = None
+    priority: int = 0
+    model: str | None = None
+    sandbox: bool = False
+    max_reasks: int = 2
+    poll: float = 1.0
+    llm: dict[str, Any] = field(default_factory=dict)
+    proposer: str = "llm"
+
+    def __post_init__(self) -> None:
+        if not self.goal.strip():
+            raise BadInput("--goal must not be empty")
+        if self.trials is not None and self.trials < 1:
+            raise BadInput(f"--trials must be >= 1, got {self.trials}")
+        if self.parallel is not None and self.parallel < 1:
+            raise BadInput(f"--parallel must be >= 1, got {self.parallel}")
+        if self.budget_minutes is not None and not self.budget_minutes > 0:
+            raise BadInput(f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.max_reasks < 0:
+            raise BadInput("max_reasks must be >= 0")
+
+    @property
+    def experiment(self) -> str:
+        """The name sessions are listed under."""
+        return f"program:{Path(self.program).name}"
+
+    @property
+    def max_trials(self) -> int | None:
+        """The job budget; 40 when no budget at all was given (a session must end)."""
+        return 40 if self.trials is None and self.budget_minutes is None else self.trials
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProgramConfig":
+        return cls(**data)
+
+
+def check(config: ProgramConfig, devices: str | None = None, settings: Settings | None = None) -> specs.ProgramSpec:
+    """The program's spec, or BadInput for anything that would stop the session before it starts."""
+    from orchestrator import devices as devspec
+    from orchestrator.agent.proposers.base import llm_configured
+    from orchestrator.programs import repo as gitrepo, sandbox
+    from orchestrator.service import Service
+
+    spec = specs.load(config.program)
+    if not llm_configured():
+        raise BadInput("program mode needs an LLM: set OPENAI_BASE_URL (an OpenAI-compatible endpoint) "
+                       "or OPENAI_API_KEY")
+    if config.sandbox:
+        sandbox.available()
+    try:
+        gitrepo.Repo(spec.repo).head()
+    except gitrepo.GitError as exc:
+        raise BadInput(str(exc)) from None
+    settings = settings or Settings.load()
+    if not Service.running(settings):
+        devspec.parse(devices or settings.devices)
+    return spec
+
+
+def is_program(session_id: str, settings: Settings | None = None) -> bool:
+    """Whether `session_id` is a program session (BadInput when there is no such session)."""
+    from orchestrator.agent.session import Registry
+
+    registry = Registry((settings or Settings.load()).home)
+    try:
+        return "program" in registry.get(session_id)["config"]
+    finally:
+        registry.close()
+
+
+def start(config: ProgramConfig, *, settings: Settings | None = None, session_id: str | None = None,
+          devices: str | None = None, say: Callable[[str], None] = lambda s: None, llm: Any = None
+          ) -> dict[str, Any]:
+    """Run a new program session to its end; returns its summary."""
+    from orchestrator.agent.session import Registry, new_id
+
+    settings = settings or Settings.load()
+    spec = check(config, devices, settings)
+    config = ProgramConfig(**{**config.to_dict(), "program": str(spec.root)})
+    registry = Registry(settings.home)
+    session_id = session_id or new_id()
+    registry.create(session_id, config)  # type: ignore[arg-type]  (duck-typed: experiment, goal, proposer)
+    try:
+        return _run(session_id, config, spec, settings, registry, devices, say, llm)
+    finally:
+        registry.close()
+
+
+def resume(session_id: str, *, settings: Settings | None = None, devices: str | None = None,
+           say: Callable[[str], None] = lambda s: None, llm: Any = None) -> dict[str, Any]:
+    """Continue a program session whose process died: no trial is lost, none runs twice."""
+    from orchestrator.agent.session import Registry
+
+    settings = settings or Settings.load()
+    registry = Registry(settings.home)
+    try:
+        row = registry.get(session_id)
+        if row["status"] == "running":
+            raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
+        if row["status"] == "finished":
+            raise BadInput(f"session {session_id} already finished; see `autoresearch tree {session_id}`")
+        config = ProgramConfig.from_dict(row["config"])
+        spec = check(config, devices, settings)
+        registry.update(session_id, status="running", pid=os.getpid())
+        return _run(session_id, config, spec, settings, registry, devices, say, llm)
+    finally:
+        registry.close()
+
+
+def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settings: Settings, registry: Any,
+         devices: str | None, say: Callable[[str], None], llm: Any) -> dict[str, Any]:
+    from orchestrator.programs.loop import Loop
+    from orchestrator.programs.propose import ProgramLLM
+    from orchestrator.programs.repo import Repo
+    from orchestrator.queue.store import JobStore
+    from orchestrator.service import Service
+    from orchestrator.tracking import Tracker
+    from orchestrator.wakeup import notify
+
+    store = JobStore(settings.db_url)
+    tracker = Tracker.from_settings(settings)
+    trees = tree.TreeStore(settings.home)
+    service = None
+    if not Service.running(settings):
+        service = Service(settings, devices=devices).start()
+        slots = len(service.device_names)
+    else:
+        from orchestrator.api import live_services
+
+        slots = sum(len(s.devices) for s in live_services(store)) or 1
+    try:
+        repo = Repo(spec.repo)
+        dirty = repo.dirty([spec.repo_path(f) for f in (*spec.edit, *spec.protected)])
+        if dirty:
+            say(f"note: uncommitted changes in {', '.join(dirty)} are not part of the session (it starts from HEAD)")
+        experiment = f"program:{spec.name}"
+        parallel = config.parallel or slots
+        parent = tracker.session_run(session_id, experiment, {
+            "goal": config.goal, "program": str(spec.root), "trials": config.trials, "parallel": parallel,
+            "budget_minutes": config.budget_minutes, "sandbox": config.sandbox, "metric": spec.metric,
+            "repeats": spec.repeats})
+        registry.update(session_id, mlflow_run_id=parent)
+        loop = Loop(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker, repo=repo,
+                    trees=trees, llm=llm or ProgramLLM(config.goal, model=config.model, options=config.llm),
+                    parallel=parallel, home=settings.home, parent_run=parent, notify=lambda: notify(settings.home),
+                    say=say)
+        state = loop.run()
+        summary = summarise(session_id, config, spec, state, trees.trials(session_id), parallel)
+        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
+                                  "autoresearch.branch": summary["branch"]})
+        best = summary.get("best") or {}
+        tracker.log_metrics(parent, {"best_mean": best.get("value"), "baseline_mean": summary.get("baseline"),
+                                     "device_seconds": summary["device_seconds"]}, step=summary["trials"])
+        tracker.finish(parent)
+        registry.update(session_id, status="finished", summary=summary)
+        return summary
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
+        raise
+    finally:
+        trees.close()
+        if service is not None:
+            service.stop()
+
+
+def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, state: dict, trials: list[dict],
+              parallel: int) -> dict[str, Any]:
+    """What a session found: the incumbent against the baseline, counts, cost, why it stopped."""
+    counts: dict[str, int] = {}
+    for node in tree.nodes(trials):
+        if node["kind"] == "variant":
+            counts[node["verdict"] or node["status"]] = counts.get(node["verdict"] or node["status"], 0) + 1
+    best_node = trials[state["incumbent"]] if trials else None
+    best = None
+    if best_node is not None:
+        s = tree.summary_of(trials, best_node["n"])
+        best = {"value": s["mean"], "mean": s["mean"], "std": s["std"], "runs": s["n"], "commit": best_node["commit"],
+                "trial": best_node["n"], "rationale": best_node["rationale"], "verdict": best_node["verdict_text"]}
+    return {
+        "session": session_id, "program": str(spec.root), "goal": config.goal, "metric": spec.metric,
+        "direction": spec.direction, "stop_reason": state.get("stop_reason", ""), "trials": len(trials),
+        "variants": counts, "baseline": tree.summary_of(trials, 0)["mean"] if trials else None, "best": best,
+        "branch": f"autoresearch/{session_id}", "elapsed_s": round(state.get("elapsed", 0.0), 1),
+        "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1), "usage": state.get("usage", {}),
+        "rejected_rounds": state.get("rejected", 0), "parallel": parallel, "finished_at": time.time(),
+    }
+
+
+def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str, Any]]:
+    """Every commit of a program session (parents before children), with its runs, metric and verdict."""
+    settings = settings or Settings.load()
+    if not is_program(session_id, settings):
+        raise BadInput(f"session {session_id} is not a program session (it has no tree)")
+    trees = tree.TreeStore(settings.home)
+    try:
+        trials = trees.trials(session_id)
+    finally:
+        trees.close()
+    rows = []
+    for node in tree.nodes(trials):
+        runs = tree.runs_of(trials, node["n"])
+        s = tree.summary_of(trials, node["n"])
+        rows.append({"trial": node["n"], "commit": node["commit"], "parent_trial": node["parent_node"],
+                     "parent": node["parent"], "step": node["step"], "state": node["verdict"] or node["status"],
+                     "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node["rationale"],
+                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs]})
+    return rows
+
+
+def leaderboard(name: str, settings: Settings | None = None) -> dict[str, Any]:
+    """Every commit that ran for program `name` (`program:<folder>`), all sessions, ranked by mean over its runs
+    (the shape of `autoresearch leaderboard`; a commit's params are its short id and its change)."""
+    from orchestrator.agent.session import Registry
+    from orchestrator.tracking import leaderboard as rank
+
+    settings = settings or Settings.load()
+    registry = Registry(settings.home)
+    try:
+        sessions = [r for r in registry.all() if "program" in r["config"] and r["experiment"] == name]
+    finally:
+        registry.close()
+    if not sessions:
+        raise BadInput(f"no program session for {name!r}; see `autoresearch sessions`")
+    try:
+        spec = specs.load(sessions[0]["config"]["program"])
+        metric, direction = spec.metric, spec.direction
+    except BadInput:  # the folder moved: the sessions' own record still says how they were scored
+        metric = sessions[0]["summary"].get("metric", "metric")
+        direction = sessions[0]["summary"].get("direction", "minimize")
+    trees = tree.TreeStore(settings.home)
+    rows = []
+    try:
+        for row in sessions:
+            trials = trees.trials(row["id"])
+            for t in trials:
+                node = trials[t["node"]]
+                if t["status"] == "succeeded" and t["value"] is not None:
+                    rows.append({"params": {"commit": (t["commit"] or "")[:10], "change": node["rationale"][:80]},
+                                 "value": t["value"], "job_id": t["job_id"], "source": row["id"]})
+    finally:
+        trees.close()
+    return {"experiment": name, "metric": metric, **rank(rows, direction)}

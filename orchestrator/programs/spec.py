@@ -1,0 +1,155 @@
+"""A program's `autoresearch.toml`: what the agent may edit, what it must not touch, how to run and read it.
+
+    [program]
+    edit = ["train.py"]            # the only files the agent may change
+    protected = ["prepare.py"]     # data and evaluation: restored and read-only in every run
+    run = "python train.py"
+    metric = "val_bpb"
+    direction = "minimize"
+    time_limit = "5m"
+
+Optional keys (extensions of Contract 4): `pattern` (the output line regex, `{metric}` filled in; default
+`^{metric}:\\s*<number>`), `repeats` (runs per commit for the noise gate, default 3), `max_debug` (debug
+attempts per crashed trial, default 2), `max_edit_chars` (size limit of one proposal's replacement text),
+`max_failures` and `patience` (the governor's limits).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from orchestrator.durations import parse_duration
+from orchestrator.errors import BadInput
+
+CONFIG = "autoresearch.toml"
+NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+DEFAULT_PATTERN = r"^{metric}:\s*" + NUMBER
+
+
+def _relpath(name: object, key: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise BadInput(f"{CONFIG}: every entry of {key} must be a non-empty file name")
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
+        raise BadInput(f"{CONFIG}: {key} entry {name!r} must be a path inside the program")
+    return path.as_posix()
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A validated program: its folder, its repository, and the `[program]` settings."""
+
+    root: Path  # the program's folder (where autoresearch.toml is; the job's cwd inside a worktree)
+    repo: Path  # the git repository's top level
+    prefix: str  # root relative to repo ("" when the program is the whole repository)
+    name: str
+    edit: tuple[str, ...]
+    protected: tuple[str, ...]
+    run: str
+    metric: str
+    direction: str = "minimize"
+    time_limit: float = 300.0
+    pattern: str = DEFAULT_PATTERN
+    repeats: int = 3
+    max_debug: int = 2
+    max_edit_chars: int = 20_000
+    max_failures: int = 5
+    patience: int = 20
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("minimize", "maximize"):
+            raise BadInput(f"{CONFIG}: direction must be minimize or maximize, got {self.direction!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-/ ]{1,250}", self.metric):
+            raise BadInput(f"{CONFIG}: metric {self.metric!r} is not a valid MLflow metric name")
+        overlap = set(self.edit) & set(self.protected)
+        if overlap:
+            raise BadInput(f"{CONFIG}: {sorted(overlap)[0]} is both editable and protected")
+        if not self.edit:
+            raise BadInput(f"{CONFIG}: edit must name at least one file")
+        if not self.argv:
+            raise BadInput(f"{CONFIG}: run must be a command, e.g. \"python train.py\"")
+        try:
+            self.line_regex()
+        except re.error as exc:
+            raise BadInput(f"{CONFIG}: bad pattern: {exc}") from None
+        for key in ("repeats", "max_debug", "max_edit_chars", "max_failures", "patience"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "max_debug" else 1):
+                raise BadInput(f"{CONFIG}: {key} must be a positive integer, got {value!r}")
+
+    @property
+    def argv(self) -> list[str]:
+        """The run command as an argv (no shell: the command line is split like a shell would)."""
+        try:
+            return shlex.split(self.run)
+        except ValueError as exc:
+            raise BadInput(f"{CONFIG}: run: {exc}") from None
+
+    def line_regex(self) -> re.Pattern[str]:
+        """The metric line pattern with the metric name filled in."""
+        return re.compile(self.pattern.replace("{metric}", re.escape(self.metric)), re.MULTILINE)
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether metric value `a` beats `b` in this program's direction."""
+        return a < b if self.direction == "minimize" else a > b
+
+    def repo_path(self, file: str) -> str:
+        """A program-relative file name as a path in the repository."""
+        return f"{self.prefix}/{file}" if self.prefix else file
+
+
+def _git(cwd: Path, *args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BadInput(f"{cwd} is not inside a git repository (a program must be one): "
+                       f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'git failed'}")
+    return out.stdout.strip()
+
+
+def load(directory: str | Path) -> ProgramSpec:
+    """The program in `directory` (BadInput with a one-line reason for anything wrong)."""
+    root = Path(directory).expanduser().resolve()
+    if not root.is_dir():
+        raise BadInput(f"--program {directory}: no such directory")
+    path = root / CONFIG
+    if not path.is_file():
+        raise BadInput(f"--program {directory}: no {CONFIG} in it")
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"{path}: {exc}") from None
+    section = data.get("program")
+    if not isinstance(section, dict):
+        raise BadInput(f"{path}: no [program] table")
+    known = {"edit", "protected", "run", "metric", "direction", "time_limit", "pattern", "repeats", "max_debug",
+             "max_edit_chars", "max_failures", "patience", "name"}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise BadInput(f"{path}: unknown key {unknown[0]!r} in [program]")
+    for key in ("edit", "run", "metric"):
+        if key not in section:
+            raise BadInput(f"{path}: [program] needs {key!r}")
+    for key in ("edit", "protected"):
+        if not isinstance(section.get(key, []), list):
+            raise BadInput(f"{path}: {key} must be a list of file names")
+    if not isinstance(section["run"], str) or not isinstance(section["metric"], str):
+        raise BadInput(f"{path}: run and metric must be strings")
+    repo = Path(_git(root, "rev-parse", "--show-toplevel")).resolve()
+    prefix = root.relative_to(repo).as_posix()
+    edit = tuple(_relpath(x, "edit") for x in section["edit"])
+    protected = tuple(_relpath(x, "protected") for x in section.get("protected", []))
+    for name in edit + protected:
+        if not (root / name).is_file():
+            raise BadInput(f"{path}: {name} does not exist in the program")
+    extra = {k: section[k] for k in ("pattern", "repeats", "max_debug", "max_edit_chars", "max_failures",
+                                     "patience", "direction") if k in section}
+    return ProgramSpec(root=root, repo=repo, prefix="" if prefix == "." else prefix,
+                       name=str(section.get("name") or root.name), edit=edit, protected=protected,
+                       run=section["run"], metric=section["metric"],
+                       time_limit=parse_duration(section.get("time_limit", "5m"), what="time_limit"), **extra)

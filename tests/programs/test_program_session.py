@@ -1,0 +1,232 @@
+"""Program sessions end to end: a real git repository, the real queue service and processes, real MLflow, and
+the OpenAI-compatible fake LLM answering from a script of Contract 4 answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import Settings
+from orchestrator.programs.session import ProgramConfig, lineage, start
+from orchestrator.queue.store import JobStore
+from tests.agent.fake_llm import FakeLLM, ok
+from tests.programs.conftest import answer, edit, git, make_program
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+LLM = {"timeout": 10.0, "backoff": 0.01}
+
+
+def config(program: Path, **kw) -> ProgramConfig:
+    return ProgramConfig(**{"goal": "lower the score", "program": str(program), "poll": 0.2, "llm": LLM,
+                            "max_reasks": 3, **kw})
+
+
+def user_messages(fake: FakeLLM) -> list[str]:
+    return [r["body"]["messages"][-1]["content"] for r in fake.requests]
+
+
+def jobs(session: str):
+    return JobStore(Settings.load().db_url).list(owner=session)
+
+
+def run_tags(run_id: str) -> tuple[dict, list[str]]:
+    from orchestrator.tracking import Tracker
+
+    client = Tracker.from_settings(Settings.load()).client
+    return client.get_run(run_id).data.tags, [a.path for a in client.list_artifacts(run_id)]
+
+
+def test_improving_edit_is_kept_after_reruns_and_bad_edits_are_reasked(home, tmp_path, monkeypatch):
+    program = make_program(tmp_path / "proj", repeats=2)
+    head = git(program, "rev-parse", "HEAD")
+    script = [ok(answer(edit("return (lr - 3.0) ** 2", "return 0.0", file="prepare.py"))),   # protected
+              ok(answer(edit("x", "y", file="setup.py"))),                                    # outside `edit`
+              ok(answer(edit("LR = 1.0", "LR = (1.0"))),                                      # does not compile
+              ok(answer(edit("LR = 1.0", "LR = 2.0", why="the optimum is near 3")))]
+    with FakeLLM(script) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=4, parallel=2), devices="cpu:2")
+    asked = user_messages(fake)
+    assert len(asked) == 4
+    assert "protected" in asked[1] and "not editable" in asked[2] and "does not compile" in asked[3]
+    assert summary["stop_reason"] == "trial budget used" and summary["variants"] == {"kept": 1}
+    best = summary["best"]
+    assert best["runs"] == 2 and 0.9 < best["mean"] < 1.1 and 3.9 < summary["baseline"] < 4.1
+    assert "improvement" in best["verdict"]
+    sid = summary["session"]
+    # The user's branch, HEAD and working tree are untouched; the session branch holds the kept commit.
+    assert git(program, "rev-parse", "HEAD") == head and git(program, "status", "--porcelain") == ""
+    assert git(program, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert git(program, "rev-parse", f"autoresearch/{sid}") == best["commit"]
+    assert git(program, "show", f"{best['commit']}:train.py").count("LR = 2.0") == 1
+    assert git(program, "rev-parse", f"{best['commit']}^") == head
+    rows = lineage(sid)
+    assert [(r["step"], r["state"], r["runs"]) for r in rows] == [("baseline", "baseline", 2), ("draft", "kept", 2)]
+    variant_jobs = [j for j in jobs(sid) if j.params["commit"] == best["commit"]]
+    assert len(variant_jobs) == 2 and all(j.state == "SUCCEEDED" for j in variant_jobs)
+    tags, artifacts = run_tags(variant_jobs[0].mlflow_run_id)
+    assert tags["autoresearch.commit"] == best["commit"] and tags["autoresearch.parent"] == head
+    assert tags["autoresearch.rationale"] == "the optimum is near 3" and "patch.diff" in artifacts
+    # The CLI faces: the tree and the sessions list.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tree", sid, "--json"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [r["state"] for r in json.loads(out.stdout)] == ["baseline", "kept"]
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sessions", "--json"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    (row,) = json.loads(out.stdout)
+    assert row["status"] == "finished" and row["summary"]["stop_reason"] == "trial budget used"
+    assert row["experiment"] == "program:proj"
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "leaderboard", "--experiment", "program:proj",
+                          "--json"], capture_output=True, text=True, env=env, timeout=120)
+    (board,) = json.loads(out.stdout)
+    assert board["metric"] == "score" and board["entries"][0]["params"]["commit"] == best["commit"][:10]
+    assert board["entries"][0]["n"] == 2 and board["entries"][1]["params"]["change"] == "the program as committed"
+
+
+def test_crash_gets_a_debug_step_with_its_log_tail(home, tmp_path, monkeypatch):
+    program = make_program(tmp_path / "proj", repeats=2)
+    script = [ok(answer(edit("LR = 1.0", "LR = 2.0\nraise RuntimeError('boom in step 7')", why="bigger steps"))),
+              ok(answer(edit("raise RuntimeError('boom in step 7')", "pass", why="remove the stray raise")))]
+    with FakeLLM(script) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=5, parallel=1), devices="cpu:2")
+    asked = user_messages(fake)
+    assert len(asked) == 2
+    assert "crashed" in asked[1] and "boom in step 7" in asked[1]  # the debug step carries the log tail
+    rows = lineage(summary["session"])
+    assert [(r["step"], r["state"]) for r in rows] == [("baseline", "baseline"), ("draft", "crashed"),
+                                                       ("debug", "kept")]
+    crashed, fixed = rows[1], rows[2]
+    assert fixed["parent"] == crashed["commit"] and "exit code 1" in crashed["detail"]
+    assert summary["best"]["commit"] == fixed["commit"]
+    # The failed variant keeps its commit and its ref: nothing was reset away.
+    sid = summary["session"]
+    assert git(program, "rev-parse", f"refs/autoresearch/{sid}/{crashed['trial']}") == crashed["commit"]
+
+
+def test_run_past_its_time_limit_is_stopped(home, tmp_path, monkeypatch):
+    program = make_program(tmp_path / "proj", sleep=60, time_limit="2s", repeats=1)
+    with FakeLLM() as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=1, parallel=1), devices="cpu:1")
+    assert "time limit exceeded" in summary["stop_reason"]
+    (job,) = jobs(summary["session"])
+    assert job.state == "FAILED" and job.finished_at - job.started_at < 30
+
+
+def _overlap(intervals: list[tuple[float, float]]) -> int:
+    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    best = now = 0
+    for _, d in points:
+        now += d
+        best = max(best, now)
+    return best
+
+
+def drafts(body: dict):
+    """As many proposals as the prompt asks for, each a different learning rate."""
+    n = int(re.search(r"Propose (\d+)", body["messages"][-1]["content"]).group(1))
+    lrs = [2.0, 2.5, 3.5, 4.0, 1.5, 2.2, 2.8, 3.2][:n]
+    drafts.count += n
+    return ok(answer(*[edit("LR = 1.0", f"LR = {lr + drafts.count / 100}", why=f"lr {lr}") for lr in lrs]))
+
+
+def test_four_variants_run_at_once_on_four_slots(home, tmp_path, monkeypatch):
+    slow = ("import os, random, time\nfrom prepare import evaluate\nLR = 1.0\n"
+            "time.sleep(0 if LR == 1.0 else 4)\nrandom.seed(int(os.environ.get('AUTORESEARCH_SEED', '0')))\n"
+            "print(f'score: {evaluate(LR) + random.gauss(0, 0.01):.6f}', flush=True)\n")
+    program = make_program(tmp_path / "proj", repeats=2, train=slow)
+    drafts.count = 0
+    with FakeLLM(default=drafts) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=10, parallel=4), devices="cpu:4")
+    rows = lineage(summary["session"])
+    variants = [r for r in rows if r["step"] != "baseline"]
+    assert len(variants) == 4 and all(r["runs"] == 2 for r in variants)
+    assert len({r["commit"] for r in variants}) == 4
+    store = JobStore(Settings.load().db_url)
+    first_runs = [store.get(r["job_ids"][0]) for r in variants]
+    assert _overlap([(j.started_at, j.finished_at) for j in first_runs]) == 4
+
+
+def test_kill_9_mid_run_and_resume_loses_no_trial_and_no_commit(home, tmp_path, monkeypatch):
+    from orchestrator.programs import session as program_session
+    from orchestrator.programs.tree import TreeStore
+
+    program = make_program(tmp_path / "proj", sleep=2.0, repeats=2)
+    drafts.count = 0
+    with FakeLLM(default=drafts) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        code = ("import sys; from orchestrator.programs.session import ProgramConfig, start; "
+                f"start(ProgramConfig(goal='g', program={str(program)!r}, trials=8, parallel=2, poll=0.2, "
+                f"llm={LLM!r}), session_id='s-killme00', devices='cpu:2')")
+        proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        trees = TreeStore(home)
+        import time
+
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            running = [t for t in trees.trials("s-killme00") if t["kind"] == "variant" and t["status"] == "running"]
+            if running:
+                break
+            time.sleep(0.2)
+        assert running, "no variant started"
+        proc.kill()
+        proc.wait()
+        before = {t["n"]: t["commit"] for t in trees.trials("s-killme00")}
+        summary = program_session.resume("s-killme00", devices="cpu:2")
+    after = trees.trials("s-killme00")
+    trees.close()
+    assert all(after[n]["commit"] == commit for n, commit in before.items() if commit)
+    assert all(t["status"] in ("succeeded", "failed") for t in after)
+    session_jobs = jobs("s-killme00")
+    assert sorted(j.idempotency_key for j in session_jobs) == sorted(t["key"] for t in after)  # each ran once
+    for t in after:
+        if t["kind"] == "variant":
+            assert git(program, "rev-parse", f"refs/autoresearch/s-killme00/{t['n']}") == t["commit"]
+    assert summary["trials"] == len(after) == 8
+
+
+def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socket(home, tmp_path, monkeypatch):
+    import shutil
+    import socket
+
+    from tests.support.requires import require
+
+    require("bubblewrap", None if shutil.which("bwrap") else "no bwrap on PATH (apt-get install -y bubblewrap)")
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    program = make_program(tmp_path / "proj", repeats=2, extra="max_debug = 0\nmax_failures = 1\n")
+    writes = "LR = 1.0\nopen('prepare.py', 'w').write('def evaluate(lr):\\n    return -1.0\\n')"
+    connects = f"LR = 1.0\nimport socket\nsocket.create_connection(('{_host_ip()}', {port}), timeout=3)"
+    script = [ok(answer(edit("LR = 1.0", writes, why="cheat"))), ok(answer(edit("LR = 1.0", connects, why="call")))]
+    with FakeLLM(script) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=6, parallel=2, sandbox=True), devices="cpu:2")
+    listener.close()
+    rows = lineage(summary["session"])
+    assert [r["state"] for r in rows] == ["baseline", "crashed", "crashed"]
+    assert all("exit code 1" in r["detail"] for r in rows[1:])
+    assert summary["stop_reason"]  # the governor stopped it: every variant failed
+    assert "return (lr - 3.0) ** 2" in (program / "prepare.py").read_text()
+    store = JobStore(Settings.load().db_url)
+    logs = [Path(store.get(r["job_ids"][0]).log_path).read_text() for r in rows[1:]]
+    assert "Read-only file system" in logs[0] or "Permission denied" in logs[0]
+    assert "Network is unreachable" in logs[1] or "Connection refused" in logs[1], logs[1]
+
+
+def _host_ip() -> str:
+    return "127.0.0.1"

@@ -1,0 +1,141 @@
+"""Program mode, the parts that run no job: the spec, edit validation, answer parsing, git plumbing, governor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.errors import BadInput
+from orchestrator.programs import answers, edits, spec as specs
+from orchestrator.programs.governor import CHANGE, CONTINUE, STOP, Governor
+from orchestrator.programs.repo import Repo
+from tests.programs.conftest import git, make_program
+
+
+def test_spec_reads_contract_keys_and_refuses_bad_ones(program):
+    spec = specs.load(program)
+    assert (spec.edit, spec.protected, spec.metric, spec.direction) == (("train.py",), ("prepare.py",), "score",
+                                                                        "minimize")
+    assert spec.time_limit == 60 and spec.repo == program.resolve() and spec.prefix == ""
+    assert spec.line_regex().search("score: 1.5e-3").group(1) == "1.5e-3"
+    assert specs.parse_duration("5m") == 300 and specs.parse_duration("1.5h") == 5400
+    toml = program / "autoresearch.toml"
+    good = toml.read_text()
+    for bad, why in [(good.replace('"minimize"', '"lowest"'), "direction"),
+                     (good.replace('edit = ["train.py"]', 'edit = ["prepare.py"]'), "both editable and protected"),
+                     (good.replace('time_limit = "60s"', 'time_limit = "soon"'), "bad time_limit"),
+                     (good.replace('edit = ["train.py"]', 'edit = ["../x.py"]'), "inside the program"),
+                     (good + "\nfoo = 1\n", "unknown key")]:
+        toml.write_text(bad)
+        with pytest.raises(BadInput, match=why):
+            specs.load(program)
+    with pytest.raises(BadInput, match="no autoresearch.toml"):
+        specs.load(program.parent)
+
+
+def test_edits_apply_exactly_once_and_refuse_everything_else(program):
+    spec = specs.load(program)
+    read = lambda f: (program / f).read_text()  # noqa: E731
+    out = edits.apply(spec, read, [{"file": "train.py", "search": "LR = 1.0", "replace": "LR = 2.0"}])
+    assert "LR = 2.0" in out["train.py"] and "LR = 1.0" not in out["train.py"]
+    cases = [
+        ([{"file": "prepare.py", "search": "3.0", "replace": "0"}], "protected"),
+        ([{"file": "setup.py", "search": "x", "replace": "y"}], "not editable"),
+        ([{"file": "train.py", "search": "", "replace": "y"}], "non-empty"),
+        ([{"file": "train.py", "search": "LR = 7", "replace": "y"}], "does not occur"),
+        ([{"file": "train.py", "search": "import", "replace": "y"}], "occurs 4 times"),
+        ([{"file": "train.py", "search": "LR = 1.0", "replace": "LR = (1.0"}], "does not compile"),
+        ([{"file": "train.py", "search": "LR = 1.0", "replace": "x" * 30_000}], "limit"),
+        ([], "non-empty list"),
+    ]
+    for blocks, why in cases:
+        with pytest.raises(edits.EditRejected, match=why):
+            edits.apply(spec, read, blocks)
+
+
+def test_answers_parse_the_contract_shape_and_explain_the_rest():
+    text = '{"proposals": [{"parent": "best", "rationale": "r\\u0007 x", "edits": []}, {"x": 1}]}'
+    got, errors = answers.parse(text, 5)
+    assert [(p.parent, p.rationale) for p in got] == [("best", "r x")]
+    assert errors == ['proposal 1: expected an object with an "edits" list']
+    assert answers.parse("Sure! here", 1) == ([], ["the answer is not valid JSON"])
+
+
+def test_commits_never_touch_the_users_checkout_and_keep_every_variant(program, tmp_path):
+    repo = Repo(program)
+    head = repo.head()
+    (program / "notes.txt").write_text("uncommitted work of the user\n")
+    c1 = repo.commit(head, {"train.py": "LR = 2.0\n"}, "trial 1")
+    c2 = repo.commit(head, {"train.py": "LR = 5.0\n"}, "trial 2")
+    repo.set_ref(repo.trial_ref("s-x", 1), c1)
+    repo.set_ref(repo.trial_ref("s-x", 2), c2)
+    repo.set_ref(repo.branch("s-x"), c1)
+    assert repo.head() == head and git(program, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert git(program, "status", "--porcelain") == "?? notes.txt"
+    assert repo.show(c2, "train.py") == "LR = 5.0\n" and repo.show(c1, "prepare.py") == repo.show(head, "prepare.py")
+    assert git(program, "rev-parse", "autoresearch/s-x") == c1
+    assert git(program, "for-each-ref", "--format=%(objectname)", "refs/autoresearch/s-x") .split() == [c1, c2]
+    wt = repo.add_worktree(tmp_path / "wt" / "1", c1)
+    repo.restore_protected(wt, head, ["prepare.py"])
+    assert (wt / "train.py").read_text() == "LR = 2.0\n" and not (wt / "prepare.py").stat().st_mode & 0o222
+    repo.remove_worktree(wt)
+    assert not wt.exists() and repo.resolve(c1) == c1
+
+
+def test_program_in_a_subfolder_commits_under_its_prefix(tmp_path):
+    top = tmp_path / "mono"
+    make_program(top / "sub")
+    subprocess.run(["rm", "-rf", str(top / "sub" / ".git")], check=True)
+    (top / "README").write_text("a bigger repository\n")
+    git(top, "init", "-q")
+    git(top, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    git(top, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "mono")
+    spec = specs.load(top / "sub")
+    assert spec.prefix == "sub" and spec.repo == top.resolve() and spec.repo_path("train.py") == "sub/train.py"
+    repo = Repo(spec.repo)
+    c = repo.commit(repo.head(), {spec.repo_path("train.py"): "LR = 2.0\n"}, "t")
+    assert repo.show(c, "sub/train.py") == "LR = 2.0\n" and repo.show(c, "README") == "a bigger repository\n"
+
+
+def test_governor_changes_course_then_stops_with_a_reason():
+    gov = Governor(max_failures=2, patience=3)
+    assert [gov.record("failed"), gov.record("failed")] == [CONTINUE, CHANGE]
+    assert "2 failed variants in a row" in gov.reason
+    assert [gov.record("failed"), gov.record("failed")] == [CONTINUE, STOP]
+    assert gov.reason == "2 failed variants in a row"
+    gov = Governor(max_failures=5, patience=2)
+    assert [gov.record("discarded"), gov.record("discarded")] == [CONTINUE, CHANGE]
+    assert gov.record("improved") == CONTINUE and gov.course_changes == 0
+
+
+def test_wrapper_reads_metric_lines_and_stops_a_run_past_its_time_limit(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import time\nprint('score: 1.25', flush=True)\ntime.sleep(30)\n")
+    out = subprocess.run([sys.executable, "-m", "orchestrator.programs.wrap", "--metric", "score", "--time-limit",
+                          "1", "--grace", "1", "--", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=25, start_new_session=True)
+    assert out.returncode == 124 and "score: 1.25" in out.stdout and "time limit exceeded" in out.stdout
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          env=full, timeout=120)
+
+
+def test_start_program_bad_input_is_one_line_and_exit_2(home, program):
+    cases = [(["--program", str(program / "nowhere")], "no such directory"),
+             (["--program", str(program), "--experiment", "digits"], "exactly one of"),
+             (["--program", str(program)], "needs an LLM")]
+    for args, why in cases:
+        out = _cli("start", "--goal", "lower", *args, "--devices", "cpu:1")
+        assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = _cli("tree", "s-00000000")
+    assert out.returncode == 2 and "no session" in out.stderr
+    assert not (home / "agent" / "agent.db").exists() or "s-" not in _cli("sessions", "--json").stdout
