@@ -61,6 +61,7 @@ class Database:
             self.engine = make_engine(url)
             if create:
                 SQLModel.metadata.create_all(self.engine)
+                add_missing_columns(self.engine)
             else:
                 with self.engine.connect():
                     pass
@@ -84,6 +85,38 @@ class Database:
 
     def _read(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """Bring a queue database made by an older release up to the current tables: columns added since then are
+    nullable, so adding them is all an upgrade needs (`create_all` creates only missing tables). Returns the
+    `table.column` names added. A second process doing the same at once is harmless (its ALTER fails, the
+    column is there)."""
+    from sqlalchemy import inspect, text
+
+    added = []
+    inspector = inspect(engine)
+    for table in SQLModel.metadata.sorted_tables:
+        have = {col["name"] for col in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            if not column.nullable:
+                raise StoreUnavailable(f"queue table {table.name} lacks the non-null column {column.name}; "
+                                       "it was made by an incompatible release")
+            kind = column.type.compile(dialect=engine.dialect)
+            try:
+                with engine.connect() as conn:
+                    conn.execute(text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))
+                    conn.commit()
+            except OperationalError:
+                if column.name not in {col["name"] for col in inspect(engine).get_columns(table.name)}:
+                    raise
+            except Exception as exc:  # PostgreSQL: DuplicateColumn arrives as ProgrammingError
+                if column.name not in {col["name"] for col in inspect(engine).get_columns(table.name)}:
+                    raise StoreUnavailable(f"cannot add column {table.name}.{column.name}: {exc}") from None
+            added.append(f"{table.name}.{column.name}")
+    return added
 
 
 def redact(url: str) -> str:

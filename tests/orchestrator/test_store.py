@@ -303,3 +303,23 @@ def test_unreachable_database_is_a_clear_error(tmp_path):
         JobStore(f"sqlite:///{tmp_path}/missing/dir/queue.db")
     with pytest.raises(StoreUnavailable, match="cannot reach"):
         JobStore("postgresql+psycopg2://nobody:secret@127.0.0.1:1/none?connect_timeout=1")
+
+
+def test_a_database_from_an_older_release_is_upgraded_in_place(db_url):
+    """Columns added since a queue database was made (time_limit, ...) are added on open; its jobs stay."""
+    from sqlalchemy import text
+
+    old = JobStore(db_url)
+    kept = old.submit(spec(name="from before")).id
+    with old.engine.connect() as conn:  # what an older release left: no time_limit column
+        conn.execute(text('ALTER TABLE "jobs" DROP COLUMN "time_limit"'))
+        conn.commit()
+    old.close()
+    store = JobStore(db_url)
+    try:
+        assert store.get(kept).name == "from before" and store.get(kept).time_limit is None
+        assert store.get(store.submit(spec(time_limit=30.0)).id).time_limit == 30.0
+    finally:
+        store.close()
+    again = JobStore(db_url)  # a second open finds nothing to add
+    again.close()
