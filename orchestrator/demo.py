@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from orchestrator.agent import runner
-    from orchestrator.agent.proposers.base import default_name
+    from orchestrator.agent.proposers.factory import default_name
     from orchestrator.agent.session import SessionConfig, new_id
     from orchestrator.cli.agent import _print_summary, _proposer_note, progress, show
     from orchestrator.config import Settings

@@ -69,7 +69,7 @@ class Agent:
         self.searched = search.reduced(spec, self.fixed)
         self.results = Results(store, tracker, spec)
         if proposer is None:
-            from orchestrator.agent.proposers import make
+            from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
                             llm_options=config.llm)

@@ -80,7 +80,7 @@ def load_spec(name: str) -> Any:
 def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
     """BadInput unless the experiment, proposer, fixed params and (with no service running) devices are valid."""
     from orchestrator import devices as devspec
-    from orchestrator.agent.proposers.base import NAMES
+    from orchestrator.agent.proposers.factory import NAMES
     from orchestrator.agent.search import fixed_params, reduced
     from orchestrator.service import Service
 

@@ -149,16 +149,14 @@ class Registry:
 
 
 def _alive(pid: int | None) -> bool:
+    """Whether the process running a session is still there (a zombie, killed but not reaped, is not)."""
+    import psutil
+
     if not pid:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    # A zombie (killed but not yet reaped by its parent) still answers kill 0 but will never run again.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
+    except psutil.AccessDenied:
         return True

@@ -58,7 +58,7 @@ def progress(event: dict) -> None:
 
 
 def _proposer_note(name: str) -> str:
-    from orchestrator.agent.proposers.base import llm_configured
+    from orchestrator.agent.proposers.factory import llm_configured
 
     if name in ("llm", "hybrid"):
         where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
@@ -114,7 +114,7 @@ def start(
     """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
     from orchestrator import api
     from orchestrator.agent import runner
-    from orchestrator.agent.proposers.base import default_name
+    from orchestrator.agent.proposers.factory import default_name
     from orchestrator.agent.session import SessionConfig, new_id
     from orchestrator.config import Settings
 

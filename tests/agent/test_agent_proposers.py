@@ -8,7 +8,8 @@ import random
 import pytest
 
 from experiments.space import SpaceError
-from orchestrator.agent.proposers.base import Observation, default_name, make
+from orchestrator.agent.proposers.base import Observation
+from orchestrator.agent.proposers.factory import default_name, make
 from orchestrator.agent.proposers.hybrid import HybridProposer
 from orchestrator.agent.proposers.llm import LLMProposer, parse_answer
 from orchestrator.agent.proposers.optuna_ import SamplerProposer

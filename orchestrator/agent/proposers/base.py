@@ -1,20 +1,16 @@
-"""What every proposer shares: the observations it learns from, the proposals it makes, and the factory.
+"""What every proposer shares: the observations it learns from and the proposals it makes.
 
 A proposer turns the history of an experiment (every finished trial, hand-submitted runs included, plus the
 session's trials still running) into `n` new parameter sets, each already validated against the experiment's
 typed search space. Proposers hold no state worth saving: after a crash they are rebuilt from the history.
+The factory that builds one by name is `orchestrator.agent.proposers.factory` (kept apart: it imports every
+proposer, and every proposer imports this module).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
-
-from experiments.registry import ExperimentSpec
-from orchestrator.errors import BadInput
-
-NAMES = ("llm", "tpe", "cmaes", "random", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -51,33 +47,3 @@ class Proposer(Protocol):
     def propose(self, n: int, history: Sequence[Observation]) -> list[Proposal]:
         """`n` new, valid proposals given the history."""
         ...
-
-
-def llm_configured() -> bool:
-    """Whether an OpenAI-compatible endpoint or key is configured in the environment."""
-    return bool(os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY"))
-
-
-def default_name() -> str:
-    """`llm` when an endpoint or key is configured, else `tpe`."""
-    return "llm" if llm_configured() else "tpe"
-
-
-def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: str | None = None,
-         llm_options: dict[str, Any] | None = None, hybrid_share: float = 0.3) -> Proposer:
-    """Build the proposer called `name` for experiment `spec`. BadInput for an unknown name."""
-    if name not in NAMES:
-        raise BadInput(f"unknown proposer {name!r}; choose from {', '.join(NAMES)}")
-    from orchestrator.agent.proposers.optuna_ import SamplerProposer
-
-    if name in ("tpe", "cmaes", "random"):
-        return SamplerProposer(spec, name, seed=seed)
-    from orchestrator.agent.proposers.llm import LLMProposer
-
-    sampler = SamplerProposer(spec, "tpe", seed=seed)
-    llm = LLMProposer(spec, goal, model=model, fallback=sampler, **(llm_options or {}))
-    if name == "llm":
-        return llm
-    from orchestrator.agent.proposers.hybrid import HybridProposer
-
-    return HybridProposer(sampler, llm, share=hybrid_share)
