@@ -13,6 +13,7 @@ them idempotent: a resumed session asks for the same run and gets the one it mad
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import tempfile
@@ -25,7 +26,10 @@ TAG_SESSION = "autoresearch.session"
 TAG_KEY = "autoresearch.key"  # a trial's idempotency key
 TAG_EXPERIMENT = "autoresearch.experiment"
 TAG_JOB = "autoresearch.job_id"
+TAG_PHASE = "autoresearch.phase"  # a trial's phase: "baseline", "search" or "confirm"
 PARENT = "mlflow.parentRunId"
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"  # what the MLflow 3 UI reads to pick an experiment's first page
+TRAINING = "custom_model_development"  # its value for model-training experiments (runs table, not GenAI)
 _MAX_TAG = 5000  # MLflow allows 8000; rationales longer than this are truncated, never rejected
 
 
@@ -64,6 +68,9 @@ class Tracker:
                 exp_id = exp.experiment_id
         else:
             exp_id = exp.experiment_id
+        if exp is None or exp.tags.get(TAG_EXPERIMENT_KIND) != TRAINING:
+            # MLflow 3 opens an experiment without this tag on its GenAI overview; these are training runs.
+            self.client.set_experiment_tag(exp_id, TAG_EXPERIMENT_KIND, TRAINING)
         self._experiments[name] = exp_id
         return exp_id
 
@@ -104,6 +111,10 @@ class Tracker:
     def params(self, run_id: str) -> dict[str, str]:
         """A run's params (as the text MLflow stores)."""
         return dict(self.client.get_run(run_id).data.params)
+
+    def tags(self, run_id: str) -> dict[str, str]:
+        """A run's tags."""
+        return dict(self.client.get_run(run_id).data.tags)
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params (values as text, clipped to MLflow's limit)."""
@@ -161,6 +172,10 @@ class Tracker:
 
     # -- artifacts -------------------------------------------------------------------------------------------------
 
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        """Log `text` as the artifact `name` of a run (e.g. the session's report.md)."""
+        self.client.log_text(run_id, text, name)
+
     def best_so_far_plot(self, run_id: str, values: Sequence[float | None], direction: str, metric: str) -> None:
         """Log `best_so_far.png`: each trial's metric and the running best, by trial number."""
         import matplotlib
@@ -179,7 +194,8 @@ class Tracker:
             ax.step(*zip(*line), where="post", color="C3", label="best so far")
         ax.set_xlabel("trial")
         ax.set_ylabel(metric)
-        ax.legend(loc="best")
+        if pts or line:
+            ax.legend(loc="best")
         fig.tight_layout()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "best_so_far.png"
@@ -214,6 +230,7 @@ class Entry:
     values: list[float]
     sources: list[str] = field(default_factory=list)  # "job 12 (session s-ab)" / "job 7 (by hand)"
     job_ids: list[int] = field(default_factory=list)
+    baseline_runs: int = 0  # how many of its runs were a session's baseline
 
     @property
     def n(self) -> int:
@@ -229,13 +246,23 @@ class Entry:
         return statistics.stdev(self.values) if self.n > 1 else None
 
 
-def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Sequence[str] = ("seed",)) -> dict:
-    """Rank configurations by mean metric; say whether the leader's lead is smaller than the noise.
+NO_IMPROVEMENT = "no improvement over the baseline found"
 
-    `rows` have `params`, `value` and optionally `job_id`, `source`. Runs differing only in a seed key are the
-    same configuration. The noise is the larger seed spread of the top two (or the leader's alone); when no
-    configuration has been measured twice the lead cannot be judged and `lead_within_noise` is None.
+
+def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Sequence[str] = ("seed",),
+                defaults: Mapping[str, Any] | None = None) -> dict:
+    """Rank configurations by mean metric over seeds and judge the best against the baseline.
+
+    `rows` have `params`, `value` and optionally `job_id`, `source` and `baseline` (the run was a session's
+    baseline). Runs differing only in a seed key are the same configuration. The baseline is the configuration
+    with the most baseline runs; each entry gets its `gap` to the baseline's mean (positive = better) and
+    `diff`, its params that differ from the baseline's (from `defaults` when there is no baseline). The winner
+    is the best-ranked configuration that the noise gate (`orchestrator.agent.gate`) calls a real improvement
+    over the baseline; `headline` says so in words, or that none was found.
+    `lead_within_noise` (kept for scripts) compares the top two: None when neither was run twice.
     """
+    from orchestrator.agent.gate import gate
+
     groups: dict[str, Entry] = {}
     for row in rows:
         if row.get("value") is None:
@@ -244,12 +271,14 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
         key = repr(sorted((k, repr(v)) for k, v in params.items()))
         entry = groups.setdefault(key, Entry(params=params, values=[]))
         entry.values.append(float(row["value"]))
+        entry.baseline_runs += bool(row.get("baseline"))
         if row.get("source"):
             entry.sources.append(str(row["source"]))
         if row.get("job_id") is not None:
             entry.job_ids.append(int(row["job_id"]))
     sign = 1.0 if direction == "minimize" else -1.0
     entries = sorted(groups.values(), key=lambda e: (sign * e.mean, -e.n))
+    base = max((e for e in entries if e.baseline_runs), key=lambda e: (e.baseline_runs, e.n), default=None)
     lead = noise = None
     within: bool | None = None
     if len(entries) >= 2:
@@ -258,15 +287,47 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
         if spreads:
             noise = max(spreads)
             within = lead < noise
+    reference = base.params if base is not None else dict(defaults or {})
+    winner = verdict = best_tried = None
+    if base is not None:
+        for e in entries:
+            if e is base or e.n < 2:
+                continue
+            v = gate(base.values, e.values, direction=direction)
+            if best_tried is None:
+                best_tried = v
+            if v.win:
+                winner, verdict = e, v
+                break
+    if base is None:
+        headline = "no baseline measured: no result can be called an improvement"
+    elif verdict is not None:
+        headline = verdict.describe()
+    else:
+        headline = NO_IMPROVEMENT + (f" (best re-run candidate: {best_tried.describe().split('(', 1)[1]}"
+                                     if best_tried is not None else " (no candidate was run on several seeds)")
+    out_entries = []
+    for i, e in enumerate(entries):
+        out_entries.append({
+            "rank": i + 1, "params": e.params, "diff": _diff(e.params, reference), "n": e.n, "mean": e.mean,
+            "spread": e.spread, "best": (min if direction == "minimize" else max)(e.values), "values": e.values,
+            "gap": None if base is None else -sign * (e.mean - base.mean), "baseline": e is base,
+            "winner": e is winner, "job_ids": e.job_ids, "sources": sorted(set(e.sources))})
+    summary = (lambda e: None if e is None else {"params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,
+                                                 "values": e.values, "job_ids": e.job_ids})
     return {
         "direction": direction,
-        "entries": [
-            {"rank": i + 1, "params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,
-             "best": (min if direction == "minimize" else max)(e.values), "job_ids": e.job_ids,
-             "sources": sorted(set(e.sources))}
-            for i, e in enumerate(entries)
-        ],
+        "entries": out_entries,
+        "baseline": summary(base),
+        "winner": summary(winner),
+        "verdict": None if verdict is None else {**dataclasses.asdict(verdict), "text": verdict.describe()},
+        "headline": headline,
         "lead": lead,
         "noise": noise,
         "lead_within_noise": within,
     }
+
+
+def _diff(params: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
+    """The params that differ from (or are missing in) `reference`."""
+    return {k: v for k, v in params.items() if k not in reference or reference[k] != v}

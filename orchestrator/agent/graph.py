@@ -4,15 +4,18 @@
                                     ^                           +-> monitor   (nothing to add: wait)
                                     +---------------------------+-> finish -> END
 
-- propose: fill free slots (K in flight) with proposals, each recorded with its idempotency key
-  `<session>:<n>` before anything is submitted; ASHA-paused trials that now rank well are promoted first.
+- propose: first of all the baseline (the spec's defaults on `baseline_seeds` seeds, all at once); then fill
+  free slots (K in flight) with proposals, each recorded with its idempotency key `<session>:<n>` before
+  anything is submitted; ASHA-paused trials that now rank well are promoted first.
 - submit: create each proposal's MLflow child run and queue its job under that key. Re-running this node after
   a crash finds the run (by tag) and the job (by key) instead of making new ones; the params of whatever was
   made first win, so the state always describes what actually runs.
 - monitor: block until something happens (a job changes state, a trial reaches an ASHA rung, the time budget
   runs out) or a heartbeat passes, so checkpoints track events rather than a polling clock.
 - analyse: read final metrics, apply ASHA (demote losers: they checkpoint and wait in line), track the best.
-- decide: move search -> confirm (fresh-seed re-runs of the best) -> done, and route.
+  A trial whose metric history reached its full budget counts whatever stopped it afterwards.
+- decide: move search -> confirm (fresh-seed re-runs of the top candidates by mean) -> done, and route.
+  The winner is decided afterwards by the noise gate against the baseline (`orchestrator.agent.report`).
 - finish: stop leftovers, log the best-so-far plot and summary on the session run, record the leaderboard.
 
 State is plain JSON-able data (the checkpoint); live resources (store, tracker, proposer) live on `Agent`.
@@ -24,7 +27,7 @@ import time
 from typing import Any, Callable, TypedDict
 
 from orchestrator.agent import search
-from orchestrator.agent.history import Results, device_seconds, is_final
+from orchestrator.agent.history import Results, completed_value, device_seconds, is_final
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
 
@@ -43,6 +46,8 @@ class State(TypedDict, total=False):
     trials: list[dict]
     elapsed: float  # seconds this session has been alive (time while killed does not count)
     best: dict | None
+    candidates: list[int]  # search trials whose configuration is being re-run on fresh seeds
+    confirm_planned: bool  # the confirmation re-runs have been recorded (possibly none: no candidate)
     usage: dict
     stop_reason: str
     route: str
@@ -53,8 +58,9 @@ class Agent:
 
     def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any,
                  parallel: int, proposer: Any = None, notify: Callable[[], None] = lambda: None,
-                 on_event: Callable[[dict], None] = lambda e: None):
+                 on_event: Callable[[dict], None] = lambda e: None, settings: Any = None):
         self.session_id = session_id
+        self.settings = settings
         self.cfg = config
         self.spec = spec
         self.store = store
@@ -72,8 +78,14 @@ class Agent:
             from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
-                            llm_options=config.llm)
+                            llm_options=config.llm,
+                            baseline=search.project(search.baseline_params(spec, config.baseline, self.fixed),
+                                                    self.searched.space))
         self.proposer = proposer
+        self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
+        seed0 = int(self.fixed.get(search.SEED_KEY, config.seed))
+        self.seeds = [seed0, *search.confirm_seeds(session_id, max(config.baseline_seeds, config.confirm_seeds),
+                                                   seed0)]
         # Rungs count progress reports (evaluations), not optimizer steps: trials with different batch sizes
         # then meet at the same fraction of their budget (digits reports once per epoch).
         self.asha = ASHA(grace=1, eta=config.eta, direction=spec.direction)
@@ -113,15 +125,21 @@ class Agent:
     # -- nodes -----------------------------------------------------------------------------------------------------
 
     def propose(self, state: State) -> State:
-        """Fill free slots: promoted paused trials first, then new proposals (search) or re-runs (confirm)."""
+        """The baseline first; then fill free slots: promoted paused trials, new proposals, or re-runs (confirm)."""
         self._elapsed(state)
         trials = [dict(t) for t in state["trials"]]
+        if not any(t["phase"] == "baseline" for t in trials):
+            # Every later result is judged against these runs, so they go in before any proposal, all at once.
+            for seed in self.seeds[: self.cfg.baseline_seeds]:
+                trials.append(self._record(len(trials), "baseline", search.seeded(self.spec, self.baseline, seed),
+                                           "baseline", "the baseline: the experiment's defaults"))
         free = self.capacity - sum(1 for t in trials if t["status"] in ACTIVE)
         search_max, n_confirm = self.cfg.split()
+        candidates = list(state.get("candidates") or [])
         if state["phase"] == "search" and free > 0:
             if self.cfg.early_stopping:
                 paused = [t for t in trials if t["status"] == "paused"]
-                for t in self.asha.promotable(paused, [t for t in trials if t["phase"] == "search"])[:free]:
+                for t in self.asha.promotable(paused, _peers(trials))[:free]:
                     try:
                         self.store.demote(t["job_id"], self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
                     except Exception:  # it ended meanwhile; the next monitor pass records how
@@ -143,13 +161,38 @@ class Agent:
                 for p in proposals:
                     trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
                                                p.proposer, p.rationale))
-        elif state["phase"] == "confirm" and not any(t["phase"] == "confirm" for t in trials) and state.get("best"):
-            best = state["best"]["params"]
-            for seed in search.confirm_seeds(self.session_id, n_confirm, int(self.fixed.get(search.SEED_KEY, -1))):
-                params = dict(best, **({search.SEED_KEY: seed} if search.SEED_KEY in self.spec.space else {}))
-                trials.append(self._record(len(trials), "confirm", self.spec.space.validate(params), "confirm",
-                                           f"re-run of trial {state['best']['n']} on a fresh seed"))
-        return {"trials": trials, "elapsed": state["elapsed"], "usage": state.get("usage", {})}
+        elif state["phase"] == "confirm" and not state.get("confirm_planned"):
+            candidates, state["confirm_planned"] = [], True
+            left = n_confirm
+            for rep, used in self._top_candidates(trials):
+                if left <= 0:
+                    break
+                fresh = [s for s in self.seeds[1:] if s not in used][: min(self.cfg.confirm_seeds, left)]
+                for seed in fresh:
+                    trials.append(self._record(len(trials), "confirm", search.seeded(self.spec, rep["params"], seed),
+                                               "confirm", f"re-run of trial {rep['n']} on a fresh seed"))
+                left -= len(fresh)
+                candidates.append(rep["n"])
+        return {"trials": trials, "elapsed": state["elapsed"], "usage": state.get("usage", {}),
+                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
+
+    def _top_candidates(self, trials: list[dict]) -> list[tuple[dict, set[int]]]:
+        """The `confirm_top` best configurations by mean over their finished runs (the baseline's excluded),
+        each as (its best search trial, the seeds it already ran on)."""
+        groups: dict[str, list[dict]] = {}
+        base_key = search.config_key(self.baseline)
+        for t in trials:
+            if t["phase"] in ("search", "confirm") and t["status"] == "succeeded":
+                key = search.config_key(t["params"])
+                if key != base_key:
+                    groups.setdefault(key, []).append(t)
+        sign = -1.0 if self.spec.direction == "maximize" else 1.0
+        ranked = sorted(groups.values(), key=lambda g: sign * sum(t["value"] for t in g) / len(g))
+        out = []
+        for group in ranked[: self.cfg.confirm_top]:
+            rep = sorted(group, key=lambda t: sign * t["value"])[0]
+            out.append((rep, {int(t["params"].get(search.SEED_KEY, -1)) for t in group}))
+        return out
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> dict:
         return {"n": n, "key": f"{self.session_id}:{n}", "phase": phase, "params": params, "proposer": proposer,
@@ -174,7 +217,8 @@ class Agent:
                     t["params"] = self.spec.space.validate(self.tracker.params(made))
                 tags = {"autoresearch.session": self.session_id, "autoresearch.proposer": t["proposer"],
                         "autoresearch.phase": t["phase"], "autoresearch.rationale": t["rationale"],
-                        "autoresearch.owner": self.session_id}
+                        "autoresearch.owner": self.session_id,
+                        **({"autoresearch.baseline": "true"} if t["phase"] == "baseline" else {})}
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t["key"],
                                                         name=f"{self.session_id} trial {t['n']}", params=t["params"],
                                                         tags=tags)
@@ -183,8 +227,7 @@ class Agent:
                                preemptible=True, owner=self.session_id, experiment=self.spec.name,
                                params=t["params"], env={}, cwd=_repo_root(), mlflow_run_id=run_id,
                                idempotency_key=t["key"])
-                job = self.store.submit(spec)
-                self.notify()
+                job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status="queued", submitted_at=time.time())
             if t["run_id"]:
                 self.tracker.set_tags(t["run_id"], {"autoresearch.job_id": job.id})
@@ -197,7 +240,7 @@ class Agent:
         trials = [dict(t) for t in state["trials"]]
         deadline = time.time() + HEARTBEAT
         while True:
-            changed = False
+            changed = not any(t["status"] in ("queued", "running", "paused") and not t.get("ended") for t in trials)
             for t in trials:
                 if t["status"] not in ("queued", "running", "paused") or t.get("ended"):
                     continue
@@ -210,7 +253,8 @@ class Agent:
                     t["status"] = "running"
                     changed = True
                     self._event("running", {**state, "trials": trials}, trial=t["n"], job=job.id)
-                if t["status"] == "running" and t["phase"] == "search" and self.cfg.early_stopping and t["run_id"]:
+                if t["status"] == "running" and t["phase"] in ("baseline", "search") and self.cfg.early_stopping \
+                        and t["run_id"]:
                     history = self.tracker.history(t["run_id"], self.progress_metric)
                     if history:
                         t["last_step"] = history[-1][0]
@@ -231,46 +275,32 @@ class Agent:
         for t in trials:
             if not t.get("ended") or t["status"] in FINAL:
                 continue
-            job = self.store.get(t["job_id"])
-            t["device_s"] = device_seconds(self.store, job)
-            t["finished_at"] = job.finished_at
-            if job.state == "SUCCEEDED":
-                if t["phase"] == "search" and self.cfg.early_stopping:
-                    # A trial can finish between two looks; its rung values are what later trials meet there.
-                    history = self.tracker.history(t["run_id"], self.progress_metric)
-                    t["rungs"] = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
-                t["value"] = self.tracker.final(t["run_id"], self.spec.metric)
-                t["status"] = "succeeded" if t["value"] is not None else "failed"
-                t["error"] = "" if t["value"] is not None else f"no {self.spec.metric} logged"
-            elif job.state == "FAILED":
-                t.update(status="failed", error=f"exit code {job.exit_code}: {job.reason}"[:300])
-            else:
-                t["status"] = "stopped" if t.get("stopped_at") is not None else "cancelled"
-            self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
-            # Once confirmation has begun, the candidate being re-run on fresh seeds stays the best: a search
+            self._record_end(t, state)
+            # Once confirmation has begun, the candidates being re-run on fresh seeds stay the best: a search
             # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
             if t["status"] == "succeeded" and t["phase"] == "search" and state["phase"] == "search" and (
                     best is None or self.spec.better(t["value"], best["value"])):
                 best = {"n": t["n"], "value": t["value"], "params": t["params"], "job_id": t["job_id"]}
             self._event(t["status"], {**state, "trials": trials, "best": best}, trial=t["n"], value=t["value"],
-                        error=t["error"])
+                        error=t["error"], phase=t["phase"])
         if self.cfg.early_stopping:
-            peers = [t for t in trials if t["phase"] == "search"]
+            peers = _peers(trials)
             for t in trials:
                 if t["status"] != "running" or t["phase"] != "search" or t.get("ended"):
                     continue
                 rung = self.asha.judge(t, peers)
                 t["judged"] = sorted({*t["judged"], *(int(k) for k in t["rungs"] if rung is None or int(k) <= rung)})
-                if rung is not None:
-                    try:
-                        self.store.demote(t["job_id"], self.cfg.priority - 1,
-                                          f"ASHA: outside the top 1/{self.asha.eta} at step {rung}")
-                    except Exception:  # finished in the meantime: the next monitor pass records it
-                        continue
-                    self.notify()
-                    t.update(status="paused", stopped_at=rung)
-                    self._event("paused", {**state, "trials": trials, "best": best}, trial=t["n"], rung=rung,
-                                value=t["rungs"][str(rung)])
+                if rung is None or not self._still_a_loser(t, rung, peers):
+                    continue
+                try:
+                    self.store.demote(t["job_id"], self.cfg.priority - 1,
+                                      f"ASHA: outside the top 1/{self.asha.eta} at step {rung}")
+                except Exception:  # finished in the meantime: the next monitor pass records it
+                    continue
+                self.notify()
+                t.update(status="paused", stopped_at=rung)
+                self._event("paused", {**state, "trials": trials, "best": best}, trial=t["n"], rung=rung,
+                            value=t["rungs"][str(rung)])
         done = [t for t in trials if t["status"] in FINAL]
         metrics = {"trials_done": len(done), "trials_running": sum(t["status"] == "running" for t in trials),
                    "trials_stopped": sum(t["status"] in ("stopped", "paused") for t in trials)}
@@ -280,6 +310,61 @@ class Agent:
             metrics[f"llm_{k}"] = v
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": trials, "best": best}
+
+    def _still_a_loser(self, t: dict, rung: int, peers: list[dict]) -> bool:
+        """Re-read the trial's history just before demoting it: a trial that has reached its full budget is
+        left to finish, and one whose latest report ranks in the top 1/eta at the rung is kept."""
+        raw = self.tracker.history(t["run_id"], self.progress_metric)
+        if not raw:
+            return True
+        total = self._total(t)
+        if total is not None and raw[-1][0] >= total:
+            return False
+        history = reports(raw)
+        t["rungs"] = {**t["rungs"], **{str(k): v for k, v in self.asha.rung_values(history).items()}}
+        at_rung = [p["rungs"][str(rung)] for p in peers if str(rung) in p.get("rungs", {})]
+        return not (history[-1][0] > rung and self.asha.keep(history[-1][1], at_rung))
+
+    def _total(self, t: dict) -> int | None:
+        """The trial's full budget in steps, as its job logged it (`total_steps`); None until it has."""
+        if t.get("total") is None:
+            try:
+                t["total"] = int(float(self.tracker.params(t["run_id"]).get("total_steps", "")))
+            except ValueError:
+                return None
+        return t["total"]
+
+    def _record_end(self, t: dict, state: State) -> None:
+        """A trial whose job will not run again: its outcome, its device time, its MLflow run closed.
+
+        A job stopped or cancelled after its metric history reached the full budget (ASHA's SIGTERM or the
+        session's end arrived after its last step) has finished: its final value counts like any other.
+        """
+        job = self.store.get(t["job_id"])
+        t["device_s"] = device_seconds(self.store, job)
+        t["finished_at"] = job.finished_at
+        value = None
+        if job.state == "SUCCEEDED":
+            value = self.tracker.final(t["run_id"], self.spec.metric)
+        elif t["run_id"]:
+            value = completed_value(self.tracker, self.spec, t["run_id"])
+        if self.cfg.early_stopping and t["run_id"] and t["phase"] in ("baseline", "search") and value is not None:
+            # A trial can finish between two looks; its rung values are what later trials meet there.
+            history = self.tracker.history(t["run_id"], self.progress_metric)
+            t["rungs"] = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
+        if value is not None:
+            t.update(status="succeeded", value=value, error="" if job.state == "SUCCEEDED" else
+                     f"finished its full budget before it was stopped ({job.state.lower()})")
+        elif job.state == "SUCCEEDED":
+            t.update(status="failed", error=f"no {self.spec.metric} logged")
+        elif job.state == "FAILED":
+            t.update(status="failed", error=f"exit code {job.exit_code}: {job.reason}"[:300])
+        else:
+            t["status"] = "stopped" if t.get("stopped_at") is not None else "cancelled"
+        t["ended"] = True
+        if t["run_id"]:
+            self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"],
+                                                                                               "KILLED"))
 
     def decide(self, state: State) -> State:
         """Phase changes (search -> confirm -> done) and the route to take next."""
@@ -300,29 +385,32 @@ class Agent:
                 took = [t["device_s"] for t in trials if t["status"] == "succeeded"]
                 reserve = 1.25 * max(took) if took else 0.0
             late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
-            if hit or late or (exhausted and not active):
+            searching = [t for t in active if t["phase"] != "baseline"]
+            if hit or late or (exhausted and not searching):
                 reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
                           else "time left only for the confirmation re-runs" if late else "trial budget used")
                 for t in trials:
-                    if t["status"] in (*ACTIVE, "paused") and t["job_id"] is not None:
+                    # The baseline runs on (it is what the winner is judged against) unless time is up.
+                    keep = t["phase"] == "baseline" and not self._time_up(state)
+                    if t["status"] in (*ACTIVE, "paused") and t["job_id"] is not None and not keep:
                         self._cancel(t, f"session {self.session_id}: {reason}")
                     if t["status"] == "proposed":
                         t["status"] = "cancelled"
                 phase = "confirm" if n_confirm and best and not self._time_up(state) else "done"
                 self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
         elif phase == "confirm":
-            confirm = [t for t in trials if t["phase"] == "confirm"]
+            waiting = [t for t in trials if t["phase"] in ("confirm", "baseline")]
             if self._time_up(state):
-                for t in confirm:
+                for t in waiting:
                     if t["status"] in ACTIVE and t["job_id"] is not None:
                         self._cancel(t, f"session {self.session_id}: time budget reached")
                 phase, reason = "done", "time budget reached during the confirmation re-runs"
-            elif confirm and all(t["status"] in FINAL for t in confirm):
+            elif state.get("confirm_planned") and all(t["status"] in FINAL for t in waiting):
                 phase = "done"
         active = [t for t in trials if t["status"] in ACTIVE]
         if phase == "done":
             route = "finish"
-        elif phase == "confirm" and not any(t["phase"] == "confirm" for t in trials) and len(active) < self.capacity:
+        elif phase == "confirm" and not state.get("confirm_planned"):
             route = "propose"
         elif phase == "search" and len(active) < self.capacity and (
                 search_max is None or sum(t["phase"] == "search" for t in trials) < search_max
@@ -333,17 +421,21 @@ class Agent:
         return {"trials": trials, "phase": phase, "stop_reason": reason, "route": route, "elapsed": state["elapsed"]}
 
     def finish(self, state: State) -> State:
-        """Stop leftovers and wait for them, then summarise on the session run."""
+        """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
         trials = [dict(t) for t in state["trials"]]
         pending = [t for t in trials if t["status"] in (*ACTIVE, "paused") and t["job_id"] is not None]
         for t in pending:
             self._cancel(t, f"session {self.session_id} finished")
         deadline = time.time() + 90
-        while pending and time.time() < deadline:
-            pending = [t for t in pending if not is_final(self.store.get(t["job_id"]))]
-            time.sleep(self.cfg.poll if pending else 0)
+        waiting = list(pending)
+        while waiting and time.time() < deadline:
+            waiting = [t for t in waiting if not is_final(self.store.get(t["job_id"]))]
+            time.sleep(self.cfg.poll if waiting else 0)
         for t in trials:
             if t["status"] in (*ACTIVE, "paused"):
+                if t["job_id"] is not None and is_final(self.store.get(t["job_id"])):
+                    self._record_end(t, state)  # a job that finished its budget before the cancel still counts
+                    continue
                 t["status"] = "stopped" if t["status"] == "paused" else "cancelled"
                 if t["run_id"]:
                     self.tracker.finish(t["run_id"], "KILLED")
@@ -363,6 +455,11 @@ def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
     for step, value in history:
         seen.setdefault(step, value)
     return [(i + 1, seen[step]) for i, step in enumerate(sorted(seen))]
+
+
+def _peers(trials: list[dict]) -> list[dict]:
+    """The trials ASHA ranks a search trial among: the other search trials and the baseline's runs."""
+    return [t for t in trials if t["phase"] in ("baseline", "search")]
 
 
 def _project(obs: Observation, searched: Any) -> Observation:

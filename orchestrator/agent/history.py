@@ -12,6 +12,7 @@ from experiments.registry import ExperimentSpec
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
+from orchestrator.tracking import TAG_PHASE
 
 S = JobState
 
@@ -71,23 +72,39 @@ class Results:
         self.tracker = tracker
         self.spec = spec
         self._values: dict[int, float | None] = {}
+        self._baseline: dict[int, bool] = {}
 
     def jobs(self) -> list[Job]:
         return self.store.list(experiment=self.spec.name)
 
     def value(self, job: Job) -> float | None:
-        """The job's final metric (None when it has none or no run); cached once the job is final."""
+        """The job's final metric, or None; cached once the job is final.
+
+        A job that succeeded counts. So does one stopped or cancelled after its metric history had already
+        reached its full budget (ASHA's demotion or the session's end arrived after the last step): a
+        finished result is never dropped for how the job was stopped.
+        """
         if job.id in self._values:
             return self._values[job.id]
         value = None
-        if job.mlflow_run_id:
+        if job.mlflow_run_id and (job.job_state is S.SUCCEEDED or is_final(job)):
             try:
-                value = self.tracker.final(job.mlflow_run_id, self.spec.metric)
+                if job.job_state is S.SUCCEEDED:
+                    value = self.tracker.final(job.mlflow_run_id, self.spec.metric)
+                else:
+                    value = completed_value(self.tracker, self.spec, job.mlflow_run_id)
             except Exception:  # a run deleted by hand, or an MLflow hiccup: not worth failing a session
                 value = None
         if is_final(job):
             self._values[job.id] = value
         return value
+
+    def is_baseline(self, job: Job) -> bool:
+        """Whether the job ran a session's baseline (its MLflow run is tagged so)."""
+        if job.id not in self._baseline:
+            tags = self.tracker.tags(job.mlflow_run_id) if job.mlflow_run_id else {}
+            self._baseline[job.id] = tags.get(TAG_PHASE) == "baseline"
+        return self._baseline[job.id]
 
     def observations(self, session_trials: Sequence[Mapping[str, Any]] = ()) -> list[Observation]:
         """Every trial of the experiment as proposer input; the session's own come from its state."""
@@ -109,15 +126,31 @@ class Results:
         return out
 
     def rows(self, jobs: Iterable[Job] | None = None) -> list[dict[str, Any]]:
-        """Leaderboard rows: every succeeded job of the experiment that logged the metric."""
+        """Leaderboard rows: every job of the experiment with a final metric (complete runs only)."""
         rows = []
         for job in self.jobs() if jobs is None else jobs:
-            if job.job_state is S.SUCCEEDED and job.params is not None:
+            if is_final(job) and job.params is not None:
                 value = self.value(job)
                 if value is not None:
                     rows.append({"params": dict(job.params), "value": value, "job_id": job.id,
-                                 "source": source(job)})
+                                 "source": source(job), "baseline": self.is_baseline(job)})
         return rows
+
+
+def completed_value(tracker: Any, spec: ExperimentSpec, run_id: str) -> float | None:
+    """The final metric of a run whose progress history reached its full budget, else None.
+
+    The budget is the `total_steps` param the job logs when it starts (the bundled experiments do); a run
+    without it cannot show that it finished, so it does not count.
+    """
+    try:
+        total = int(float(tracker.params(run_id).get("total_steps", "")))
+    except ValueError:
+        return None
+    history = tracker.history(run_id, spec.progress_metric or spec.metric)
+    if not history or history[-1][0] < total:
+        return None
+    return tracker.final(run_id, spec.metric)
 
 
 def trial_observation(t: Mapping[str, Any]) -> Observation:

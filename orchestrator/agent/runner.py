@@ -42,16 +42,48 @@ def resume(session_id: str, *, settings: Settings | None = None, devices: str | 
     settings = settings or Settings.load()
     registry = Registry(settings.home)
     try:
-        row = registry.get(session_id)
-        if row["status"] == "running":
-            raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
-        if row["status"] == "finished":
-            raise BadInput(f"session {session_id} already finished; see `autoresearch leaderboard`")
+        row = _resumable(registry, session_id)
         registry.update(session_id, status="running", pid=os.getpid())
         return _run(session_id, SessionConfig.from_dict(row["config"]), settings, registry, devices, on_event,
                     proposer)
     finally:
         registry.close()
+
+
+def resumable(session_id: str, settings: Settings | None = None) -> None:
+    """BadInput unless `session_id` names an interrupted session (unknown, running or finished ones are not)."""
+    registry = Registry((settings or Settings.load()).home)
+    try:
+        _resumable(registry, session_id)
+    finally:
+        registry.close()
+
+
+def _resumable(registry: Registry, session_id: str) -> dict[str, Any]:
+    row = registry.get(session_id)
+    if row["status"] == "running":
+        raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
+    if row["status"] == "finished":
+        raise BadInput(f"session {session_id} already finished; see `autoresearch leaderboard`")
+    return row
+
+
+def session_links(url: str, settings: Settings | None = None, limit: int = 5) -> list[str]:
+    """Lines with the MLflow UI addresses of the latest sessions' runs (their experiment's runs table,
+    filtered to the session, and the session run with its report)."""
+    from urllib.parse import quote
+
+    from orchestrator.tracking import TAG_SESSION, Tracker
+
+    tracker = Tracker.from_settings(settings or Settings.load())
+    out = []
+    for run in tracker.session_runs()[:limit]:
+        session = run.data.tags.get(TAG_SESSION, "?")
+        exp = run.info.experiment_id
+        search = quote(f"tags.`{TAG_SESSION}` = '{session}'")
+        out.append(f"session {session}: {url}/#/experiments/{exp}/runs?searchFilter={search}  "
+                   f"(report: {url}/#/experiments/{exp}/runs/{run.info.run_id}/artifacts)")
+    return out
 
 
 def load_spec(name: str) -> Any:
@@ -78,16 +110,19 @@ def load_spec(name: str) -> Any:
 
 
 def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
-    """BadInput unless the experiment, proposer, fixed params and (with no service running) devices are valid."""
+    """BadInput unless the experiment, proposer, fixed and baseline params and (with no service running)
+    devices are valid."""
     from orchestrator import devices as devspec
     from orchestrator.agent.proposers.factory import NAMES
-    from orchestrator.agent.search import fixed_params, reduced
+    from orchestrator.agent.search import baseline_params, fixed_params, reduced
     from orchestrator.service import Service
 
     spec = load_spec(config.experiment)
     if config.proposer not in NAMES:
         raise BadInput(f"unknown proposer {config.proposer!r}; choose from {', '.join(NAMES)}")
-    reduced(spec, fixed_params(spec, config.fixed, config.seed))
+    fixed = fixed_params(spec, config.fixed, config.seed)
+    reduced(spec, fixed)
+    baseline_params(spec, config.baseline, fixed)
     settings = settings or Settings.load()
     if not Service.running(settings):
         devspec.parse(devices or settings.devices)  # an embedded service will need them
@@ -97,6 +132,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
          on_event: Callable[[dict], None] | None, proposer: Any) -> dict[str, Any]:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
+    from orchestrator.agent import report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.queue.store import JobStore
     from orchestrator.service import Service
@@ -122,7 +158,8 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         registry.update(session_id, mlflow_run_id=parent)
         agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
                       parallel=config.parallel or slots, proposer=proposer,
-                      notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None))
+                      notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),
+                      settings=settings)
         saver = SqliteSaver(connect(settings.home))
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}
@@ -134,11 +171,16 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
                 "session": session_id, "config": config.to_dict(), "parent_run": parent, "phase": "search",
                 "trials": [], "elapsed": 0.0, "best": None, "usage": {}, "stop_reason": "", "route": ""}
             final = graph.invoke(first, run_cfg, durability="sync")
-        summary = summarise(session_id, config, final, agent)
-        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"]})
-        winner = summary.get("winner") or {}
+        summary = report.summarise(session_id, config, final, spec, parallel=agent.parallel,
+                                   defaults=agent.baseline)
+        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
+                                  "autoresearch.verdict": summary["headline"]})
+        winner, base = summary.get("winner") or {}, summary.get("baseline") or {}
         tracker.log_metrics(parent, {"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
+                                     "baseline_mean": base.get("mean"), "baseline_spread": base.get("spread"),
+                                     "improvement": (summary.get("verdict") or {}).get("delta"),
                                      "device_seconds": summary["device_seconds"]}, step=len(final["trials"]))
+        tracker.log_text(parent, report.markdown(summary), report.REPORT)
         tracker.finish(parent)
         registry.update(session_id, status="finished", summary=summary)
         return summary
@@ -149,29 +191,6 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     finally:
         if service is not None:
             service.stop()
-
-
-def summarise(session_id: str, config: SessionConfig, state: dict, agent: Any) -> dict[str, Any]:
-    """What a session found: counts, the winner with its seed spread, the noise flag, cost."""
-    from orchestrator.tracking import leaderboard
-
-    trials = state["trials"]
-    jobs = [agent.store.get(t["job_id"]) for t in trials if t["status"] == "succeeded" and t["job_id"] is not None]
-    board = leaderboard(agent.results.rows(jobs), agent.spec.direction)
-    top = board["entries"][0] if board["entries"] else None
-    counts: dict[str, int] = {}
-    for t in trials:
-        counts[t["status"]] = counts.get(t["status"], 0) + 1
-    return {
-        "session": session_id, "experiment": config.experiment, "proposer": config.proposer,
-        "goal": config.goal, "stop_reason": state.get("stop_reason", ""), "trials": len(trials), "counts": counts,
-        "metric": agent.spec.metric, "direction": agent.spec.direction,
-        "best": state.get("best"), "winner": top, "lead": board["lead"], "noise": board["noise"],
-        "lead_within_noise": board["lead_within_noise"], "elapsed_s": round(state.get("elapsed", 0.0), 1),
-        "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1),
-        "usage": state.get("usage", {}), "parallel": agent.parallel, "mlflow_run_id": state.get("parent_run"),
-        "finished_at": time.time(),
-    }
 
 
 def leaderboard(experiment: str | None = None, settings: Settings | None = None) -> list[dict[str, Any]]:
@@ -191,5 +210,6 @@ def leaderboard(experiment: str | None = None, settings: Settings | None = None)
         spec = load_spec(name)
         rows = Results(store, tracker, spec).rows()
         if rows or experiment:
-            out.append({"experiment": spec.name, "metric": spec.metric, **rank(rows, spec.direction)})
+            out.append({"experiment": spec.name, "metric": spec.metric,
+                        **rank(rows, spec.direction, defaults=spec.space.defaults())})
     return out

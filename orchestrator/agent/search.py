@@ -59,8 +59,37 @@ def full(spec: ExperimentSpec, searched: Mapping[str, Any], fixed: Mapping[str, 
     return spec.space.validate({**searched, **fixed})
 
 
+def baseline_params(spec: ExperimentSpec, overrides: Mapping[str, Any], fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """The baseline's params: the spec's defaults, the user's `--baseline` overrides, then the fixed params.
+
+    BadInput for an override of an unknown or fixed parameter, or one outside the space.
+    """
+    for key in overrides:
+        if key not in spec.space:
+            raise BadInput(f"--baseline {key}: {spec.name} has no such parameter; known: {', '.join(spec.space)}")
+        if key in fixed:
+            raise BadInput(f"--baseline {key}: it is held fixed for the whole session (by --param or the budget)")
+    try:
+        return spec.space.validate({**overrides, **fixed})
+    except SpaceError as exc:
+        raise BadInput(f"--baseline: {exc}") from None
+
+
+def seeded(spec: ExperimentSpec, params: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """`params` run on `seed` (unchanged for an experiment without a seed parameter)."""
+    return spec.space.validate({**params, SEED_KEY: seed}) if SEED_KEY in spec.space else dict(params)
+
+
+def config_key(params: Mapping[str, Any]) -> str:
+    """One configuration whatever its seed: runs that differ only in the seed share this key."""
+    return repr(sorted((k, repr(v)) for k, v in params.items() if k != SEED_KEY))
+
+
 def confirm_seeds(session_id: str, count: int, avoid: int) -> list[int]:
-    """Fresh seeds for the confirmation re-runs, stable for a session (a resume picks the same ones)."""
+    """Fresh seeds for the re-runs, stable for a session (a resume picks the same ones).
+
+    The baseline's extra seeds are the first of these too, so candidates and baseline meet on the same seeds.
+    """
     out: list[int] = []
     i = 0
     while len(out) < count:

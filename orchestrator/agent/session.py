@@ -22,7 +22,11 @@ from orchestrator.errors import BadInput
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """What `autoresearch start` asked for. `trials` counts every job the session submits, re-runs included."""
+    """What `autoresearch start` asked for.
+
+    `trials` counts the search trials and the confirmation re-runs; the baseline's `baseline_seeds` runs come
+    on top (they are the measurement every result is judged against, not part of the search).
+    """
 
     goal: str
     experiment: str
@@ -34,7 +38,10 @@ class SessionConfig:
     priority: int = 0
     model: str | None = None
     fixed: dict[str, Any] = field(default_factory=dict)  # params held constant (e.g. scale=1 on a laptop)
-    confirm_seeds: int = 2  # fresh-seed re-runs of the best configuration before declaring it the winner
+    confirm_seeds: int = 2  # fresh-seed re-runs of each top candidate before one may be declared the winner
+    confirm_top: int = 2  # candidates re-run (best mean over seeds first)
+    baseline: dict[str, Any] = field(default_factory=dict)  # overrides of the spec's defaults for the baseline
+    baseline_seeds: int = 3  # the baseline runs on this many seeds, first of all
     early_stopping: bool = True
     eta: int = 3
     seed: int = 0
@@ -53,6 +60,10 @@ class SessionConfig:
             raise BadInput(f"--parallel must be >= 1, got {self.parallel}")
         if self.confirm_seeds < 0:
             raise BadInput("--confirm-seeds must be >= 0")
+        if self.confirm_top < 1:
+            raise BadInput("--confirm-top must be >= 1")
+        if not 1 <= self.baseline_seeds <= 20:
+            raise BadInput(f"--baseline-seeds must be in 1..20, got {self.baseline_seeds}")
 
     @property
     def max_trials(self) -> int | None:
@@ -62,11 +73,15 @@ class SessionConfig:
         return self.trials
 
     def split(self) -> tuple[int | None, int]:
-        """(search trials, confirmation re-runs): re-runs come out of `--trials`, never on top of it."""
+        """(search trials, confirmation re-runs): re-runs come out of `--trials`, never on top of it.
+
+        Up to `confirm_top * confirm_seeds` re-runs, but never more than half of what is left after two trials.
+        """
+        want = self.confirm_top * self.confirm_seeds
         total = self.max_trials
         if total is None:
-            return None, self.confirm_seeds
-        confirm = min(self.confirm_seeds, max(0, (total - 2) // 2))
+            return None, want
+        confirm = min(want, max(0, (total - 2) // 2))
         return total - confirm, confirm
 
     def to_dict(self) -> dict[str, Any]:

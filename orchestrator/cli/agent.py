@@ -69,25 +69,29 @@ def _proposer_note(name: str) -> str:
 
 
 def _print_summary(summary: dict) -> None:
-    best = summary.get("best")
-    winner = summary.get("winner")
+    """The end of a session for people: the baseline, the winner (if any) and the gate's verdict."""
+    metric = summary["metric"]
     info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['trials']} trials "
          f"{summary['counts']}, {summary['elapsed_s']} s, {summary['device_seconds']} device-s")
+    base, winner = summary.get("baseline"), summary.get("winner")
+    if base:
+        print(f"baseline: {metric} {_mean(base)} over {base['n']} seed(s) (the experiment's defaults)")
     if winner:
-        spread = f" ± {_fmt(winner['spread'])}" if winner.get("spread") is not None else " (single run)"
-        print(f"winner: {summary['metric']} {_fmt(winner['mean'])}{spread} over {winner['n']} seed(s): "
-              f"{_params(winner['params'], 20)}")
-        if summary.get("lead_within_noise"):
-            print(f"note: its lead ({_fmt(summary['lead'])}) is smaller than the seed noise "
-                  f"({_fmt(summary['noise'])}): the top two are not clearly different")
-    elif best:
-        print(f"best: {summary['metric']} {_fmt(best['value'])}: {_params(best['params'], 20)}")
-    else:
-        print("no trial finished with a metric")
+        diff = {k: v for k, v in winner["params"].items() if (base or {}).get("params", {}).get(k) != v}
+        print(f"winner:   {metric} {_mean(winner)} over {winner['n']} seeds: {_params(diff, 20) or '-'}")
+    elif summary.get("best"):
+        best = summary["best"]
+        print(f"best single run: {metric} {_fmt(best['value'])} (not a win unless it holds up over seeds)")
+    print(summary.get("headline") or "no trial finished with a metric")
     usage = summary.get("usage") or {}
     if usage.get("calls"):
         print(f"LLM: {int(usage['calls'])} calls, {int(usage.get('prompt_tokens', 0))}+"
               f"{int(usage.get('completion_tokens', 0))} tokens, ~${usage.get('cost_usd', 0.0):.4f}")
+
+
+def _mean(entry: dict) -> str:
+    spread = f" ± {_fmt(entry['spread'])}" if entry.get("spread") is not None else " (single run)"
+    return f"{_fmt(entry['mean'])}{spread}"
 
 
 @app.command()
@@ -106,7 +110,11 @@ def start(
     priority: int = typer.Option(0, "--priority", help="Priority of the trials (people's jobs use 10)."),
     model: Optional[str] = typer.Option(None, "--model", help="LLM model name."),
     param: List[str] = typer.Option([], "--param", help="KEY=VALUE held fixed while searching (repeatable)."),
-    confirm_seeds: int = typer.Option(2, "--confirm-seeds", help="Fresh-seed re-runs of the best at the end."),
+    confirm_seeds: int = typer.Option(2, "--confirm-seeds", help="Fresh-seed re-runs of each top candidate."),
+    confirm_top: int = typer.Option(2, "--confirm-top", help="Top candidates (by mean) re-run at the end."),
+    baseline: List[str] = typer.Option([], "--baseline", help="KEY=VALUE: the baseline's change from the "
+                                       "experiment's defaults (repeatable)."),
+    baseline_seeds: int = typer.Option(3, "--baseline-seeds", help="Seeds the baseline runs on, first of all."),
     no_early_stop: bool = typer.Option(False, "--no-early-stop", help="Let every trial run its full budget."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -130,7 +138,9 @@ def start(
     config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
                            budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
                            model=model or Settings.load().llm_model, fixed=api.parse_params(param),
-                           confirm_seeds=confirm_seeds, early_stopping=not no_early_stop)
+                           confirm_seeds=confirm_seeds, confirm_top=confirm_top,
+                           baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
+                           early_stopping=not no_early_stop)
     runner.check(config, devices=devices)
     session_id = new_id()
     info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
@@ -151,6 +161,7 @@ def resume(
 
     if programs.resume(session, devices, as_json):
         return
+    runner.resumable(session)  # an unknown or finished session: one line, before anything else is said
     info(f"resuming session {session}")
     summary = runner.resume(session, devices=devices, on_event=progress)
     print_json(summary) if as_json else _print_summary(summary)
@@ -201,19 +212,33 @@ def leaderboard(
     show(boards)
 
 
+WIDTH = 100  # the leaderboard fits a 100-column terminal; full params are in --json
+
+
 def show(boards: list[dict], top: int = 10) -> None:
-    """Print leaderboards as tables, with the noise note under each."""
+    """Print leaderboards as tables (params as changes from the baseline), with the verdict under each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=WIDTH)
     for board in boards:
-        rows = [(e["rank"], _fmt(e["mean"]), "" if e["spread"] is None else _fmt(e["spread"]), e["n"],
-                 _params(e["params"], 12), "; ".join(e["sources"]), ",".join(map(str, e["job_ids"][:6])))
-                for e in board["entries"][:top]]
-        print_table(f"{board['experiment']}: {board['metric']} ({board['direction']})",
-                    ["#", "mean", "spread", "n", "params", "by", "jobs"], rows)
-        if board["lead_within_noise"]:
-            print(f"note: the leader's lead ({_fmt(board['lead'])}) is smaller than the seed noise "
-                  f"({_fmt(board['noise'])})")
-        elif board["lead_within_noise"] is None and len(board["entries"]) > 1:
-            print("note: no configuration has been run on several seeds; the noise is unknown")
+        table = Table(title=f"{board['experiment']}: {board['metric']} ({board['direction']})",
+                      title_justify="left", pad_edge=False)
+        for name, opts in (("#", {}), ("mean", {}), ("±", {}), ("n", {}), ("gap", {}),
+                           ("changes from the baseline", {"overflow": "ellipsis", "no_wrap": True, "max_width": 52}),
+                           ("jobs", {"overflow": "ellipsis", "no_wrap": True, "max_width": 12})):
+            table.add_column(name, **opts)
+        for e in board["entries"][:top]:
+            what = "(baseline)" if e.get("baseline") else (_params(e.get("diff", e["params"]), 6) or "(same)")
+            table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
+                          "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
+                          "" if e.get("gap") is None else f"{e['gap']:+.3g}", what,
+                          ",".join(map(str, e["job_ids"][:4])))
+        console.print(table)
+        if board.get("headline"):
+            console.print(board["headline"], markup=False, highlight=False)
+        if len(board["entries"]) > top:
+            console.print(f"({len(board['entries']) - top} more; --json for all, with full params)")
 
 
 @app.command()
@@ -234,6 +259,11 @@ def ui(
     argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", settings.tracking_uri,
             "--default-artifact-root", settings.artifacts_dir.as_uri(), "--no-serve-artifacts",
             "--host", host, "--port", str(port), "--workers", str(workers)]
-    info(f"MLflow UI for {settings.home} at http://{host}:{port}")
+    url = f"http://{host}:{port}"
+    info(f"MLflow UI for {settings.home} at {url}")
+    from orchestrator.agent import runner
+
+    for line in runner.session_links(url, settings):
+        info(line)
     sys.stdout.flush()
     os.execv(sys.executable, argv)

@@ -2,7 +2,8 @@
 
 Run as a real queue job (`python -m tests.agent.synthetic`) following Contract 3: params from
 AUTORESEARCH_PARAMS, metrics to MLFLOW_RUN_ID, progress kept in AUTORESEARCH_CHECKPOINT_DIR, SIGTERM ->
-save and exit 75 (so a demoted trial resumes where it stopped). STEP_SECONDS sets the pace.
+save and exit 75 (so a demoted trial resumes where it stopped). STEP_SECONDS sets the pace. It logs
+`total_steps` like the bundled experiments, so a run that reached its full budget is known to be complete.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def main() -> None:
 
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     run = os.environ["MLFLOW_RUN_ID"]
+    if start == 0:  # the full budget, as the bundled experiments log it: the agent knows when a run is complete
+        from mlflow.entities import Param
+
+        client.log_batch(run, params=[Param("total_steps", str(p["steps"]))])
     pace = float(os.environ.get("STEP_SECONDS", "0.15"))
     for step in range(start + 1, p["steps"] + 1):
         time.sleep(pace)

@@ -33,7 +33,8 @@ INJECT = ["$(touch /tmp/pwned-by-llm)", "1; rm -rf ~", "`id`"]
 
 
 def config(**kw) -> SessionConfig:
-    base = dict(goal="minimise the synthetic loss", experiment=EXP, proposer="tpe", trials=6, parallel=2, poll=0.2)
+    base = dict(goal="minimise the synthetic loss", experiment=EXP, proposer="tpe", trials=6, parallel=2, poll=0.2,
+                baseline_seeds=2)
     return SessionConfig(**{**base, **kw})
 
 
@@ -44,6 +45,10 @@ def session_jobs(home: Path, session: str):
 def llm_answer(body: dict) -> object:
     x = random.uniform(-4, 4)
     return ok({"proposals": [{"params": {"x": x, "y": -2.0, "kind": "b"}, "rationale": f"try x={x:.2f}"}]})
+
+
+def phase(job) -> str:
+    return tracker_tag(job.mlflow_run_id, "autoresearch.phase")
 
 
 def tracker_tag(run_id: str, tag: str) -> str:
@@ -65,10 +70,10 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
         monkeypatch.setenv("OPENAI_API_KEY", KEY)
         llm = {"timeout": 3.0, "backoff": 0.01, "max_reasks": 3}
         summary = runner.start(config(proposer="llm", trials=4, llm=llm), devices="cpu:2")
-    assert summary["trials"] == 4 and summary["winner"] is not None
+    assert summary["trials"] == 2 + 4 and summary["baseline"]["n"] == 2 and summary["headline"]
     jobs = session_jobs(home, summary["session"])
-    assert len(jobs) == 4
-    assert ["llm", "tpe", "tpe", "confirm"] == [
+    assert len(jobs) == 6
+    assert ["baseline", "baseline", "llm", "tpe", "tpe", "confirm"] == [
         tracker_tag(j.mlflow_run_id, "autoresearch.proposer") for j in jobs]
     for job in jobs:
         assert SPEC.space.validate(job.params) == job.params
@@ -84,7 +89,7 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
     tracker = Tracker.from_settings(Settings.load())
     parent = tracker.client.get_run(summary["mlflow_run_id"])
     assert parent.data.metrics["llm_prompt_tokens"] > 0 and "llm_cost_usd" in parent.data.metrics
-    first = tracker.client.get_run(jobs[0].mlflow_run_id)
+    first = tracker.client.get_run(jobs[2].mlflow_run_id)
     assert first.data.tags["autoresearch.rationale"] == "near the centre"
     assert first.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
     # The key never reaches a file under the home: queue, MLflow, agent checkpoints, logs, artifacts.
@@ -146,23 +151,36 @@ def test_target_stops_the_search_then_confirms_on_fresh_seeds(home):
                            proposer=NearTheOptimum())
     assert summary["stop_reason"] == "target reached"
     jobs = session_jobs(home, summary["session"])
-    assert len(jobs) < 10
-    confirm = [j for j in jobs if j.params["seed"] != 0]
-    best = {k: v for k, v in summary["best"]["params"].items() if k != "seed"}
-    assert len(confirm) == 2 and all({k: v for k, v in j.params.items() if k != "seed"} == best for j in confirm)
+    assert len(jobs) < 2 + 10
+    no_seed = lambda p: {k: v for k, v in p.items() if k != "seed"}  # noqa: E731
+    search = {json.dumps(no_seed(j.params), sort_keys=True): j for j in jobs if phase(j) == "search"}
+    confirm = [j for j in jobs if phase(j) == "confirm"]
+    # The top candidates by mean (two at most; those still running at the target were stopped) are re-run,
+    # two fresh seeds each, on the seeds the baseline ran on.
+    rerun = {json.dumps(no_seed(j.params), sort_keys=True) for j in confirm}
+    assert rerun <= search.keys() and len(rerun) in (1, 2) and len(confirm) == 2 * len(rerun)
+    base_seeds = {j.params["seed"] for j in jobs if phase(j) == "baseline"}
+    assert base_seeds - {0} <= {j.params["seed"] for j in confirm} and 0 not in {j.params["seed"] for j in confirm}
+    winner = summary["winner"]
+    assert winner is not None and winner["n"] == 3 and winner["spread"] is not None
+    assert summary["headline"].startswith("improvement +") and "over baseline" in summary["headline"]
     board = runner.leaderboard(EXP)[0]
-    (pooled,) = [e for e in board["entries"] if e["params"] == best]
-    assert pooled["n"] == 3 and pooled["spread"] is not None and summary["winner"] is not None
+    assert board["entries"][0]["params"] == winner["params"] and board["entries"][0]["winner"]
     assert all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
 
 
 def test_time_budget_is_honoured(home):
+    """The budget logic, not wall-clock tightness: the session ends for the budget, submits nothing after it
+    ran out, and leaves no job behind."""
+    budget = 0.2 * 60
     t0 = time.time()
-    summary = runner.start(config(trials=None, budget_minutes=0.2, confirm_seeds=0), devices="cpu:2")
-    assert summary["elapsed_s"] <= 12 + 5  # slack: one graph step (a submit on a very busy machine)
-    assert time.time() - t0 < 60
+    summary = runner.start(config(trials=None, budget_minutes=budget / 60, confirm_seeds=0), devices="cpu:2")
+    assert summary["stop_reason"] == "time budget reached"
+    assert summary["elapsed_s"] >= budget  # it used its budget rather than stopping early
     jobs = session_jobs(home, summary["session"])
     assert jobs and all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
+    assert all(j.submitted_at <= t0 + budget + 1 or j.submitted_at - t0 <= summary["elapsed_s"] for j in jobs)
+    assert max(j.submitted_at for j in jobs) - t0 < summary["elapsed_s"] + 1
 
 
 def _cli(*args: str) -> list[str]:
@@ -172,7 +190,7 @@ def _cli(*args: str) -> list[str]:
 def test_kill_9_then_resume_without_duplicates_or_overrun(home):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(_cli("start", "--goal", "g", "--experiment", EXP, "--trials", "5", "--parallel", "2",
-                                 "--devices", "cpu:2", "--confirm-seeds", "1", "--json"),
+                                 "--devices", "cpu:2", "--confirm-seeds", "1", "--baseline-seeds", "2", "--json"),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     store = JobStore(Settings.load().db_url)
@@ -196,9 +214,9 @@ def test_kill_9_then_resume_without_duplicates_or_overrun(home):
     summary = json.loads(done.stdout)
     jobs = store.list(owner=row["id"])
     keys = [j.idempotency_key for j in jobs]
-    assert len(keys) == len(set(keys)) == 5  # exactly the budget: nothing twice, nothing extra
-    assert sorted(keys) == sorted(f"{row['id']}:{n}" for n in range(5))
-    assert summary["trials"] == 5 and registry.get(row["id"])["status"] == "finished"
+    assert len(keys) == len(set(keys)) == 2 + 5  # the baseline plus exactly the budget: nothing twice or extra
+    assert sorted(keys) == sorted(f"{row['id']}:{n}" for n in range(7))
+    assert summary["trials"] == 7 and registry.get(row["id"])["status"] == "finished"
     # One MLflow child run per trial, even for trials whose run was made just before the kill.
     from orchestrator.tracking import Tracker
 
@@ -248,9 +266,9 @@ def test_asha_demotes_losers_and_the_session_cleans_them_up(home, monkeypatch):
             return [Proposal(plan.pop(0), "tpe") for _ in range(n)]
 
     summary = runner.start(config(trials=4, parallel=2, confirm_seeds=0), devices="cpu:2", proposer=Scripted())
-    assert summary["counts"] == {"succeeded": 2, "stopped": 2}
+    assert summary["counts"] == {"succeeded": 2 + 2, "stopped": 2}  # the baseline's two runs, two good, two bad
     jobs = session_jobs(home, summary["session"])
-    good, bad = jobs[:2], jobs[2:]
+    good, bad = jobs[2:4], jobs[4:]
     assert all(j.state == "SUCCEEDED" for j in good)
     for j in bad:  # demoted below the session's priority, preempted (checkpointed), cancelled at the end
         assert j.state == "CANCELLED" and j.priority == -1

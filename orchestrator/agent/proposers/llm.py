@@ -163,7 +163,7 @@ class LLMProposer:
         return got[:n]
 
     def prompt(self, n: int, history: Sequence[Observation], context: str = "") -> str:
-        """The user message: goal, space, history table, best so far, recent failures."""
+        """The user message: goal, space, baseline and its noise, history table, best so far, recent failures."""
         spec = self.spec
         done = [o for o in history if o.state == "complete" and o.value is not None]
         sign = 1 if spec.direction == "minimize" else -1
@@ -184,10 +184,28 @@ class LLMProposer:
                                if ranked else "(none yet)"),
             "Recent failures:\n" + ("\n".join(failures) or "(none)"),
         ]
+        parts.insert(4, baseline_line(history, spec.metric))
         if context:
             parts.append(context)
         parts.append(f"Propose {n} new configuration(s).")
         return "\n\n".join(parts)
+
+
+def baseline_line(history: Sequence[Observation], metric: str) -> str:
+    """The baseline (the experiment's defaults, run first on several seeds) and the seed noise it shows."""
+    runs = [o for o in history if o.proposer == "baseline"]
+    done = [o.value for o in runs if o.state == "complete" and o.value is not None]
+    if not runs:
+        return "Baseline: (none)"
+    params = json.dumps(runs[0].params, sort_keys=True)
+    if not done:
+        return f"Baseline (the experiment's defaults, still running on {len(runs)} seeds): {params}"
+    mean = sum(done) / len(done)
+    std = (sum((v - mean) ** 2 for v in done) / (len(done) - 1)) ** 0.5 if len(done) > 1 else None
+    noise = (f" ± {std:.3g} (seed-to-seed standard deviation). A difference smaller than about {2 * std:.3g} "
+             "is noise, not an improvement" if std is not None else " (one seed so far: the noise is unknown)")
+    return (f"Baseline (the experiment's defaults, {len(done)} seeds): {params} -> {metric} {mean:.6g}{noise}. "
+            "Only a configuration that beats the baseline by more than the noise counts as a win.")
 
 
 def parse_answer(text: str, spec: ExperimentSpec, n: int, tried: Sequence[dict[str, Any]]

@@ -1,0 +1,41 @@
+"""Build a proposer by name: Optuna samplers (tpe, cmaes, random), the LLM, or the hybrid of the two."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from experiments.registry import ExperimentSpec
+from orchestrator.agent.proposers.base import Proposer
+from orchestrator.agent.proposers.hybrid import HybridProposer
+from orchestrator.agent.proposers.llm import LLMProposer
+from orchestrator.agent.proposers.optuna_ import SamplerProposer
+from orchestrator.errors import BadInput
+
+NAMES = ("llm", "tpe", "cmaes", "random", "hybrid")
+
+
+def llm_configured() -> bool:
+    """Whether an OpenAI-compatible endpoint or key is configured in the environment."""
+    return bool(os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY"))
+
+
+def default_name() -> str:
+    """`llm` when an endpoint or key is configured, else `tpe`."""
+    return "llm" if llm_configured() else "tpe"
+
+
+def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: str | None = None,
+         llm_options: dict[str, Any] | None = None, hybrid_share: float = 0.3,
+         baseline: dict[str, Any] | None = None) -> Proposer:
+    """Build the proposer called `name` for experiment `spec`; samplers start near `baseline` (params of
+    `spec`'s space). BadInput for an unknown name."""
+    if name not in NAMES:
+        raise BadInput(f"unknown proposer {name!r}; choose from {', '.join(NAMES)}")
+    if name in ("tpe", "cmaes", "random"):
+        return SamplerProposer(spec, name, seed=seed, baseline=baseline)
+    sampler = SamplerProposer(spec, "tpe", seed=seed, baseline=baseline)
+    llm = LLMProposer(spec, goal, model=model, fallback=sampler, **(llm_options or {}))
+    if name == "llm":
+        return llm
+    return HybridProposer(sampler, llm, share=hybrid_share)

@@ -1,0 +1,81 @@
+"""What a session found, judged against its baseline: the summary dict and the Markdown report on its MLflow run.
+
+The ranking and the verdict come from `orchestrator.tracking.leaderboard` over the session's own finished
+trials (the baseline's runs included and marked), so a session's report and `autoresearch leaderboard` can
+never disagree about what counts as a win.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+from orchestrator.tracking import leaderboard
+
+REPORT = "report.md"
+
+
+def session_board(session_id: str, trials: Sequence[Mapping[str, Any]], direction: str,
+                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The leaderboard of one session's finished trials (baseline marked)."""
+    rows = [{"params": t["params"], "value": t["value"], "job_id": t["job_id"], "source": f"session {session_id}",
+             "baseline": t["phase"] == "baseline"}
+            for t in trials if t["status"] == "succeeded" and t.get("value") is not None]
+    return leaderboard(rows, direction, defaults=defaults)
+
+
+def summarise(session_id: str, config: Any, state: Mapping[str, Any], spec: Any, *, parallel: int,
+              defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Counts, the baseline, the gated winner (None when nothing beat the baseline by more than the noise),
+    the one-line verdict, the ranking and the cost."""
+    trials = state["trials"]
+    board = session_board(session_id, trials, spec.direction, defaults)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    return {
+        "session": session_id, "experiment": config.experiment, "proposer": config.proposer,
+        "goal": config.goal, "stop_reason": state.get("stop_reason", ""), "trials": len(trials), "counts": counts,
+        "metric": spec.metric, "direction": spec.direction,
+        "best": state.get("best"), "baseline": board["baseline"], "winner": board["winner"],
+        "verdict": board["verdict"], "headline": board["headline"], "ranking": board["entries"][:20],
+        "lead": board["lead"], "noise": board["noise"], "lead_within_noise": board["lead_within_noise"],
+        "elapsed_s": round(state.get("elapsed", 0.0), 1),
+        "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1),
+        "usage": state.get("usage", {}), "parallel": parallel, "mlflow_run_id": state.get("parent_run"),
+        "finished_at": time.time(),
+    }
+
+
+def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
+    """The session report: the verdict, the baseline, the ranking (params as changes from the baseline)."""
+    metric = summary["metric"]
+    lines = [f"# Session {summary['session']}: {summary['experiment']}", "",
+             f"**Goal:** {summary['goal']}  ", f"**Proposer:** {summary['proposer']}  ",
+             f"**Ended:** {summary['stop_reason'] or 'done'} after {summary['trials']} trials, "
+             f"{summary['elapsed_s']} s, {summary['device_seconds']} device-seconds", "",
+             "## Verdict", "", f"**{summary['headline']}**", ""]
+    base = summary.get("baseline")
+    if base:
+        spread = "" if base["spread"] is None else f" ± {base['spread']:.4g}"
+        lines += [f"Baseline (the experiment's defaults): {metric} {base['mean']:.4g}{spread} over {base['n']} "
+                  f"seeds.", ""]
+    verdict = summary.get("verdict")
+    if verdict:
+        lines += [f"Gate: {verdict['method']}; a candidate wins only if the lower end of the CI of its "
+                  "improvement is above zero.", ""]
+    lines += ["## Ranking", "", f"| # | {metric} mean | spread | n | gap to baseline | changes from the baseline |",
+              "|---|---|---|---|---|---|"]
+    for e in summary.get("ranking", [])[:top]:
+        spread = "" if e["spread"] is None else f"{e['spread']:.3g}"
+        gap = "" if e["gap"] is None else f"{e['gap']:+.4g}"
+        what = "**baseline**" if e["baseline"] else (", ".join(f"{k}={_short(v)}" for k, v in e["diff"].items())
+                                                     or "(same as the baseline)")
+        mark = " (winner)" if e.get("winner") else ""
+        lines.append(f"| {e['rank']}{mark} | {e['mean']:.4g} | {spread} | {e['n']} | {gap} | {what} |")
+    lines += ["", "![best so far](best_so_far.png)", ""]
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
