@@ -69,11 +69,13 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
         monkeypatch.setenv("OPENAI_API_KEY", KEY)
         llm = {"timeout": 3.0, "backoff": 0.01, "max_reasks": 3}
-        summary = runner.start(config(proposer="llm", trials=4, llm=llm), devices="cpu:2")
-    assert summary["trials"] == 2 + 4 and summary["baseline"]["n"] == 2 and summary["headline"]
+        # One baseline run and K=3 in flight (one waits for a device): the first ask is for 3 proposals.
+        summary = runner.start(config(proposer="llm", trials=4, llm=llm, baseline_seeds=1, parallel=3),
+                               devices="cpu:2")
+    assert summary["trials"] == 1 + 4 and summary["baseline"]["n"] == 1 and summary["headline"]
     jobs = session_jobs(home, summary["session"])
-    assert len(jobs) == 6
-    assert ["baseline", "baseline", "llm", "tpe", "tpe", "confirm"] == [
+    assert len(jobs) == 5
+    assert ["baseline", "llm", "tpe", "tpe", "confirm"] == [
         tracker_tag(j.mlflow_run_id, "autoresearch.proposer") for j in jobs]
     for job in jobs:
         assert SPEC.space.validate(job.params) == job.params
@@ -89,7 +91,7 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
     tracker = Tracker.from_settings(Settings.load())
     parent = tracker.client.get_run(summary["mlflow_run_id"])
     assert parent.data.metrics["llm_prompt_tokens"] > 0 and "llm_cost_usd" in parent.data.metrics
-    first = tracker.client.get_run(jobs[2].mlflow_run_id)
+    first = tracker.client.get_run(jobs[1].mlflow_run_id)
     assert first.data.tags["autoresearch.rationale"] == "near the centre"
     assert first.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
     # The key never reaches a file under the home: queue, MLflow, agent checkpoints, logs, artifacts.
