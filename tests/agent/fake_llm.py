@@ -25,6 +25,7 @@ class Step:
     status: int = 200
     content: str = ""
     delay: float = 0.0
+    retry_after: str = "0"  # the Retry-After header of a 429
 
 
 def ok(content: str | dict) -> Step:
@@ -32,9 +33,9 @@ def ok(content: str | dict) -> Step:
     return Step(200, content if isinstance(content, str) else json.dumps(content))
 
 
-def status(code: int) -> Step:
-    """An error answer with this HTTP status (429 carries Retry-After: 0 so tests stay quick)."""
-    return Step(code)
+def status(code: int, retry_after: str = "0") -> Step:
+    """An error answer with this HTTP status (a 429 carries `retry_after`, 0 by default so tests stay quick)."""
+    return Step(code, retry_after=retry_after)
 
 
 def sleep(seconds: float, then: Step) -> Step:
@@ -69,7 +70,7 @@ class FakeLLM:
                 if step.status != 200:
                     payload = {"error": {"message": f"scripted {step.status}", "type": "server_error",
                                          "code": None}}
-                    self._send(step.status, payload, {"retry-after": "0"} if step.status == 429 else {})
+                    self._send(step.status, payload, {"retry-after": step.retry_after} if step.status == 429 else {})
                     return
                 prompt = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4
                 completion = len(step.content) // 4

@@ -103,6 +103,31 @@ def test_retries_on_429_500_and_timeout_with_backoff(llm_env):
     assert p.usage["retries"] == 4 and len(fake.requests) == 5
 
 
+@pytest.mark.parametrize("code", [400, 401, 403, 404, 422])
+def test_non_retryable_4xx_is_asked_once_then_the_sampler_fills_in(llm_env, code):
+    with FakeLLM([status(code)], default=lambda body: ok(good(2))) as fake:
+        llm_env(fake)
+        p = proposer(retries=4)
+        out = p.propose(2, [])
+    assert len(fake.requests) == 1  # retrying a bad request, a bad key or a missing model cannot help
+    assert [o.proposer for o in out] == ["tpe", "tpe"] and p.usage["retries"] == 0 and p.usage["fallbacks"] == 2
+
+
+def test_retry_after_is_honoured_up_to_30_seconds(llm_env, monkeypatch):
+    from orchestrator.agent.proposers import llm as llm_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(llm_module, "_sleep", waits.append)  # record the waits instead of sitting them out
+    with FakeLLM([status(429, retry_after="2"), status(429, retry_after="3600"), status(429, retry_after="soon"),
+                  ok(good(1))]) as fake:
+        llm_env(fake)
+        p = proposer(retries=5, backoff=0.01)
+        out = p.propose(1, [])
+    assert out[0].proposer == "llm" and len(fake.requests) == 4
+    assert waits[:2] == [2.0, 30.0]  # as asked; an hour is capped at 30 s
+    assert 0 < waits[2] < 1  # an unreadable header: the exponential backoff instead
+
+
 def test_endpoint_down_falls_back_to_sampler(llm_env):
     with FakeLLM(default=lambda body: status(500)) as fake:
         llm_env(fake)

@@ -245,3 +245,17 @@ def test_only_worse_candidates_report_no_improvement(home):
     assert {"report.md", "best_so_far.png"} <= arts
     exp = tracker.client.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_resume_of_an_unknown_session_is_one_line_and_exit_2(home):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", "resume", "s-unknown"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "s-unknown" in done.stderr

@@ -53,6 +53,11 @@ def test_ui_serves_this_homes_runs_and_artifacts(home):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    # It says where the session's runs are, and MLflow 3 opens the experiment on its training-runs table.
+    exp = tracker.client.get_experiment_by_name("digits")
+    said = proc.stderr.read().decode()
+    assert f"session s-0000ui00: {base}/#/experiments/{exp.experiment_id}/runs?searchFilter=" in said
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     bad = subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", "ui", "--port", "0"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--port" in bad.stderr

@@ -27,6 +27,8 @@ from orchestrator.agent.proposers.base import Observation, Proposal, Proposer
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gpt-4o-mini"
+MAX_RETRY_AFTER = 30.0  # seconds: a server asking for longer gets this (a session should not stall for minutes)
+_sleep = time.sleep  # the wait between retries (tests record it instead of waiting)
 # USD per million (prompt, completion) tokens; AUTORESEARCH_LLM_PRICE="in,out" overrides for other models.
 PRICES = {"gpt-4o-mini": (0.15, 0.60), "gpt-4o": (2.50, 10.0), "gpt-4.1-mini": (0.40, 1.60),
           "gpt-4.1": (2.00, 8.00), "gpt-4.1-nano": (0.10, 0.40)}
@@ -88,7 +90,7 @@ class LLMProposer:
                 if attempt == self.retries:
                     raise LLMUnavailable(f"{type(exc).__name__} after {attempt + 1} tries") from None
                 self.usage["retries"] += 1
-                time.sleep(self._delay(attempt, exc))
+                _sleep(self._delay(attempt, exc))
                 continue
             except openai.APIStatusError as exc:  # other 4xx: retrying will not help
                 raise LLMUnavailable(f"HTTP {exc.status_code}") from None
@@ -102,12 +104,12 @@ class LLMProposer:
         raise LLMUnavailable("no answer")  # unreachable; keeps type checkers content
 
     def _delay(self, attempt: int, exc: Exception) -> float:
-        """Exponential backoff with jitter; a server's Retry-After is honoured up to 30 s."""
+        """Exponential backoff with jitter; a server's Retry-After is honoured up to `MAX_RETRY_AFTER` s."""
         response = getattr(exc, "response", None)
         retry_after = response.headers.get("retry-after") if response is not None else None
         try:
             if retry_after is not None:
-                return min(30.0, max(0.0, float(retry_after)))
+                return min(MAX_RETRY_AFTER, max(0.0, float(retry_after)))
         except ValueError:
             pass
         return self.backoff * (2 ** attempt) * (0.5 + random.random() / 2)
