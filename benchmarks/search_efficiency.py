@@ -2,6 +2,7 @@
 
     python benchmarks/search_efficiency.py [--seeds 10] [--trials 16] [--proposers random,tpe,cmaes]
                                            [--experiment synthetic|digits] [--slots 2] [--step-seconds 0.3]
+    python benchmarks/search_efficiency.py --experiment digits --proposers tpe --trials 12 --minutes 3  # the demo
 
 Each (proposer, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its
 own embedded service, real trial processes and a real MLflow store, exactly as `autoresearch start` runs it:
@@ -116,7 +117,8 @@ EXPERIMENTS = {  # name -> (experiment, params held fixed)
 }
 
 
-def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: int) -> dict:
+def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: int,
+                minutes: float | None = None) -> dict:
     """One full agent session in a fresh home; its summary plus the device-seconds it used."""
     home = Path(tempfile.mkdtemp(prefix=f"bench-{proposer}-{seed}-"))
     os.environ["AUTORESEARCH_HOME"] = str(home)
@@ -127,7 +129,8 @@ def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: i
 
     name, fixed = EXPERIMENTS[experiment]
     config = SessionConfig(goal="find a real improvement over the defaults", experiment=name, proposer=proposer,
-                           trials=trials, parallel=slots, fixed=fixed, seed=seed, poll=0.25)
+                           trials=trials, budget_minutes=minutes, parallel=slots, fixed=fixed, seed=seed,
+                           poll=0.25)
     t0 = time.time()
     summary = runner.start(config, settings=Settings.load(), devices=f"cpu:{slots}")
     summary["wall_s"] = time.time() - t0
@@ -176,6 +179,9 @@ def main() -> int:
     parser.add_argument("--experiment", default="synthetic", choices=sorted(EXPERIMENTS))
     parser.add_argument("--slots", type=int, default=2, help="cpu:N device slots per session")
     parser.add_argument("--step-seconds", type=float, default=0.3, help="synthetic: seconds per logged step")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="a time budget per session too (the demo: --experiment digits --proposers tpe "
+                        "--trials 12 --minutes 3)")
     parser.add_argument("--no-queue-section", action="store_true", help="skip the proposers-only section")
     args = parser.parse_args()
     os.environ["BENCH_STEP_SECONDS"] = str(args.step_seconds)
@@ -195,7 +201,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     for seed in range(args.seeds):
         for kind in kinds:
-            s = run_session(args.experiment, kind, seed, args.trials, args.slots)
+            s = run_session(args.experiment, kind, seed, args.trials, args.slots, args.minutes)
             results[kind].append(s)
             base = s.get("baseline") or {}
             print(f"seed {seed} {kind:>6}: {s['headline']} | {s['trials']} jobs, {s['device_seconds']:.0f} "

@@ -381,9 +381,11 @@ class Agent:
             exhausted = search_max is not None and n_search >= search_max
             reserve = 0.0
             if n_confirm and self.cfg.budget_minutes:
-                # Room for one more round: the slowest finished trial, with a margin for a busy machine.
+                # Room for the confirmation rounds (the re-runs share the devices): the slowest finished trial
+                # per round, with a margin for a busy machine.
                 took = [t["device_s"] for t in trials if t["status"] == "succeeded"]
-                reserve = 1.25 * max(took) if took else 0.0
+                rounds = -(-n_confirm // max(1, self.parallel))
+                reserve = 1.25 * max(took) * rounds if took else 0.0
             late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
             searching = [t for t in active if t["phase"] != "baseline"]
             if hit or late or (exhausted and not searching):

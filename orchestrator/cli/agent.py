@@ -224,15 +224,15 @@ def show(boards: list[dict], top: int = 10) -> None:
     for board in boards:
         table = Table(title=f"{board['experiment']}: {board['metric']} ({board['direction']})",
                       title_justify="left", pad_edge=False)
-        for name, opts in (("#", {}), ("mean", {}), ("±", {}), ("n", {}), ("gap", {}),
-                           ("changes from the baseline", {"overflow": "ellipsis", "no_wrap": True, "max_width": 52}),
+        for name, opts in (("#", {}), ("mean", {}), ("±", {}), ("n", {}), ("gap", {"no_wrap": True}),
+                           ("changes from the baseline", {"overflow": "ellipsis", "no_wrap": True, "max_width": 48}),
                            ("jobs", {"overflow": "ellipsis", "no_wrap": True, "max_width": 12})):
             table.add_column(name, **opts)
         for e in board["entries"][:top]:
             what = "(baseline)" if e.get("baseline") else (_params(e.get("diff", e["params"]), 6) or "(same)")
             table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
                           "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
-                          "" if e.get("gap") is None else f"{e['gap']:+.3g}", what,
+                          "" if e.get("gap") is None else f"{e['gap']:+.2g}", what,
                           ",".join(map(str, e["job_ids"][:4])))
         console.print(table)
         if board.get("headline"):
