@@ -30,9 +30,12 @@ from orchestrator.agent import search
 from orchestrator.agent.history import Results, completed_value, device_seconds, is_final
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
+from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
 
-ACTIVE = ("proposed", "queued", "running")
-FINAL = ("succeeded", "failed", "stopped", "cancelled")
+S, P = TrialStatus, Phase
+
+ACTIVE = tuple(s for s in TrialStatus if s.active)
+FINAL = tuple(s for s in TrialStatus if s.final)
 HEARTBEAT = 15.0
 
 
@@ -43,7 +46,7 @@ class State(TypedDict, total=False):
     config: dict
     parent_run: str
     phase: str  # search | confirm | done
-    trials: list[dict]
+    trials: list[dict]  # `Trial.to_dict()` of each trial
     elapsed: float  # seconds this session has been alive (time while killed does not count)
     best: dict | None
     candidates: list[int]  # search trials whose configuration is being re-run on fresh seeds
@@ -102,8 +105,8 @@ class Agent:
         return state["elapsed"]
 
     def _event(self, kind: str, state: State, **data: Any) -> None:
-        trials = state.get("trials", [])
-        counts = {s: sum(1 for t in trials if t["status"] == s) for s in (*ACTIVE, *FINAL, "paused")}
+        trials = load(state.get("trials", []))
+        counts = {s.value: sum(1 for t in trials if t.status is s) for s in TrialStatus}
         best = state.get("best")
         self.on_event({"event": kind, "session": self.session_id, "elapsed": round(state.get("elapsed", 0.0), 1),
                        "done": counts["succeeded"] + counts["failed"], "running": counts["running"],
@@ -115,9 +118,9 @@ class Agent:
         minutes = self.cfg.budget_minutes
         return minutes is not None and state.get("elapsed", 0.0) >= minutes * 60
 
-    def _cancel(self, t: dict, reason: str) -> None:
+    def _cancel(self, t: Trial, reason: str) -> None:
         try:
-            self.store.cancel(t["job_id"], reason)
+            self.store.cancel(t.job_id, reason)
         except Exception:  # it finished on its own meanwhile
             pass
         self.notify()
@@ -127,28 +130,31 @@ class Agent:
     def propose(self, state: State) -> State:
         """The baseline first; then fill free slots: promoted paused trials, new proposals, or re-runs (confirm)."""
         self._elapsed(state)
-        trials = [dict(t) for t in state["trials"]]
-        if not any(t["phase"] == "baseline" for t in trials):
+        trials = load(state["trials"])
+        if not any(t.phase is P.BASELINE for t in trials):
             # Every later result is judged against these runs, so they go in before any proposal, all at once.
             for seed in self.seeds[: self.cfg.baseline_seeds]:
                 trials.append(self._record(len(trials), "baseline", search.seeded(self.spec, self.baseline, seed),
                                            "baseline", "the baseline: the experiment's defaults"))
-        free = self.capacity - sum(1 for t in trials if t["status"] in ACTIVE)
+        free = self.capacity - sum(1 for t in trials if t.status in ACTIVE)
         search_max, n_confirm = self.cfg.split()
         candidates = list(state.get("candidates") or [])
         if state["phase"] == "search" and free > 0:
             if self.cfg.early_stopping:
-                paused = [t for t in trials if t["status"] == "paused"]
-                for t in self.asha.promotable(paused, _peers(trials))[:free]:
+                paused = [t for t in trials if t.status is S.PAUSED]
+                views = self.asha.promotable([t.config_values() for t in paused],
+                                             [p.config_values() for p in _peers(trials)])
+                by_n = {t.n: t for t in paused}
+                for t in [by_n[v["n"]] for v in views][:free]:
                     try:
-                        self.store.demote(t["job_id"], self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
+                        self.store.demote(t.job_id, self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
                     except Exception:  # it ended meanwhile; the next monitor pass records how
                         continue
                     self.notify()
-                    t.update(status="queued", stopped_at=None)
+                    t.update(status=S.QUEUED, stopped_at=None)
                     free -= 1
-                    self._event("promoted", {**state, "trials": trials}, trial=t["n"])
-            n_search = sum(1 for t in trials if t["phase"] == "search")
+                    self._event("promoted", {**state, "trials": trials}, trial=t.n)
+            n_search = sum(1 for t in trials if t.phase is P.SEARCH)
             n = free if search_max is None else min(free, search_max - n_search)
             if n > 0:
                 history = [_project(o, self.searched) for o in self.results.observations(trials)]
@@ -169,286 +175,291 @@ class Agent:
                     break
                 fresh = [s for s in self.seeds[1:] if s not in used][: min(self.cfg.confirm_seeds, left)]
                 for seed in fresh:
-                    trials.append(self._record(len(trials), "confirm", search.seeded(self.spec, rep["params"], seed),
-                                               "confirm", f"re-run of trial {rep['n']} on a fresh seed"))
+                    trials.append(self._record(len(trials), "confirm", search.seeded(self.spec, rep.params, seed),
+                                               "confirm", f"re-run of trial {rep.n} on a fresh seed"))
                 left -= len(fresh)
-                candidates.append(rep["n"])
-        return {"trials": trials, "elapsed": state["elapsed"], "usage": state.get("usage", {}),
+                candidates.append(rep.n)
+        return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
                 "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
 
-    def _top_candidates(self, trials: list[dict]) -> list[tuple[dict, set[int]]]:
+    def _top_candidates(self, trials: list[Trial]) -> list[tuple[Trial, set[int]]]:
         """The `confirm_top` best configurations by mean over their finished runs (the baseline's excluded),
         each as (its best search trial, the seeds it already ran on)."""
-        groups: dict[str, list[dict]] = {}
+        groups: dict[str, list[Trial]] = {}
         base_key = search.config_key(self.baseline)
         for t in trials:
-            if t["phase"] in ("search", "confirm") and t["status"] == "succeeded":
-                key = search.config_key(t["params"])
+            if t.phase in (P.SEARCH, P.CONFIRM) and t.status is S.SUCCEEDED:
+                key = search.config_key(t.params)
                 if key != base_key:
                     groups.setdefault(key, []).append(t)
         sign = -1.0 if self.spec.direction == "maximize" else 1.0
-        ranked = sorted(groups.values(), key=lambda g: sign * sum(t["value"] for t in g) / len(g))
+        ranked = sorted(groups.values(), key=lambda g: sign * sum(t.value for t in g) / len(g))
         out = []
         for group in ranked[: self.cfg.confirm_top]:
-            rep = sorted(group, key=lambda t: sign * t["value"])[0]
-            out.append((rep, {int(t["params"].get(search.SEED_KEY, -1)) for t in group}))
+            rep = sorted(group, key=lambda t: sign * t.value)[0]
+            out.append((rep, {int(t.params.get(search.SEED_KEY, -1)) for t in group}))
         return out
 
-    def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> dict:
-        return {"n": n, "key": f"{self.session_id}:{n}", "phase": phase, "params": params, "proposer": proposer,
-                "rationale": rationale, "status": "proposed", "job_id": None, "run_id": None, "value": None,
-                "rungs": {}, "judged": [], "stopped_at": None, "last_step": None, "device_s": 0.0, "error": ""}
+    def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
+        return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
+                     rationale=rationale)
 
     def submit(self, state: State) -> State:
         """Queue every proposed trial exactly once (idempotency key), each with its own MLflow child run."""
         from orchestrator import api
         from orchestrator.queue.models import JobSpec
 
-        trials = [dict(t) for t in state["trials"]]
+        trials = load(state["trials"])
         for t in trials:
-            if t["status"] != "proposed":
+            if t.status is not S.PROPOSED:
                 continue
-            job = self.store.find_by_key(t["key"])
+            job = self.store.find_by_key(t.key)
             if job is not None:  # submitted before a crash: adopt what really runs
-                t["params"], run_id = dict(job.params or t["params"]), job.mlflow_run_id
+                t.params, run_id = dict(job.params or t.params), job.mlflow_run_id
             else:
-                made = self.tracker.find_trial(self.spec.name, t["key"])
+                made = self.tracker.find_trial(self.spec.name, t.key)
                 if made is not None:  # the run was made before a crash, the job was not: keep the run's params
-                    t["params"] = self.spec.space.validate(self.tracker.params(made))
-                tags = {"autoresearch.session": self.session_id, "autoresearch.proposer": t["proposer"],
-                        "autoresearch.phase": t["phase"], "autoresearch.rationale": t["rationale"],
+                    t.params = self.spec.space.validate(self.tracker.params(made))
+                tags = {"autoresearch.session": self.session_id, "autoresearch.proposer": t.proposer,
+                        "autoresearch.phase": t.phase.value, "autoresearch.rationale": t.rationale,
                         "autoresearch.owner": self.session_id,
-                        **({"autoresearch.baseline": "true"} if t["phase"] == "baseline" else {})}
-                run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t["key"],
-                                                        name=f"{self.session_id} trial {t['n']}", params=t["params"],
+                        **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {})}
+                run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
+                                                        name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
-                spec = JobSpec(argv=self.spec.argv(), name=f"{self.spec.name}-{self.session_id}-{t['n']}",
+                spec = JobSpec(argv=self.spec.argv(), name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
                                preemptible=True, owner=self.session_id, experiment=self.spec.name,
-                               params=t["params"], env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t["key"])
+                               params=t.params, env={}, cwd=_repo_root(), mlflow_run_id=run_id,
+                               idempotency_key=t.key)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
-            t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status="queued", submitted_at=time.time())
-            if t["run_id"]:
-                self.tracker.set_tags(t["run_id"], {"autoresearch.job_id": job.id})
-            self._event("submitted", {**state, "trials": trials}, trial=t["n"], job=job.id, proposer=t["proposer"],
-                        params=t["params"], rationale=t["rationale"])
-        return {"trials": trials}
+            t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status=S.QUEUED, submitted_at=time.time())
+            if t.run_id:
+                self.tracker.set_tags(t.run_id, {"autoresearch.job_id": job.id})
+            self._event("submitted", {**state, "trials": trials}, trial=t.n, job=job.id, proposer=t.proposer,
+                        params=t.params, rationale=t.rationale)
+        return {"trials": dump(trials)}
 
     def monitor(self, state: State) -> State:
         """Wait for an event: a job state change, a new ASHA rung reached, the time budget running out."""
-        trials = [dict(t) for t in state["trials"]]
+        trials = load(state["trials"])
         deadline = time.time() + HEARTBEAT
         while True:
-            changed = not any(t["status"] in ("queued", "running", "paused") and not t.get("ended") for t in trials)
+            changed = not any(t.status in (S.QUEUED, S.RUNNING, S.PAUSED) and not t.ended for t in trials)
             for t in trials:
-                if t["status"] not in ("queued", "running", "paused") or t.get("ended"):
+                if t.status not in (S.QUEUED, S.RUNNING, S.PAUSED) or t.ended:
                     continue
-                job = self.store.get(t["job_id"])
+                job = self.store.get(t.job_id)
                 if is_final(job):
-                    t["ended"] = True
+                    t.ended = True
                     changed = True
                     continue
-                if t["status"] == "queued" and job.state == "RUNNING":
-                    t["status"] = "running"
+                if t.status is S.QUEUED and job.state == "RUNNING":
+                    t.status = S.RUNNING
                     changed = True
-                    self._event("running", {**state, "trials": trials}, trial=t["n"], job=job.id)
-                if t["status"] == "running" and t["phase"] in ("baseline", "search") and self.cfg.early_stopping \
-                        and t["run_id"]:
-                    history = self.tracker.history(t["run_id"], self.progress_metric)
+                    self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
+                if t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping \
+                        and t.run_id:
+                    history = self.tracker.history(t.run_id, self.progress_metric)
                     if history:
-                        t["last_step"] = history[-1][0]
+                        t.last_step = history[-1][0]
                     rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
-                    if rungs.keys() - t["rungs"].keys():
-                        t["rungs"] = rungs
+                    if rungs.keys() - t.rungs.keys():
+                        t.rungs = rungs
                         changed = True
             self._elapsed(state)
             if changed or self._time_up(state) or time.time() >= deadline:
                 break
             time.sleep(self.cfg.poll)
-        return {"trials": trials, "elapsed": state["elapsed"]}
+        return {"trials": dump(trials), "elapsed": state["elapsed"]}
 
     def analyse(self, state: State) -> State:
         """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
-        trials = [dict(t) for t in state["trials"]]
+        trials = load(state["trials"])
         best = state.get("best")
         for t in trials:
-            if not t.get("ended") or t["status"] in FINAL:
+            if not t.ended or t.status in FINAL:
                 continue
             self._record_end(t, state)
             # Once confirmation has begun, the candidates being re-run on fresh seeds stay the best: a search
             # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
-            if t["status"] == "succeeded" and t["phase"] == "search" and state["phase"] == "search" and (
-                    best is None or self.spec.better(t["value"], best["value"])):
-                best = {"n": t["n"], "value": t["value"], "params": t["params"], "job_id": t["job_id"]}
-            self._event(t["status"], {**state, "trials": trials, "best": best}, trial=t["n"], value=t["value"],
-                        error=t["error"], phase=t["phase"])
+            if t.status is S.SUCCEEDED and t.phase is P.SEARCH and state["phase"] == "search" and (
+                    best is None or self.spec.better(t.value, best["value"])):
+                best = {"n": t.n, "value": t.value, "params": t.params, "job_id": t.job_id}
+            self._event(t.status.value, {**state, "trials": trials, "best": best}, trial=t.n, value=t.value,
+                        error=t.error, phase=t.phase)
         if self.cfg.early_stopping:
             peers = _peers(trials)
             for t in trials:
-                if t["status"] != "running" or t["phase"] != "search" or t.get("ended"):
+                if t.status is not S.RUNNING or t.phase is not P.SEARCH or t.ended:
                     continue
-                rung = self.asha.judge(t, peers)
-                t["judged"] = sorted({*t["judged"], *(int(k) for k in t["rungs"] if rung is None or int(k) <= rung)})
+                rung = self.asha.judge(t.config_values(), [p.config_values() for p in peers])
+                t.judged = sorted({*t.judged, *(int(k) for k in t.rungs if rung is None or int(k) <= rung)})
                 if rung is None or not self._still_a_loser(t, rung, peers):
                     continue
                 try:
-                    self.store.demote(t["job_id"], self.cfg.priority - 1,
+                    self.store.demote(t.job_id, self.cfg.priority - 1,
                                       f"ASHA: outside the top 1/{self.asha.eta} at step {rung}")
                 except Exception:  # finished in the meantime: the next monitor pass records it
                     continue
                 self.notify()
-                t.update(status="paused", stopped_at=rung)
-                self._event("paused", {**state, "trials": trials, "best": best}, trial=t["n"], rung=rung,
-                            value=t["rungs"][str(rung)])
-        done = [t for t in trials if t["status"] in FINAL]
-        metrics = {"trials_done": len(done), "trials_running": sum(t["status"] == "running" for t in trials),
-                   "trials_stopped": sum(t["status"] in ("stopped", "paused") for t in trials)}
+                t.update(status=S.PAUSED, stopped_at=rung)
+                self._event("paused", {**state, "trials": trials, "best": best}, trial=t.n, rung=rung,
+                            value=t.rungs[str(rung)])
+        done = [t for t in trials if t.status in FINAL]
+        metrics = {"trials_done": len(done), "trials_running": sum(t.status is S.RUNNING for t in trials),
+                   "trials_stopped": sum(t.status in (S.STOPPED, S.PAUSED) for t in trials)}
         if best:
             metrics["best_so_far"] = best["value"]
         for k, v in (state.get("usage") or {}).items():
             metrics[f"llm_{k}"] = v
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
-        return {"trials": trials, "best": best}
+        return {"trials": dump(trials), "best": best}
 
-    def _still_a_loser(self, t: dict, rung: int, peers: list[dict]) -> bool:
+    def _still_a_loser(self, t: Trial, rung: int, peers: list[Trial]) -> bool:
         """Re-read the trial's history just before demoting it: a trial that has reached its full budget is
-        left to finish, and one whose latest report ranks in the top 1/eta at the rung is kept."""
-        raw = self.tracker.history(t["run_id"], self.progress_metric)
+        left to finish; one ahead of the baseline's runs at the rung, or whose latest report ranks in the top
+        1/eta there, is kept."""
+        raw = self.tracker.history(t.run_id, self.progress_metric)
         if not raw:
             return True
         total = self._total(t)
         if total is not None and raw[-1][0] >= total:
             return False
         history = reports(raw)
-        t["rungs"] = {**t["rungs"], **{str(k): v for k, v in self.asha.rung_values(history).items()}}
-        at_rung = [p["rungs"][str(rung)] for p in peers if str(rung) in p.get("rungs", {})]
+        t.rungs = {**t.rungs, **{str(k): v for k, v in self.asha.rung_values(history).items()}}
+        at_rung = [p.rungs[str(rung)] for p in peers if str(rung) in p.rungs]
+        base = [p.rungs[str(rung)] for p in peers if p.phase is P.BASELINE and str(rung) in p.rungs]
+        if base and self.spec.better(t.rungs[str(rung)], max(base) if self.spec.direction == "minimize"
+                                     else min(base)):
+            return False  # ahead of every baseline run at this rung: a candidate, not a loser
         return not (history[-1][0] > rung and self.asha.keep(history[-1][1], at_rung))
 
-    def _total(self, t: dict) -> int | None:
+    def _total(self, t: Trial) -> int | None:
         """The trial's full budget in steps, as its job logged it (`total_steps`); None until it has."""
-        if t.get("total") is None:
+        if t.total is None:
             try:
-                t["total"] = int(float(self.tracker.params(t["run_id"]).get("total_steps", "")))
+                t.total = int(float(self.tracker.params(t.run_id).get("total_steps", "")))
             except ValueError:
                 return None
-        return t["total"]
+        return t.total
 
-    def _record_end(self, t: dict, state: State) -> None:
+    def _record_end(self, t: Trial, state: State) -> None:
         """A trial whose job will not run again: its outcome, its device time, its MLflow run closed.
 
         A job stopped or cancelled after its metric history reached the full budget (ASHA's SIGTERM or the
         session's end arrived after its last step) has finished: its final value counts like any other.
         """
-        job = self.store.get(t["job_id"])
-        t["device_s"] = device_seconds(self.store, job)
-        t["finished_at"] = job.finished_at
+        job = self.store.get(t.job_id)
+        t.device_s = device_seconds(self.store, job)
+        t.finished_at = job.finished_at
         value = None
         if job.state == "SUCCEEDED":
-            value = self.tracker.final(t["run_id"], self.spec.metric)
-        elif t["run_id"]:
-            value = completed_value(self.tracker, self.spec, t["run_id"])
-        if self.cfg.early_stopping and t["run_id"] and t["phase"] in ("baseline", "search") and value is not None:
+            value = self.tracker.final(t.run_id, self.spec.metric)
+        elif t.run_id:
+            value = completed_value(self.tracker, self.spec, t.run_id)
+        if self.cfg.early_stopping and t.run_id and t.phase in (P.BASELINE, P.SEARCH) and value is not None:
             # A trial can finish between two looks; its rung values are what later trials meet there.
-            history = self.tracker.history(t["run_id"], self.progress_metric)
-            t["rungs"] = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
+            history = self.tracker.history(t.run_id, self.progress_metric)
+            t.rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
         if value is not None:
-            t.update(status="succeeded", value=value, error="" if job.state == "SUCCEEDED" else
+            t.update(status=S.SUCCEEDED, value=value, error="" if job.state == "SUCCEEDED" else
                      f"finished its full budget before it was stopped ({job.state.lower()})")
         elif job.state == "SUCCEEDED":
-            t.update(status="failed", error=f"no {self.spec.metric} logged")
+            t.update(status=S.FAILED, error=f"no {self.spec.metric} logged")
         elif job.state == "FAILED":
-            t.update(status="failed", error=f"exit code {job.exit_code}: {job.reason}"[:300])
+            t.update(status=S.FAILED, error=f"exit code {job.exit_code}: {job.reason}"[:300])
         else:
-            t["status"] = "stopped" if t.get("stopped_at") is not None else "cancelled"
-        t["ended"] = True
-        if t["run_id"]:
-            self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"],
+            t.status = S.STOPPED if t.stopped_at is not None else S.CANCELLED
+        t.ended = True
+        if t.run_id:
+            self.tracker.finish(t.run_id, {S.SUCCEEDED: "FINISHED", S.FAILED: "FAILED"}.get(t.status,
                                                                                                "KILLED"))
 
     def decide(self, state: State) -> State:
         """Phase changes (search -> confirm -> done) and the route to take next."""
         self._elapsed(state)
-        trials = [dict(t) for t in state["trials"]]
+        trials = load(state["trials"])
         phase, reason = state["phase"], state.get("stop_reason", "")
         search_max, n_confirm = self.cfg.split()
-        active = [t for t in trials if t["status"] in ACTIVE]
+        active = [t for t in trials if t.status in ACTIVE]
         best = state.get("best")
         if phase == "search":
             target = self.cfg.target
             hit = target is not None and best is not None and not self.spec.better(target, best["value"])
-            n_search = sum(1 for t in trials if t["phase"] == "search")
+            n_search = sum(1 for t in trials if t.phase is P.SEARCH)
             exhausted = search_max is not None and n_search >= search_max
             reserve = 0.0
-            if n_confirm and self.cfg.budget_minutes:
-                # Room for the confirmation rounds (the re-runs share the devices): the slowest finished trial
-                # per round, with a margin for a busy machine.
-                took = [t["device_s"] for t in trials if t["status"] == "succeeded"]
+            if n_confirm and self.cfg.budget_minutes and best is not None:
+                # Room for the confirmation rounds (the re-runs share the devices): a typical finished trial per
+                # round, with a margin for a busy machine. Until a search trial has finished there is nothing
+                # to confirm, so the search goes on.
+                took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
                 rounds = -(-n_confirm // max(1, self.parallel))
-                reserve = 1.25 * max(took) * rounds if took else 0.0
-            late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
-            searching = [t for t in active if t["phase"] != "baseline"]
+                reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
+            late = reserve > 0 and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
+            searching = [t for t in active if t.phase is not P.BASELINE]
             if hit or late or (exhausted and not searching):
                 reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
                           else "time left only for the confirmation re-runs" if late else "trial budget used")
                 for t in trials:
                     # The baseline runs on (it is what the winner is judged against) unless time is up.
-                    keep = t["phase"] == "baseline" and not self._time_up(state)
-                    if t["status"] in (*ACTIVE, "paused") and t["job_id"] is not None and not keep:
+                    keep = t.phase is P.BASELINE and not self._time_up(state)
+                    if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None and not keep:
                         self._cancel(t, f"session {self.session_id}: {reason}")
-                    if t["status"] == "proposed":
-                        t["status"] = "cancelled"
+                    if t.status is S.PROPOSED:
+                        t.status = S.CANCELLED
                 phase = "confirm" if n_confirm and best and not self._time_up(state) else "done"
                 self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
         elif phase == "confirm":
-            waiting = [t for t in trials if t["phase"] in ("confirm", "baseline")]
+            waiting = [t for t in trials if t.phase in (P.CONFIRM, P.BASELINE)]
             if self._time_up(state):
                 for t in waiting:
-                    if t["status"] in ACTIVE and t["job_id"] is not None:
+                    if t.status in ACTIVE and t.job_id is not None:
                         self._cancel(t, f"session {self.session_id}: time budget reached")
                 phase, reason = "done", "time budget reached during the confirmation re-runs"
-            elif state.get("confirm_planned") and all(t["status"] in FINAL for t in waiting):
+            elif state.get("confirm_planned") and all(t.status in FINAL for t in waiting):
                 phase = "done"
-        active = [t for t in trials if t["status"] in ACTIVE]
+        active = [t for t in trials if t.status in ACTIVE]
         if phase == "done":
             route = "finish"
         elif phase == "confirm" and not state.get("confirm_planned"):
             route = "propose"
         elif phase == "search" and len(active) < self.capacity and (
-                search_max is None or sum(t["phase"] == "search" for t in trials) < search_max
-                or any(t["status"] == "paused" for t in trials)):
+                search_max is None or sum(t.phase is P.SEARCH for t in trials) < search_max
+                or any(t.status is S.PAUSED for t in trials)):
             route = "propose"
         else:
             route = "monitor"
-        return {"trials": trials, "phase": phase, "stop_reason": reason, "route": route, "elapsed": state["elapsed"]}
+        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route, "elapsed": state["elapsed"]}
 
     def finish(self, state: State) -> State:
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
-        trials = [dict(t) for t in state["trials"]]
-        pending = [t for t in trials if t["status"] in (*ACTIVE, "paused") and t["job_id"] is not None]
+        trials = load(state["trials"])
+        pending = [t for t in trials if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None]
         for t in pending:
             self._cancel(t, f"session {self.session_id} finished")
         deadline = time.time() + 90
         waiting = list(pending)
         while waiting and time.time() < deadline:
-            waiting = [t for t in waiting if not is_final(self.store.get(t["job_id"]))]
+            waiting = [t for t in waiting if not is_final(self.store.get(t.job_id))]
             time.sleep(self.cfg.poll if waiting else 0)
         for t in trials:
-            if t["status"] in (*ACTIVE, "paused"):
-                if t["job_id"] is not None and is_final(self.store.get(t["job_id"])):
+            if t.status in (*ACTIVE, S.PAUSED):
+                if t.job_id is not None and is_final(self.store.get(t.job_id)):
                     self._record_end(t, state)  # a job that finished its budget before the cancel still counts
                     continue
-                t["status"] = "stopped" if t["status"] == "paused" else "cancelled"
-                if t["run_id"]:
-                    self.tracker.finish(t["run_id"], "KILLED")
-                if t["job_id"] is not None:
-                    t["device_s"] = device_seconds(self.store, self.store.get(t["job_id"]))
-        values = [t["value"] if t["status"] == "succeeded" else None for t in trials if t["phase"] == "search"]
+                t.status = S.STOPPED if t.status is S.PAUSED else S.CANCELLED
+                if t.run_id:
+                    self.tracker.finish(t.run_id, "KILLED")
+                if t.job_id is not None:
+                    t.device_s = device_seconds(self.store, self.store.get(t.job_id))
+        values = [t.value if t.status is S.SUCCEEDED else None for t in trials if t.phase is P.SEARCH]
         try:
             self.tracker.best_so_far_plot(state["parent_run"], values, self.spec.direction, self.spec.metric)
         except Exception as exc:  # a plot is not worth failing the session over
             self._event("warning", state, message=f"best-so-far plot failed: {exc}")
-        return {"trials": trials, "phase": "done", "route": "end"}
+        return {"trials": dump(trials), "phase": "done", "route": "end"}
 
 
 def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -459,9 +470,9 @@ def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(i + 1, seen[step]) for i, step in enumerate(sorted(seen))]
 
 
-def _peers(trials: list[dict]) -> list[dict]:
+def _peers(trials: list[Trial]) -> list[Trial]:
     """The trials ASHA ranks a search trial among: the other search trials and the baseline's runs."""
-    return [t for t in trials if t["phase"] in ("baseline", "search")]
+    return [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
 
 
 def _project(obs: Observation, searched: Any) -> Observation:

@@ -6,10 +6,11 @@ and the leaderboard read through here. A finished job's metric never changes, so
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from experiments.registry import ExperimentSpec
 from orchestrator.agent.proposers.base import Observation
+from orchestrator.agent.trial import Trial, TrialStatus
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.tracking import TAG_PHASE
@@ -106,9 +107,9 @@ class Results:
             self._baseline[job.id] = tags.get(TAG_PHASE) == "baseline"
         return self._baseline[job.id]
 
-    def observations(self, session_trials: Sequence[Mapping[str, Any]] = ()) -> list[Observation]:
+    def observations(self, session_trials: Sequence[Trial] = ()) -> list[Observation]:
         """Every trial of the experiment as proposer input; the session's own come from its state."""
-        mine = {t["job_id"]: t for t in session_trials if t.get("job_id") is not None}
+        mine = {t.job_id: t for t in session_trials if t.job_id is not None}
         out: list[Observation] = []
         for job in self.jobs():
             if job.id in mine or job.params is None:
@@ -153,19 +154,19 @@ def completed_value(tracker: Any, spec: ExperimentSpec, run_id: str) -> float | 
     return tracker.final(run_id, spec.metric)
 
 
-def trial_observation(t: Mapping[str, Any]) -> Observation:
-    """A session trial (a dict of the agent's state) as an observation."""
-    status = t.get("status")
-    if status == "succeeded" and t.get("value") is not None:
+def trial_observation(t: Trial) -> Observation:
+    """A session trial as an observation."""
+    S = TrialStatus
+    if t.status is S.SUCCEEDED and t.value is not None:
         state = "complete"
-    elif status == "failed":
+    elif t.status is S.FAILED:
         state = "failed"
-    elif status in ("stopped", "paused"):
+    elif t.status in (S.STOPPED, S.PAUSED):
         state = "pruned"
-    elif status == "cancelled":
+    elif t.status is S.CANCELLED:
         state = "skip"
     else:
         state = "running"
-    intermediate = {int(k): float(v) for k, v in (t.get("rungs") or {}).items()}
-    return Observation(dict(t["params"]), state, t.get("value"), intermediate=intermediate,
-                       proposer=t.get("proposer", ""), source="session", error=t.get("error", ""))
+    intermediate = {int(k): float(v) for k, v in t.rungs.items()}
+    return Observation(dict(t.params), state, t.value, intermediate=intermediate, proposer=t.proposer,
+                       source="session", error=t.error)

@@ -70,7 +70,11 @@ def _resumable(registry: Registry, session_id: str) -> dict[str, Any]:
 
 def session_links(url: str, settings: Settings | None = None, limit: int = 5) -> list[str]:
     """Lines with the MLflow UI addresses of the latest sessions' runs (their experiment's runs table,
-    filtered to the session, and the session run with its report)."""
+    filtered to the session, and the session run with its report).
+
+    `workflowType=machine_learning` opens MLflow 3's model-training view: without it the UI starts on its
+    GenAI overview whatever the experiment's `mlflow.experimentKind` tag says (seen in headless Chromium).
+    """
     from urllib.parse import quote
 
     from orchestrator.tracking import TAG_SESSION, Tracker
@@ -81,8 +85,9 @@ def session_links(url: str, settings: Settings | None = None, limit: int = 5) ->
         session = run.data.tags.get(TAG_SESSION, "?")
         exp = run.info.experiment_id
         search = quote(f"tags.`{TAG_SESSION}` = '{session}'")
-        out.append(f"session {session}: {url}/#/experiments/{exp}/runs?searchFilter={search}  "
-                   f"(report: {url}/#/experiments/{exp}/runs/{run.info.run_id}/artifacts)")
+        out.append(f"session {session}: {url}/#/experiments/{exp}/runs?workflowType=machine_learning"
+                   f"&searchFilter={search}  (report: {url}/#/experiments/{exp}/runs/{run.info.run_id}/artifacts"
+                   "?workflowType=machine_learning)")
     return out
 
 

@@ -166,7 +166,7 @@ def test_demotion_reads_the_latest_history_not_a_stale_rung(parts):
     parent = tracker.session_run(SID, SPEC.name, {})
     peers = [_trial(a, i, "baseline", {"seed": s}, 0.5) for i, s in enumerate(a.seeds[:3])]
     for p, v in zip(peers, (0.5, 0.6, 0.7)):
-        p["rungs"] = {"1": v}
+        p.rungs = {"1": v}
     trials = [_submitted(a, parent, 3 + i, 1.0 + i / 10) for i in range(3)]
     for t, (curve, total) in zip(trials, (([5.0, 1.0, 0.3], 3), ([5.0, 0.4], 9), ([5.0], 9))):
         t.update(status="running", rungs={"1": 5.0})  # what the last look saw: a loser at rung 1

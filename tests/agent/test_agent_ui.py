@@ -56,7 +56,8 @@ def test_ui_serves_this_homes_runs_and_artifacts(home):
     # It says where the session's runs are, and MLflow 3 opens the experiment on its training-runs table.
     exp = tracker.client.get_experiment_by_name("digits")
     said = proc.stderr.read().decode()
-    assert f"session s-0000ui00: {base}/#/experiments/{exp.experiment_id}/runs?searchFilter=" in said
+    assert f"session s-0000ui00: {base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" \
+        "&searchFilter=" in said
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     bad = subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", "ui", "--port", "0"],
                          cwd=ROOT, capture_output=True, text=True)

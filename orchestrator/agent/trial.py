@@ -1,0 +1,110 @@
+"""One trial of an agent session: what it runs, where it stands, what it measured.
+
+A trial is the agent's view of one job: its params and phase, its status in the session (which is not the
+job's queue state: a demoted job is QUEUED in the queue but PAUSED here), and what MLflow showed of it. The
+graph's checkpointed state holds trials as plain dicts (`to_dict`), so a checkpoint stays JSON and a session
+checkpointed by an older version still loads (`from_dict` ignores keys it does not know).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+
+class Phase(str, Enum):
+    """Why a trial runs: the baseline (the reference), the search, or a confirmation re-run on a fresh seed."""
+
+    BASELINE = "baseline"
+    SEARCH = "search"
+    CONFIRM = "confirm"
+
+
+class TrialStatus(str, Enum):
+    """Where a trial stands in its session."""
+
+    PROPOSED = "proposed"  # recorded (with its idempotency key), not yet submitted
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"  # demoted by ASHA: checkpointed and waiting in line at a lower priority
+    SUCCEEDED = "succeeded"  # has its final metric (a finished budget counts however the job was stopped)
+    FAILED = "failed"
+    STOPPED = "stopped"  # paused by ASHA and never resumed
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        """It holds (or is about to hold) a slot of the session's K in flight."""
+        return self in (TrialStatus.PROPOSED, TrialStatus.QUEUED, TrialStatus.RUNNING)
+
+    @property
+    def final(self) -> bool:
+        """Its outcome is known and will not change."""
+        return self in (TrialStatus.SUCCEEDED, TrialStatus.FAILED, TrialStatus.STOPPED, TrialStatus.CANCELLED)
+
+
+@dataclass
+class Trial:
+    """One trial; `key` (`<session>:<n>`) is its job's idempotency key and its MLflow run's tag."""
+
+    n: int
+    key: str
+    phase: Phase
+    params: dict[str, Any]
+    proposer: str
+    rationale: str = ""
+    status: TrialStatus = TrialStatus.PROPOSED
+    job_id: int | None = None
+    run_id: str | None = None
+    value: float | None = None
+    rungs: dict[str, float] = field(default_factory=dict)  # ASHA rung (str(report number)) -> value there
+    judged: list[int] = field(default_factory=list)  # rungs ASHA has ruled on
+    stopped_at: int | None = None  # the rung where ASHA paused it
+    last_step: int | None = None
+    total: int | None = None  # its full budget in steps, as its job logged it (`total_steps`)
+    device_s: float = 0.0
+    error: str = ""
+    ended: bool = False  # its job will not run again (recorded by `monitor`, acted on by `analyse`)
+    submitted_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.phase = Phase(self.phase)
+        self.status = TrialStatus(self.status)
+
+    def update(self, **changes: Any) -> "Trial":
+        """Set several fields at once (statuses and phases given as words are coerced)."""
+        for k, v in changes.items():
+            if not hasattr(self, k):
+                raise AttributeError(f"Trial has no field {k!r}")
+            setattr(self, k, v)
+        self.__post_init__()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data for the graph's checkpoint."""
+        out = dataclasses.asdict(self)
+        out["phase"], out["status"] = self.phase.value, self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Trial":
+        """A trial from its checkpointed dict (unknown keys, from another version, are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def config_values(self) -> dict[str, Any]:
+        """The ASHA view of the trial (its rungs, what was judged, where it stopped), as `stopping` reads it."""
+        return {"n": self.n, "rungs": self.rungs, "judged": self.judged, "stopped_at": self.stopped_at}
+
+
+def load(trials: list[Mapping[str, Any] | Trial]) -> list[Trial]:
+    """Trials from the checkpointed state (copies: a node never changes the state it was given)."""
+    return [Trial.from_dict(t.to_dict() if isinstance(t, Trial) else t) for t in trials]
+
+
+def dump(trials: list[Trial]) -> list[dict[str, Any]]:
+    """Trials for the checkpointed state."""
+    return [t.to_dict() for t in trials]
