@@ -27,7 +27,8 @@ import time
 from typing import Any, Callable, TypedDict
 
 from orchestrator.agent import search
-from orchestrator.agent.history import Results, completed_value, device_seconds, is_final
+from orchestrator.agent.history import Results, device_seconds, is_final
+from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
@@ -93,6 +94,7 @@ class Agent:
         # then meet at the same fraction of their budget (digits reports once per epoch).
         self.asha = ASHA(grace=1, eta=config.eta, direction=spec.direction)
         self.progress_metric = spec.progress_metric or spec.metric
+        self.outcomes = Outcomes(store, tracker, spec, self.asha)
         self._tick = time.time()
 
     # -- helpers ---------------------------------------------------------------------------------------------------
@@ -170,7 +172,8 @@ class Agent:
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
             candidates, state["confirm_planned"] = [], True
             left = n_confirm
-            for rep, used in self._top_candidates(trials):
+            for rep, used in search.top_candidates(trials, self.baseline, self.spec.direction,
+                                                   self.cfg.confirm_top):
                 if left <= 0:
                     break
                 fresh = [s for s in self.seeds[1:] if s not in used][: min(self.cfg.confirm_seeds, left)]
@@ -181,24 +184,6 @@ class Agent:
                 candidates.append(rep.n)
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
                 "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
-
-    def _top_candidates(self, trials: list[Trial]) -> list[tuple[Trial, set[int]]]:
-        """The `confirm_top` best configurations by mean over their finished runs (the baseline's excluded),
-        each as (its best search trial, the seeds it already ran on)."""
-        groups: dict[str, list[Trial]] = {}
-        base_key = search.config_key(self.baseline)
-        for t in trials:
-            if t.phase in (P.SEARCH, P.CONFIRM) and t.status is S.SUCCEEDED:
-                key = search.config_key(t.params)
-                if key != base_key:
-                    groups.setdefault(key, []).append(t)
-        sign = -1.0 if self.spec.direction == "maximize" else 1.0
-        ranked = sorted(groups.values(), key=lambda g: sign * sum(t.value for t in g) / len(g))
-        out = []
-        for group in ranked[: self.cfg.confirm_top]:
-            rep = sorted(group, key=lambda t: sign * t.value)[0]
-            out.append((rep, {int(t.params.get(search.SEED_KEY, -1)) for t in group}))
-        return out
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
         return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
@@ -280,7 +265,7 @@ class Agent:
         for t in trials:
             if not t.ended or t.status in FINAL:
                 continue
-            self._record_end(t, state)
+            self.outcomes.record_end(t, self.cfg.early_stopping)
             # Once confirmation has begun, the candidates being re-run on fresh seeds stay the best: a search
             # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
             if t.status is S.SUCCEEDED and t.phase is P.SEARCH and state["phase"] == "search" and (
@@ -295,7 +280,7 @@ class Agent:
                     continue
                 rung = self.asha.judge(t.config_values(), [p.config_values() for p in peers])
                 t.judged = sorted({*t.judged, *(int(k) for k in t.rungs if rung is None or int(k) <= rung)})
-                if rung is None or not self._still_a_loser(t, rung, peers):
+                if rung is None or not self.outcomes.still_a_loser(t, rung, peers):
                     continue
                 try:
                     self.store.demote(t.job_id, self.cfg.priority - 1,
@@ -315,66 +300,6 @@ class Agent:
             metrics[f"llm_{k}"] = v
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": dump(trials), "best": best}
-
-    def _still_a_loser(self, t: Trial, rung: int, peers: list[Trial]) -> bool:
-        """Re-read the trial's history just before demoting it: a trial that has reached its full budget is
-        left to finish; one ahead of the baseline's runs at the rung, or whose latest report ranks in the top
-        1/eta there, is kept."""
-        raw = self.tracker.history(t.run_id, self.progress_metric)
-        if not raw:
-            return True
-        total = self._total(t)
-        if total is not None and raw[-1][0] >= total:
-            return False
-        history = reports(raw)
-        t.rungs = {**t.rungs, **{str(k): v for k, v in self.asha.rung_values(history).items()}}
-        at_rung = [p.rungs[str(rung)] for p in peers if str(rung) in p.rungs]
-        base = [p.rungs[str(rung)] for p in peers if p.phase is P.BASELINE and str(rung) in p.rungs]
-        if base and self.spec.better(t.rungs[str(rung)], max(base) if self.spec.direction == "minimize"
-                                     else min(base)):
-            return False  # ahead of every baseline run at this rung: a candidate, not a loser
-        return not (history[-1][0] > rung and self.asha.keep(history[-1][1], at_rung))
-
-    def _total(self, t: Trial) -> int | None:
-        """The trial's full budget in steps, as its job logged it (`total_steps`); None until it has."""
-        if t.total is None:
-            try:
-                t.total = int(float(self.tracker.params(t.run_id).get("total_steps", "")))
-            except ValueError:
-                return None
-        return t.total
-
-    def _record_end(self, t: Trial, state: State) -> None:
-        """A trial whose job will not run again: its outcome, its device time, its MLflow run closed.
-
-        A job stopped or cancelled after its metric history reached the full budget (ASHA's SIGTERM or the
-        session's end arrived after its last step) has finished: its final value counts like any other.
-        """
-        job = self.store.get(t.job_id)
-        t.device_s = device_seconds(self.store, job)
-        t.finished_at = job.finished_at
-        value = None
-        if job.state == "SUCCEEDED":
-            value = self.tracker.final(t.run_id, self.spec.metric)
-        elif t.run_id:
-            value = completed_value(self.tracker, self.spec, t.run_id)
-        if self.cfg.early_stopping and t.run_id and t.phase in (P.BASELINE, P.SEARCH) and value is not None:
-            # A trial can finish between two looks; its rung values are what later trials meet there.
-            history = self.tracker.history(t.run_id, self.progress_metric)
-            t.rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
-        if value is not None:
-            t.update(status=S.SUCCEEDED, value=value, error="" if job.state == "SUCCEEDED" else
-                     f"finished its full budget before it was stopped ({job.state.lower()})")
-        elif job.state == "SUCCEEDED":
-            t.update(status=S.FAILED, error=f"no {self.spec.metric} logged")
-        elif job.state == "FAILED":
-            t.update(status=S.FAILED, error=f"exit code {job.exit_code}: {job.reason}"[:300])
-        else:
-            t.status = S.STOPPED if t.stopped_at is not None else S.CANCELLED
-        t.ended = True
-        if t.run_id:
-            self.tracker.finish(t.run_id, {S.SUCCEEDED: "FINISHED", S.FAILED: "FAILED"}.get(t.status,
-                                                                                               "KILLED"))
 
     def decide(self, state: State) -> State:
         """Phase changes (search -> confirm -> done) and the route to take next."""
@@ -447,7 +372,7 @@ class Agent:
         for t in trials:
             if t.status in (*ACTIVE, S.PAUSED):
                 if t.job_id is not None and is_final(self.store.get(t.job_id)):
-                    self._record_end(t, state)  # a job that finished its budget before the cancel still counts
+                    self.outcomes.record_end(t, self.cfg.early_stopping)  # a job that finished its budget before the cancel still counts
                     continue
                 t.status = S.STOPPED if t.status is S.PAUSED else S.CANCELLED
                 if t.run_id:
@@ -460,14 +385,6 @@ class Agent:
         except Exception as exc:  # a plot is not worth failing the session over
             self._event("warning", state, message=f"best-so-far plot failed: {exc}")
         return {"trials": dump(trials), "phase": "done", "route": "end"}
-
-
-def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """(report number, value) from (step, value): one report per distinct step (a resumed job may re-log one)."""
-    seen: dict[int, float] = {}
-    for step, value in history:
-        seen.setdefault(step, value)
-    return [(i + 1, seen[step]) for i, step in enumerate(sorted(seen))]
 
 
 def _peers(trials: list[Trial]) -> list[Trial]:

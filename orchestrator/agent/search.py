@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from experiments.registry import ExperimentSpec
 from experiments.space import SearchSpace, SpaceError
+from orchestrator.agent.trial import Phase, Trial, TrialStatus
 from orchestrator.errors import BadInput
 
 SEED_KEY = "seed"
@@ -97,4 +98,24 @@ def confirm_seeds(session_id: str, count: int, avoid: int) -> list[int]:
         if seed != avoid and seed not in out:
             out.append(seed)
         i += 1
+    return out
+
+
+def top_candidates(trials: Sequence[Trial], baseline: Mapping[str, Any], direction: str, k: int
+                   ) -> list[tuple[Trial, set[int]]]:
+    """The `k` best configurations by mean over their finished search and re-run trials (the baseline's
+    configuration excluded), each as (its best trial, the seeds it already ran on)."""
+    groups: dict[str, list[Trial]] = {}
+    base_key = config_key(baseline)
+    for t in trials:
+        if t.phase in (Phase.SEARCH, Phase.CONFIRM) and t.status is TrialStatus.SUCCEEDED:
+            key = config_key(t.params)
+            if key != base_key:
+                groups.setdefault(key, []).append(t)
+    sign = -1.0 if direction == "maximize" else 1.0
+    ranked = sorted(groups.values(), key=lambda g: sign * sum(t.value for t in g) / len(g))
+    out = []
+    for group in ranked[:k]:
+        best = min(group, key=lambda t: sign * t.value)
+        out.append((best, {int(t.params.get(SEED_KEY, -1)) for t in group}))
     return out

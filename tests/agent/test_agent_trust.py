@@ -176,6 +176,24 @@ def test_demotion_reads_the_latest_history_not_a_stale_rung(parts):
     assert [store.get(t["job_id"]).priority for t in out] == [0, 0, -1]
 
 
+def test_a_trial_ahead_of_the_baseline_is_not_demoted(parts):
+    """Outside the top third at its rung (three better peers), but better than every baseline run there."""
+    store, tracker = parts
+    a = agent(parts)
+    parent = tracker.session_run(SID, SPEC.name, {})
+    peers = [_trial(a, i, "baseline", {"seed": s}, 0.5) for i, s in enumerate(a.seeds[:3])]
+    for p, v in zip(peers, (2.0, 2.1, 2.2)):
+        p.rungs = {"1": v}
+    leaders = [_trial(a, 3 + i, "search", {"x": 1.4 + i / 100}, 0.1) for i in range(3)]
+    for p in leaders:
+        p.rungs = {"1": 0.5}
+    (t,) = [_submitted(a, parent, 6, 1.0)]
+    t.update(status="running", rungs={"1": 1.5})
+    _log(tracker, t["run_id"], [1.5], total=9)
+    out = a.analyse(state(parent, peers + leaders + [t]))["trials"][-1]
+    assert out["status"] == "running" and store.get(t["job_id"]).priority == 0
+
+
 def test_leaderboard_shows_changes_from_the_baseline_and_the_gate():
     base = [{"params": {"lr": 0.003, "width": 64, "seed": s}, "value": v, "baseline": True, "job_id": i}
             for i, (s, v) in enumerate([(0, 0.961), (1, 0.961), (2, 0.964)])]

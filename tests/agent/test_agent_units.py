@@ -116,6 +116,6 @@ def test_trial_budget_includes_the_confirmation_reruns():
 
 
 def test_reports_number_distinct_steps():
-    from orchestrator.agent.graph import reports
+    from orchestrator.agent.outcome import reports
 
     assert reports([(22, 0.5), (44, 0.7), (44, 0.7), (66, 0.8)]) == [(1, 0.5), (2, 0.7), (3, 0.8)]
