@@ -24,7 +24,7 @@ State is plain JSON-able data (the checkpoint); live resources (store, tracker, 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds, is_final
@@ -32,6 +32,14 @@ from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
+
+if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
+    from experiments.registry import ExperimentSpec
+    from orchestrator.agent.proposers.base import Proposer
+    from orchestrator.agent.session import SessionConfig
+    from orchestrator.config import Settings
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking import Tracker
 
 S, P = TrialStatus, Phase
 
@@ -60,9 +68,10 @@ class State(TypedDict, total=False):
 class Agent:
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
-    def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any,
-                 parallel: int, proposer: Any = None, notify: Callable[[], None] = lambda: None,
-                 on_event: Callable[[dict], None] = lambda e: None, settings: Any = None):
+    def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
+                 tracker: Tracker, parallel: int, proposer: Proposer | None = None,
+                 notify: Callable[[], None] = lambda: None, on_event: Callable[[dict], None] = lambda e: None,
+                 settings: Settings | None = None):
         self.session_id = session_id
         self.settings = settings
         self.cfg = config
@@ -392,7 +401,7 @@ def _peers(trials: list[Trial]) -> list[Trial]:
     return [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
 
 
-def _project(obs: Observation, searched: Any) -> Observation:
+def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
     import dataclasses
 
     return dataclasses.replace(obs, params=search.project(obs.params, searched.space))

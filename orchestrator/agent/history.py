@@ -6,7 +6,7 @@ and the leaderboard read through here. A finished job's metric never changes, so
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from experiments.registry import ExperimentSpec
 from orchestrator.agent.proposers.base import Observation
@@ -14,6 +14,10 @@ from orchestrator.agent.trial import Trial, TrialStatus
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.tracking import TAG_PHASE
+
+if TYPE_CHECKING:
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking import Tracker
 
 S = JobState
 
@@ -26,7 +30,7 @@ def is_final(job: Job) -> bool:
     return state in (S.SUCCEEDED, S.CANCELLED)
 
 
-def device_seconds(store: Any, job: Job, now: float | None = None) -> float:
+def device_seconds(store: JobStore, job: Job, now: float | None = None) -> float:
     """Device-seconds a job has held (every attempt; STARTING through CANCELLING), times its device count."""
     import time
 
@@ -43,7 +47,7 @@ def device_seconds(store: Any, job: Job, now: float | None = None) -> float:
     return held * max(1, job.gpus)
 
 
-def held_intervals(store: Any, job: Job) -> list[tuple[float, float | None]]:
+def held_intervals(store: JobStore, job: Job) -> list[tuple[float, float | None]]:
     """(start, end) of each stretch the job held devices (end None while it still does)."""
     out: list[tuple[float, float | None]] = []
     since = None
@@ -68,7 +72,7 @@ def source(job: Job) -> str:
 class Results:
     """Jobs of one experiment with their final metrics."""
 
-    def __init__(self, store: Any, tracker: Any, spec: ExperimentSpec):
+    def __init__(self, store: JobStore, tracker: Tracker, spec: ExperimentSpec):
         self.store = store
         self.tracker = tracker
         self.spec = spec
@@ -138,7 +142,7 @@ class Results:
         return rows
 
 
-def completed_value(tracker: Any, spec: ExperimentSpec, run_id: str) -> float | None:
+def completed_value(tracker: Tracker, spec: ExperimentSpec, run_id: str) -> float | None:
     """The final metric of a run whose progress history reached its full budget, else None.
 
     The budget is the `total_steps` param the job logs when it starts (the bundled experiments do); a run

@@ -7,11 +7,16 @@ counts), and a demotion is decided on the trial's latest reports, not on a rung 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from orchestrator.agent.history import completed_value, device_seconds
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
+
+if TYPE_CHECKING:
+    from experiments.registry import ExperimentSpec
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking import Tracker
 
 S, P = TrialStatus, Phase
 
@@ -27,7 +32,7 @@ def reports(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
 class Outcomes:
     """Reads a session's trials' jobs and runs: their outcome when they end, their history before a demotion."""
 
-    def __init__(self, store: Any, tracker: Any, spec: Any, asha: ASHA):
+    def __init__(self, store: JobStore, tracker: Tracker, spec: ExperimentSpec, asha: ASHA):
         self.store = store
         self.tracker = tracker
         self.spec = spec
