@@ -277,3 +277,17 @@ def test_resume_of_an_unknown_session_is_one_line_and_exit_2(home):
                           timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "s-unknown" in done.stderr
+
+
+@pytest.mark.parametrize("baseline,seeds,match", [
+    ({"nope": 1}, 3, "no such parameter"),
+    ({"steps": 3}, 3, "held fixed"),
+    ({"x": 99}, 3, "out of range"),
+    ({}, 0, "--baseline-seeds"),
+])
+def test_bad_baseline_is_refused_before_anything_runs(home, baseline, seeds, match):
+    from orchestrator.errors import BadInput
+
+    with pytest.raises(BadInput, match=match):
+        runner.check(config(baseline=baseline, baseline_seeds=seeds), devices="cpu:2")
+    assert JobStore(Settings.load().db_url).list() == []
