@@ -87,15 +87,13 @@ class Agent:
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
         self.searched = search.reduced(spec, self.fixed)
         self.results = Results(store, tracker, spec)
+        self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
         if proposer is None:
             from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
-                            llm_options=config.llm,
-                            baseline=search.project(search.baseline_params(spec, config.baseline, self.fixed),
-                                                    self.searched.space))
+                            llm_options=config.llm, baseline=search.project(self.baseline, self.searched.space))
         self.proposer = proposer
-        self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
         seed0 = int(self.fixed.get(search.SEED_KEY, config.seed))
         self.seeds = [seed0, *search.confirm_seeds(session_id, max(config.baseline_seeds, config.confirm_seeds),
                                                    seed0)]
