@@ -329,7 +329,7 @@ class Agent:
                 took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
                 rounds = -(-n_confirm // max(1, self.parallel))
                 reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
-            late = reserve > 0 and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
+            late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
             searching = [t for t in active if t.phase is not P.BASELINE]
             if hit or late or (exhausted and not searching):
                 reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
