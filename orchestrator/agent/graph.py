@@ -363,7 +363,8 @@ class Agent:
             route = "propose"
         else:
             route = "monitor"
-        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route, "elapsed": state["elapsed"]}
+        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route,
+                "elapsed": state["elapsed"]}
 
     def finish(self, state: State) -> State:
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
@@ -379,7 +380,8 @@ class Agent:
         for t in trials:
             if t.status in (*ACTIVE, S.PAUSED):
                 if t.job_id is not None and is_final(self.store.get(t.job_id)):
-                    self.outcomes.record_end(t, self.cfg.early_stopping)  # a job that finished its budget before the cancel still counts
+                    # A job that finished its budget before the cancel landed still counts.
+                    self.outcomes.record_end(t, self.cfg.early_stopping)
                     continue
                 t.status = S.STOPPED if t.status is S.PAUSED else S.CANCELLED
                 if t.run_id:
