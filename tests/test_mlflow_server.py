@@ -109,11 +109,11 @@ def test_job_metrics_and_an_agent_session_land_on_the_mlflow_server(mlflow_serve
         from orchestrator.agent.session import SessionConfig
 
         config = SessionConfig(goal="minimise the synthetic loss", experiment="tests.agent.synthetic:SPEC",
-                               proposer="tpe", trials=2, parallel=2, poll=0.2, confirm_seeds=0)
+                               proposer="tpe", trials=2, parallel=2, poll=0.2, confirm_seeds=0, baseline_seeds=1)
         summary = runner.start(config, settings=settings)
-        assert summary["trials"] == 2 and summary["winner"] is not None
+        assert summary["trials"] == 1 + 2 and summary["baseline"] is not None and summary["headline"]
         trials = api.open_store(settings).list(owner=summary["session"])
-        assert len(trials) == 2
+        assert len(trials) == 3  # the baseline's run, then two proposals
         for trial in trials:
             assert client.get_metric_history(trial.mlflow_run_id, "loss"), f"no loss for job {trial.id}"
     finally:
