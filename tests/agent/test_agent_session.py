@@ -167,7 +167,8 @@ def test_target_stops_the_search_then_confirms_on_fresh_seeds(home):
     assert winner is not None and winner["n"] == 3 and winner["spread"] is not None
     assert summary["headline"].startswith("improvement +") and "over baseline" in summary["headline"]
     board = runner.leaderboard(EXP)[0]
-    assert board["entries"][0]["params"] == winner["params"] and board["entries"][0]["winner"]
+    (marked,) = [e for e in board["entries"] if e["winner"]]  # a lucky single run may rank above it, never win
+    assert marked["params"] == winner["params"] and marked["n"] == 3
     assert all(j.state in ("SUCCEEDED", "CANCELLED", "FAILED") for j in jobs)
 
 
