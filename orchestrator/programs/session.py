@@ -272,7 +272,8 @@ def leaderboard(name: str, settings: Settings | None = None) -> dict[str, Any]:
                 node = trials[t["node"]]
                 if t["status"] == "succeeded" and t["value"] is not None:
                     rows.append({"params": {"commit": (t["commit"] or "")[:10], "change": node["rationale"][:80]},
-                                 "value": t["value"], "job_id": t["job_id"], "source": row["id"]})
+                                 "value": t["value"], "job_id": t["job_id"], "source": row["id"],
+                                 "baseline": node["kind"] == "baseline"})
     finally:
         trees.close()
     return {"experiment": name, "metric": metric, **rank(rows, direction)}
