@@ -9,6 +9,7 @@ proposer, and every proposer imports this module).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -47,3 +48,8 @@ class Proposer(Protocol):
     def propose(self, n: int, history: Sequence[Observation]) -> list[Proposal]:
         """`n` new, valid proposals given the history."""
         ...
+
+
+def llm_configured() -> bool:
+    """Whether an OpenAI-compatible endpoint or key is configured in the environment."""
+    return bool(os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY"))

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from experiments.registry import ExperimentSpec
-from orchestrator.agent.proposers.base import Proposer
+from orchestrator.agent.proposers.base import Proposer, llm_configured
 from orchestrator.agent.proposers.hybrid import HybridProposer
 from orchestrator.agent.proposers.llm import LLMProposer
 from orchestrator.agent.proposers.optuna_ import SamplerProposer
 from orchestrator.errors import BadInput
 
 NAMES = ("llm", "tpe", "cmaes", "random", "hybrid")
-
-
-def llm_configured() -> bool:
-    """Whether an OpenAI-compatible endpoint or key is configured in the environment."""
-    return bool(os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY"))
+__all__ = ["NAMES", "default_name", "llm_configured", "make"]
 
 
 def default_name() -> str:
