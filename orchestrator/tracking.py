@@ -17,6 +17,7 @@ import dataclasses
 import math
 import statistics
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -33,11 +34,24 @@ TRAINING = "custom_model_development"  # its value for model-training experiment
 _MAX_TAG = 5000  # MLflow allows 8000; rationales longer than this are truncated, never rejected
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def import_mlflow():
+    """The `mlflow` module, imported once per process under a lock. Two threads importing mlflow at once (the
+    service's warm-up and the agent, in `autoresearch start`) can meet its package half-initialised and fail
+    with a circular-import error; importing it here first, one thread at a time, avoids that."""
+    with _IMPORT_LOCK:
+        import mlflow
+
+        return mlflow
+
+
 class Tracker:
     """A thin, idempotent layer over `MlflowClient` for one tracking store."""
 
     def __init__(self, tracking_uri: str, artifacts_dir: Path | str | None = None):
-        from mlflow import MlflowClient  # heavy: imported only when a tracker is actually built
+        MlflowClient = import_mlflow().MlflowClient  # heavy: imported only when a tracker is actually built
 
         self.tracking_uri = tracking_uri
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None

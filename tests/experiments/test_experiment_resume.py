@@ -72,7 +72,9 @@ def service(home):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_preempted_trial_resumes_bitwise(service, name):
-    from mlflow.tracking import MlflowClient
+    from orchestrator.tracking import import_mlflow
+
+    MlflowClient = import_mlflow().MlflowClient  # the service's warm-up may be importing mlflow right now
 
     from experiments import registry
 
