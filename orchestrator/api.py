@@ -52,9 +52,15 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     be placed.
     """
     settings = settings or Settings.load()
-    store = store or JobStore.from_settings(settings)
     if spec.cwd is None:
         spec = replace(spec, cwd=os.getcwd())
+    if spec.image or spec.env_file or spec.mounts:
+        from orchestrator.jobenv import prepare  # reads files and asks the container engine: only when asked
+
+        spec = prepare(spec, settings.container_engine)
+    elif not os.path.isdir(spec.cwd):
+        raise BadInput(f"--workdir {spec.cwd}: not a directory")
+    store = store or JobStore.from_settings(settings)
     services = live_services(store)
     largest = largest_capacity(services)
     why = unplaceable_reason(spec.gpus, largest) if largest else None

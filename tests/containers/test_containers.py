@@ -1,0 +1,127 @@
+"""Jobs in a container image, under a real podman: the container is the job's process.
+
+Each test runs in a few seconds once the session's image exists (tests/containers/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import mlflow
+
+from orchestrator import api
+from orchestrator.config import Settings
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.store import JobStore
+from tests.containers.conftest import containers_of
+from tests.orchestrator.helpers import wait_for
+
+# A checkpointing job that needs nothing but the image's python: a step every 0.1 s, its step saved on SIGTERM
+# (the plain handler most scripts have: save, exit 0), resumed from the saved step.
+STEPPER = textwrap.dedent("""
+    import os, signal, sys, time
+    ckpt = os.path.join(os.environ["AUTORESEARCH_CHECKPOINT_DIR"], "step")
+    step = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+    print("attempt", os.environ["AUTORESEARCH_ATTEMPT"], "from step", step, flush=True)
+    def save(*_):
+        open(ckpt, "w").write(str(step)); print("saved at step", step, flush=True); sys.exit(0)
+    signal.signal(signal.SIGTERM, save)
+    while step < int(sys.argv[1]):
+        time.sleep(0.1); step += 1
+    print("done at step", step, flush=True)
+""")
+
+
+def finished(store, job_id):
+    job = store.get(job_id)
+    return job if job.final else None
+
+
+def test_a_job_in_an_image_runs_the_images_python_with_its_env_and_workdir(make_service, image, tmp_path):
+    service = make_service("cpu:1")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "env").write_text("GREETING='hello from a file'\n")
+    probe = ("import os, sys; print('python', sys.executable, sys.version.split()[0]); print('cwd', os.getcwd());"
+             "print('greeting', os.environ['GREETING']); print('home-path', 'PATH' in os.environ and "
+             "os.environ['PATH'] == os.environ.get('HOST_PATH_MARK'));"
+             "open('out.txt', 'w').write('written inside')")
+    job, _ = api.submit(JobSpec(argv=["python3", "-c", probe], image=image, cwd=str(work),
+                                env_file=str(work / "env")))
+    assert job.image_id and job.image_id.startswith("sha256:")
+    done = wait_for(lambda: finished(service.store, job.id), timeout=60, what="the container job")
+    log = open(done.log_path).read()
+    assert done.state == "SUCCEEDED", log
+    assert f"python /usr/bin/python3 " in log and sys.executable not in log.split("===")[-1]
+    assert sys.version.split()[0] != "3.11.2" and "3.11.2" in log  # bookworm's python, not the host's
+    assert f"cwd {work}" in log and "greeting hello from a file" in log
+    assert (work / "out.txt").read_text() == "written inside"  # the workdir is the host's, bind-mounted
+    assert "hello from a file" not in log.split("\n", 1)[0]  # the header shows names (-e KEY), not values
+    tags = mlflow.MlflowClient().get_run(done.mlflow_run_id).data.tags
+    assert tags["autoresearch.image"] == image and tags["autoresearch.image_digest"] == job.image_id
+    assert containers_of(service.settings.home if hasattr(service, "settings") else Settings.load().home) == []
+
+
+def test_exit_75_requeues_a_container_job_without_spending_an_attempt(make_service, image, tmp_path):
+    service = make_service("cpu:1")
+    script = 'f=$AUTORESEARCH_CHECKPOINT_DIR/once; [ -e $f ] && exit 0; touch $f; exit 75'
+    job, _ = api.submit(JobSpec(argv=["sh", "-c", script], image=image, track=False))
+    done = wait_for(lambda: finished(service.store, job.id), timeout=60, what="the container job")
+    assert (done.state, done.attempts, done.failures) == ("SUCCEEDED", 2, 0)
+    assert [e.reason for e in service.store.events(job.id) if e.dst == "QUEUED"][1:] != []
+
+
+def test_a_preempted_container_job_checkpoints_and_resumes(make_service, image, tmp_path):
+    service = make_service("cpu:1", preempt_after=0)
+    low, _ = api.submit(JobSpec(argv=["python3", "-c", STEPPER, "40"], image=image, priority=0, track=False,
+                                grace=10))
+    wait_for(lambda: "from step" in open(service.store.get(low.id).log_path or os.devnull).read(), timeout=60,
+             what="the low-priority job to start")
+    high, _ = api.submit(JobSpec(argv=["true"], priority=50, track=False))
+    done = wait_for(lambda: finished(service.store, low.id), timeout=90, what="the preempted job to finish")
+    log = open(done.log_path).read()
+    assert done.state == "SUCCEEDED" and done.preemptions == 1 and service.store.get(high.id).state == "SUCCEEDED"
+    saved = int(log.split("saved at step ")[1].split()[0])
+    assert saved > 0 and f"attempt 2 from step {saved}" in log and "done at step 40" in log
+
+
+def test_cancel_stops_and_removes_the_container(make_service, image, tmp_path):
+    service = make_service("cpu:1")
+    job, _ = api.submit(JobSpec(argv=["sleep", "300"], image=image, track=False, grace=2))
+    wait_for(lambda: containers_of(Settings.load().home), timeout=60, what="the container to run")
+    api.cancel(job.id)
+    done = wait_for(lambda: finished(service.store, job.id), timeout=30, what="the cancel")
+    assert done.state == "CANCELLED"
+    wait_for(lambda: containers_of(Settings.load().home) == [], timeout=15, what="the container to be removed")
+
+
+def test_kill_9_of_the_service_and_restart_adopts_the_running_container(home, image, tmp_path):
+    store = JobStore(Settings.load().db_url)
+    gate = tmp_path / "gate"
+    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        job, _ = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.1; done; exit 3"],
+                                    image=image, mounts=[f"{tmp_path}:{tmp_path}"], track=False))
+        wait_for(lambda: store.get(job.id).state == "RUNNING" and containers_of(home), timeout=60,
+                 what="the container job to run")
+        pid = store.get(job.id).pid
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        assert containers_of(home), "the container outlives the service"
+        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: any("adopt" in e.reason for e in store.events(job.id)) or
+                 len(api.live_services(store)) == 1, timeout=60, what="the restarted service")
+        gate.touch()
+        done = wait_for(lambda: finished(store, job.id), timeout=60, what="the adopted job to end")
+        assert (done.state, done.exit_code, done.attempts, done.pid) == ("FAILED", 3, 1, pid)
+        wait_for(lambda: containers_of(home) == [], timeout=15, what="the container to be removed")
+    finally:
+        serve.kill()
+        serve.wait(timeout=10)
+        for name in containers_of(home):
+            subprocess.run(["podman", "rm", "-f", name], capture_output=True)
