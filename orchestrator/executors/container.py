@@ -22,8 +22,9 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from orchestrator.errors import BadInput
 from orchestrator.layout import Layout
@@ -148,6 +149,19 @@ def signal(engine: str, name: str, sig: int) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0
+
+
+def signal_when_up(engine: str, name: str, sig: int, starting: Callable[[], bool], within: float) -> bool:
+    """Send `sig` as soon as the container runs, while `starting()` (its engine client lives) and for at most
+    `within` seconds; whether it was delivered."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if signal(engine, name, sig):
+            return True
+        if not starting():
+            return False
+        time.sleep(0.25)
+    return False
 
 
 def running(engine: str, name: str) -> Optional[bool]:

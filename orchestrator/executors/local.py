@@ -110,10 +110,8 @@ class LocalExecutor(Executor):
             os.makedirs(job.checkpoint_dir, exist_ok=True)
         cwd = job.cwd if job.cwd and os.path.isdir(job.cwd) else str(Path.home())
         if job.image:  # the container is the job's process: the wrapper runs the engine in the foreground
-            engine = container.engine_name(self.container_engine)
-            container.remove(engine, container.container_name(self.layout.home, job.id, job.attempts))
             log_path.touch()
-            argv = container.run_argv(job, env, self.layout, engine)
+            argv = container.run_argv(job, env, self.layout, container.engine_name(self.container_engine))
         else:
             argv = job_argv(job)
         with open(log_path, "ab", buffering=0) as out:
@@ -183,7 +181,12 @@ class LocalExecutor(Executor):
             # engine client still runs. The client and wrapper themselves are killed only with the container.
             engine = container.engine_name(self.container_engine)
             name = container.container_name(layout.home, job.id, job.attempts)
-            container.signal(engine, name, sig)
+            if not container.signal(engine, name, sig) and sig != signal.SIGKILL:
+                # Not up yet (the engine takes a moment to start it): deliver the stop once it is, so the
+                # job still saves its checkpoint instead of meeting the SIGKILL at the end of its grace.
+                tree = self._tree(job, layout)
+                threading.Thread(target=container.signal_when_up, args=(engine, name, sig, tree.alive, job.grace),
+                                 daemon=True).start()
             if sig != signal.SIGKILL:
                 return
             container.remove(engine, name)  # the client's --rm may be cut short by the SIGKILL below
