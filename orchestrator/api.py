@@ -40,7 +40,10 @@ def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) 
 
     spec = registry.get(experiment)
     full = spec.validate(dict(params))
-    return JobSpec(argv=spec.argv(), experiment=experiment, params=full, **options)
+    if options.get("image") is None and spec.image:
+        options["image"] = spec.image  # the environment the experiment names, unless --image says otherwise
+    return JobSpec(argv=spec.argv(in_image=bool(options.get("image"))), experiment=experiment, params=full,
+                   **options)
 
 
 def submit(spec: JobSpec, settings: Optional[Settings] = None,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from orchestrator.jobenv import image_tags
 from orchestrator.queue.models import Job
 from orchestrator.tracking import TAG_EXPERIMENT, TAG_JOB, Tracker
 
 DEFAULT_EXPERIMENT = "jobs"
-TAG_IMAGE = "autoresearch.image"
-TAG_IMAGE_DIGEST = "autoresearch.image_digest"
 
 
 def ensure_job_run(tracker: Tracker, job: Job) -> str:
@@ -17,9 +16,7 @@ def ensure_job_run(tracker: Tracker, job: Job) -> str:
     tags = {TAG_JOB: str(job.id), "autoresearch.owner": job.owner, "mlflow.runName": f"{job.name}-{job.id}"}
     if job.experiment:
         tags[TAG_EXPERIMENT] = job.experiment
-    if job.image:  # the environment the result came from: the name as given and the content id that ran
-        tags[TAG_IMAGE] = job.image
-        tags[TAG_IMAGE_DIGEST] = job.image_id or ""
+    tags.update(image_tags(job))
     run = tracker.client.create_run(exp_id, tags=tags, run_name=f"{job.name}-{job.id}")
     if job.params:
         from mlflow.entities import Param

@@ -178,11 +178,17 @@ class Agent:
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t["key"],
                                                         name=f"{self.session_id} trial {t['n']}", params=t["params"],
                                                         tags=tags)
-                spec = JobSpec(argv=self.spec.argv(), name=f"{self.spec.name}-{self.session_id}-{t['n']}",
+                spec = JobSpec(argv=self.spec.argv(in_image=bool(self.spec.image)),
+                               name=f"{self.spec.name}-{self.session_id}-{t['n']}",
                                priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
                                preemptible=True, owner=self.session_id, experiment=self.spec.name,
                                params=t["params"], env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t["key"])
+                               idempotency_key=t["key"], image=self.spec.image)
+                if spec.image:  # pinned to the image's content id; the run says which
+                    from orchestrator.jobenv import image_tags, prepare
+
+                    spec = prepare(spec)
+                    self.tracker.set_tags(run_id, image_tags(spec))
                 job = self.store.submit(spec)
                 self.notify()
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status="queued", submitted_at=time.time())

@@ -191,9 +191,11 @@ class RayExecutor(Executor):
             os.makedirs(job.checkpoint_dir, exist_ok=True)  # visible to other nodes on a shared home
         resources = ({"entrypoint_num_cpus": job.gpus} if self.cpu_slots else {"entrypoint_num_gpus": job.gpus})
         entrypoint = describe(["/bin/sh", "-c", WRAPPER, "autoresearch-job", job.cwd or "", *argv])
+        runtime_env: dict[str, Any] = {"env_vars": self._env_vars(job, env)}
+        if job.image:  # Ray's container runtime env (podman on every node): the nodes pull or hold the image
+            runtime_env["image_uri"] = job.image
         try:
-            self.client.submit_job(entrypoint=entrypoint, submission_id=sid,
-                                   runtime_env={"env_vars": self._env_vars(job, env)},
+            self.client.submit_job(entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env,
                                    metadata={"autoresearch_job": str(job.id), "attempt": str(job.attempts)},
                                    **resources)
         except Exception:
