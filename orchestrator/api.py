@@ -55,14 +55,16 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     be placed.
     """
     settings = settings or Settings.load()
-    if spec.cwd is None:
-        spec = replace(spec, cwd=os.getcwd())
+    # The service may run elsewhere (another cwd, another host's view of the same paths): store it absolute.
+    cwd = os.getcwd() if spec.cwd is None else os.path.abspath(os.path.expanduser(spec.cwd))
+    if not os.path.isdir(cwd):
+        raise BadInput(f"--workdir {spec.cwd}: not a directory")
+    if cwd != spec.cwd:
+        spec = replace(spec, cwd=cwd)
     if spec.image or spec.env_file or spec.mounts:
         from orchestrator.jobenv import prepare  # reads files and asks the container engine: only when asked
 
         spec = prepare(spec, settings.container_engine)
-    elif not os.path.isdir(spec.cwd):
-        raise BadInput(f"--workdir {spec.cwd}: not a directory")
     store = store or JobStore.from_settings(settings)
     services = live_services(store)
     largest = largest_capacity(services)

@@ -3,6 +3,7 @@ bad input refused with one line, exit 2, nothing queued."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,9 +17,16 @@ from tests.orchestrator.helpers import wait_for
 SECRET = "hunter2-7f3a91"
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+                          env={**os.environ, **(env or {})}, timeout=120, cwd=cwd)
+
+
+def test_a_relative_workdir_is_stored_absolute(home, tmp_path):
+    (tmp_path / "sub").mkdir()
+    out = cli("submit", "--workdir", "sub", "--json", "--", "true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cwd"] == str(tmp_path / "sub")
 
 
 def test_env_file_values_reach_the_job_and_are_never_shown(make_service, tmp_path):
