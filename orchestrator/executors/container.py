@@ -120,7 +120,7 @@ def run_argv(job: Job, env: dict[str, str], layout: Layout, engine: str) -> list
         argv.append("--sig-proxy=false")  # stops go through `kill` (below), never twice through the client
     mounts: list[str] = []
     for path in (job.checkpoint_dir, str(layout.run_dir), job.cwd):
-        if path and os.path.isdir(path):
+        if path and os.path.isdir(path) and os.path.abspath(path) != "/":  # never the host's root over the image's
             mounts.append(f"{path}:{path}")
     if job.log_path and os.path.exists(job.log_path):
         mounts.append(f"{job.log_path}:{job.log_path}")

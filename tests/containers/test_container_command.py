@@ -38,6 +38,11 @@ def test_podman_runs_the_pinned_image_with_names_not_values_and_same_path_mounts
     assert "--device" not in argv  # cpu slots: no device
 
 
+def test_a_job_submitted_from_the_root_does_not_mount_the_hosts_root(tmp_path):
+    argv = container.run_argv(job(tmp_path, cwd="/"), {}, Layout(tmp_path / "h"), "podman")
+    assert "/:/" not in argv and argv[argv.index("--workdir") + 1] == "/"
+
+
 def test_gpus_go_in_as_cdi_devices_and_multi_gpu_through_the_images_torchrun(tmp_path):
     argv = container.run_argv(job(tmp_path, gpus=2, devices=["1", "3"]), {}, Layout(tmp_path / "h"), "docker")
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--device"] == ["nvidia.com/gpu=1", "nvidia.com/gpu=3"]
