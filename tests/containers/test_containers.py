@@ -135,3 +135,34 @@ def test_kill_9_of_the_service_and_restart_adopts_the_running_container(home, im
         serve.wait(timeout=10)
         for name in containers_of(home):
             subprocess.run(["podman", "rm", "-f", name], capture_output=True)
+
+
+def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_retried(home, image, tmp_path):
+    store = JobStore(Settings.load().db_url)
+    gate = tmp_path / "gate"
+    script = f'[ "$AUTORESEARCH_ATTEMPT" = 2 ] && exit 0; while [ ! -e {gate} ]; do sleep 0.1; done'
+    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, "AUTORESEARCH_RETRY_BACKOFF": "0"})
+    try:
+        job, _ = api.submit(JobSpec(argv=["sh", "-c", script], image=image, track=False, max_attempts=2,
+                                    mounts=[f"{tmp_path}:{tmp_path}"]))
+        wait_for(lambda: store.get(job.id).state == "RUNNING" and containers_of(home), timeout=60,
+                 what="the container job to run")
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        os.killpg(store.get(job.id).pid, signal.SIGKILL)  # the wrapper and the engine client, not the container
+        assert containers_of(home), "the container runs on without its client"
+        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, "AUTORESEARCH_RETRY_BACKOFF": "0"})
+        done = wait_for(lambda: finished(store, job.id), timeout=90, what="the job to be retried")
+        assert (done.state, done.attempts) == ("SUCCEEDED", 2)
+        assert any("killed" in e.reason for e in store.events(job.id)), [e.reason for e in store.events(job.id)]
+        wait_for(lambda: containers_of(home) == [], timeout=15, what="the first attempt's container to go")
+        assert not gate.exists()  # the first attempt never saw its gate: it was stopped, not left to finish
+    finally:
+        serve.kill()
+        serve.wait(timeout=10)
+        for name in containers_of(home):
+            subprocess.run(["podman", "rm", "-f", name], capture_output=True)
