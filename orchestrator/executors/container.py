@@ -19,9 +19,12 @@ belong in the engine's own configuration (containers.conf, daemon.json), not her
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
+import signal as signals
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -30,6 +33,8 @@ from orchestrator.errors import BadInput
 from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
 ENGINE_VAR = "AUTORESEARCH_CONTAINER_ENGINE"
@@ -149,6 +154,30 @@ def signal(engine: str, name: str, sig: int) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0
+
+
+def engine_for(job: Job, setting: Optional[str] = None) -> Optional[str]:
+    """The engine of an --image job; None for other jobs, or when the engine has gone missing since the
+    submit (its processes are then stopped like any others)."""
+    if not job.image:
+        return None
+    try:
+        return engine_name(setting)
+    except BadInput as exc:
+        log.warning("job %s: %s", job.id, exc)
+        return None
+
+
+def deliver(engine: str, name: str, sig: int, starting: Callable[[], bool], within: float) -> None:
+    """A stop for the container: `sig` to its init (and so, once, to the job), whether or not its engine
+    client still runs. A SIGTERM sent while the engine is still starting it is delivered once it runs (for
+    at most `within` seconds, while `starting()`), so the job saves its checkpoint instead of meeting the
+    SIGKILL at the end of its grace. A SIGKILL also removes it: the client's --rm may be cut short."""
+    if sig == signals.SIGKILL:
+        signal(engine, name, sig)
+        remove(engine, name)
+    elif not signal(engine, name, sig):
+        threading.Thread(target=signal_when_up, args=(engine, name, sig, starting, within), daemon=True).start()
 
 
 def signal_when_up(engine: str, name: str, sig: int, starting: Callable[[], bool], within: float) -> bool:

@@ -176,32 +176,13 @@ class LocalExecutor(Executor):
         if self._foreign(job):
             return
         layout = layout or self.layout
-        engine = self._engine(job)
-        if engine is not None:
-            # Through the engine: it reaches the container's init (and so the job) once, whether or not the
-            # engine client still runs. The client and wrapper themselves are killed only with the container.
-            name = container.container_name(layout.home, job.id, job.attempts)
-            if not container.signal(engine, name, sig) and sig != signal.SIGKILL:
-                # Not up yet (the engine takes a moment to start it): deliver the stop once it is, so the
-                # job still saves its checkpoint instead of meeting the SIGKILL at the end of its grace.
-                tree = self._tree(job, layout)
-                threading.Thread(target=container.signal_when_up, args=(engine, name, sig, tree.alive, job.grace),
-                                 daemon=True).start()
+        engine = container.engine_for(job, self.container_engine)
+        if engine is not None:  # a container: through the engine; its client and wrapper go only with a SIGKILL
+            container.deliver(engine, container.container_name(layout.home, job.id, job.attempts), sig,
+                              self._tree(job, layout).alive, job.grace)
             if sig != signal.SIGKILL:
                 return
-            container.remove(engine, name)  # the client's --rm may be cut short by the SIGKILL below
         self._tree(job, layout).signal(sig)
-
-    def _engine(self, job: Job) -> Optional[str]:
-        """The container engine of an --image job (None for others, or when the engine has gone missing: then
-        its processes are stopped like any others)."""
-        if not job.image:
-            return None
-        try:
-            return container.engine_name(self.container_engine)
-        except Exception as exc:
-            log.warning("job %s: %s", job.id, exc)
-            return None
 
     def adopt(self, job: Job) -> bool:
         recorded = procs.same_process(job.pid, job.proc_start)
@@ -214,7 +195,7 @@ class LocalExecutor(Executor):
         if leader is not None:
             self._watch(watch)
             return True
-        engine = self._engine(job)
+        engine = container.engine_for(job, self.container_engine)
         if engine is not None:  # its engine client is gone: nothing would remove the container (or stop its job)
             container.remove(engine, container.container_name(self.layout.home, job.id, job.attempts))
         self._settle(watch, None)

@@ -75,3 +75,10 @@ def test_mounts(text, says, tmp_path, monkeypatch):
     else:
         with pytest.raises(BadInput, match=says):
             container.parse_mount(text)
+
+
+def test_under_ray_an_image_becomes_rays_image_uri(tmp_path):
+    from orchestrator.executors.ray import runtime_env_of
+
+    assert runtime_env_of(job(tmp_path), {"A": "1"}) == {"env_vars": {"A": "1"}, "image_uri": "localhost/train:1"}
+    assert runtime_env_of(job(tmp_path, image=None), {}) == {"env_vars": {}}
