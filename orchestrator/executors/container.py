@@ -7,10 +7,12 @@ The container *is* the job's process, so it keeps the process contract of `execu
 - the Contract 3 environment goes in by name only (`-e KEY`: values come from the engine client's environment,
   so none shows up in an argv, a log header or `ps`), never the service's PATH or other variables, which
   would hide the image's own;
-- the checkpoint dir, the heartbeat dir, the log file, the workdir and `--mount`s are bind-mounted at the same
-  paths, and the job's devices go in the engine's way (CDI `nvidia.com/gpu=IDX`; nothing on cpu slots);
+- the home (checkpoints, heartbeats, the data cache, a default SQLite MLflow store), the workdir, and what of
+  the checkpoint dir, log and file-based tracking store lies outside the home are bind-mounted at the same
+  paths, `--mount`s where they say, and the job's devices go in the engine's way (CDI `nvidia.com/gpu=IDX`;
+  nothing on cpu slots);
 - stop: signals go through the engine (`kill --signal`), which reaches the container whether or not its
-  client still runs; removal (`rm -f`) once the service has the exit.
+  client still runs; a SIGKILL also removes it (`rm -f`), as does adopting an attempt whose client is gone.
 Which engine: the `container_engine` setting (`AUTORESEARCH_CONTAINER_ENGINE`): podman, docker, or auto
 (podman when it is installed, else docker). Engine options of a particular host (an OCI runtime, ulimits)
 belong in the engine's own configuration (containers.conf, daemon.json), not here.
@@ -108,6 +110,32 @@ def device_args(devices: Iterable[str]) -> list[str]:
     return out
 
 
+def same_path_mounts(job: Job, env: dict[str, str], layout: Layout) -> list[str]:
+    """What the job reaches at the host's paths: the home (checkpoints, heartbeats, the data cache, and the
+    default SQLite MLflow store its MLFLOW_TRACKING_URI names), its checkpoint dir and log where they live
+    elsewhere, a file-based tracking store outside the home, and the workdir. Never the host's root."""
+    paths = [str(layout.home), job.checkpoint_dir, job.log_path, job.cwd,
+             _tracking_dir(env.get(protocol.TRACKING_URI))]
+    home = os.path.abspath(layout.home)
+    out = []
+    for path in paths:
+        if not path or not os.path.exists(path) or os.path.abspath(path) == "/":
+            continue
+        path = os.path.abspath(path)
+        if path != home and path.startswith(home + os.sep):
+            continue  # inside the home, which is mounted already
+        out.append(f"{path}:{path}")
+    return list(dict.fromkeys(out))
+
+
+def _tracking_dir(uri: Optional[str]) -> Optional[str]:
+    """The directory of a file-based MLflow store (`sqlite:////abs/mlflow.db`, `file:///dir`, a plain path)."""
+    if not uri or ("://" in uri and not uri.startswith(("sqlite:///", "file://"))):
+        return None  # a tracking server: reached over the (host) network
+    path = uri.split("sqlite:///", 1)[-1] if uri.startswith("sqlite:///") else uri.removeprefix("file://")
+    return os.path.dirname(path) if uri.startswith("sqlite") else path
+
+
 def inner_argv(job: Job) -> list[str]:
     """What runs inside: the command, through the image's own torchrun for multi-device jobs."""
     argv = [str(a) for a in job.argv]
@@ -123,14 +151,7 @@ def run_argv(job: Job, env: dict[str, str], layout: Layout, engine: str) -> list
             "--label", f"autoresearch.job={job.id}", "--label", f"autoresearch.attempt={job.attempts}"]
     if engine == "podman":
         argv.append("--sig-proxy=false")  # stops go through `kill` (below), never twice through the client
-    mounts: list[str] = []
-    for path in (job.checkpoint_dir, str(layout.run_dir), job.cwd):
-        if path and os.path.isdir(path) and os.path.abspath(path) != "/":  # never the host's root over the image's
-            mounts.append(f"{path}:{path}")
-    if job.log_path and os.path.exists(job.log_path):
-        mounts.append(f"{job.log_path}:{job.log_path}")
-    mounts += list(job.mounts or [])
-    for mount in dict.fromkeys(mounts):
+    for mount in same_path_mounts(job, env, layout) + list(job.mounts or []):
         argv += ["-v", mount]
     if job.cwd:
         argv += ["--workdir", job.cwd]

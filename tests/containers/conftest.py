@@ -58,7 +58,8 @@ def image() -> str:
     if subprocess.run(["podman", "image", "exists", IMAGE]).returncode != 0:
         rootfs = CACHE / "rootfs.tar"
         if not rootfs.exists():
-            require("mmdebstrap", None if shutil.which("mmdebstrap") else "not installed (apt-get install -y mmdebstrap)")
+            require("mmdebstrap",
+                    None if shutil.which("mmdebstrap") else "not installed (apt-get install -y mmdebstrap)")
             part = CACHE / "rootfs.tar.part"
             out = subprocess.run([*RECIPE, str(part)], capture_output=True, text=True)
             require("a Debian image built by mmdebstrap", None if out.returncode == 0 else out.stderr.strip()[-300:])

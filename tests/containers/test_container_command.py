@@ -33,9 +33,21 @@ def test_podman_runs_the_pinned_image_with_names_not_values_and_same_path_mounts
     assert sorted(names) == ["AUTORESEARCH_JOB_ID", "MLFLOW_RUN_ID", "TOKEN"]  # no host PATH over the image's
     assert "s3cret" not in " ".join(argv)
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
-    assert f"{tmp_path}/ckpt:{tmp_path}/ckpt" in mounts and f"{layout.run_dir}:{layout.run_dir}" in mounts
-    assert "/data:/data:ro" in mounts and argv[argv.index("--workdir") + 1] == str(tmp_path)
+    # The home (heartbeats, the default SQLite MLflow store), the checkpoint dir outside it, the workdir.
+    assert mounts == [f"{layout.home}:{layout.home}", f"{tmp_path}/ckpt:{tmp_path}/ckpt",
+                      f"{tmp_path}:{tmp_path}", "/data:/data:ro"] and argv[argv.index("--workdir") + 1] == str(tmp_path)
     assert "--device" not in argv  # cpu slots: no device
+
+
+def test_a_file_based_tracking_store_outside_the_home_is_mounted_a_server_is_not(tmp_path):
+    layout = Layout(tmp_path / "home").ensure()
+    (tmp_path / "ml").mkdir()
+    for uri, extra in ((f"sqlite:///{tmp_path}/ml/mlflow.db", f"{tmp_path}/ml"), ("http://mlflow:5000", None),
+                       (f"sqlite:///{layout.home}/mlflow.db", None)):
+        argv = container.run_argv(job(tmp_path, cwd=str(layout.home)), {"MLFLOW_TRACKING_URI": uri}, layout, "podman")
+        mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+        assert mounts == [f"{layout.home}:{layout.home}", f"{tmp_path}/ckpt:{tmp_path}/ckpt"] + \
+            ([f"{extra}:{extra}"] if extra else [])
 
 
 def test_a_job_submitted_from_the_root_does_not_mount_the_hosts_root(tmp_path):

@@ -36,7 +36,8 @@ def test_env_file_values_reach_the_job_and_are_never_shown(make_service, tmp_pat
     env_file = tmp_path / "job.env"
     env_file.write_text(f"# credentials\nexport SECRET={SECRET}\nOVER='from the file'\nQUOTED=\"a b\"\n")
     (tmp_path / "expected").write_text(SECRET)  # compared inside, so the secret is in no argv either
-    check = f'test "$SECRET" = "$(cat {tmp_path}/expected)" && test "$OVER" = cli && test "$QUOTED" = "a b" && pwd && echo checked'
+    check = (f'test "$SECRET" = "$(cat {tmp_path}/expected)" && test "$OVER" = cli && test "$QUOTED" = "a b" '
+             '&& pwd && echo checked')
     out = cli("submit", "--env-file", str(env_file), "--env", "OVER=cli", "--workdir", str(work), "--no-track",
               "--", "sh", "-c", check)
     assert out.returncode == 0, out.stderr
