@@ -34,7 +34,7 @@ class ExperimentSpec:
     # Intermediate metric the agent's early stopping reads (logged at increasing steps); defaults to `metric`.
     progress_metric: str | None = None
     # A container image its runs use (`submit --image`; agent trials too), None: the service's environment.
-    # The image must have this project installed: the experiment runs as `python3 -m ENTRYPOINT` inside.
+    # It runs as `python3 -m ENTRYPOINT` from the bind-mounted repository root: the image needs the dependencies.
     image: str | None = None
 
     def __post_init__(self) -> None:
