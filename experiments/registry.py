@@ -33,6 +33,9 @@ class ExperimentSpec:
     budget: Mapping[str, Any] = field(default_factory=dict)
     # Intermediate metric the agent's early stopping reads (logged at increasing steps); defaults to `metric`.
     progress_metric: str | None = None
+    # A container image its runs use (`submit --image`; agent trials too), None: the service's environment.
+    # It runs as `python3 -m ENTRYPOINT` from the bind-mounted repository root: the image needs the dependencies.
+    image: str | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
@@ -42,9 +45,10 @@ class ExperimentSpec:
         """Full, typed params (defaults filled); raises experiments.space.SpaceError naming the key."""
         return self.space.validate(params)
 
-    def argv(self) -> list[str]:
-        """The command a job runs for this experiment (params travel in AUTORESEARCH_PARAMS)."""
-        return [sys.executable, "-m", self.entrypoint]
+    def argv(self, in_image: bool = False) -> list[str]:
+        """The command a job runs for this experiment (params travel in AUTORESEARCH_PARAMS); `in_image`: in
+        a container, whose python is not this one."""
+        return ["python3" if in_image else sys.executable, "-m", self.entrypoint]
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric value `a` is strictly better than `b`."""

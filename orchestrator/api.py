@@ -40,7 +40,10 @@ def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) 
 
     spec = registry.get(experiment)
     full = spec.validate(dict(params))
-    return JobSpec(argv=spec.argv(), experiment=experiment, params=full, **options)
+    if options.get("image") is None and spec.image:
+        options["image"] = spec.image  # the environment the experiment names, unless --image says otherwise
+    return JobSpec(argv=spec.argv(in_image=bool(options.get("image"))), experiment=experiment, params=full,
+                   **options)
 
 
 def submit(spec: JobSpec, settings: Optional[Settings] = None,
@@ -52,9 +55,17 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     be placed.
     """
     settings = settings or Settings.load()
+    # The service may run elsewhere (another cwd, another host's view of the same paths): store it absolute.
+    cwd = os.getcwd() if spec.cwd is None else os.path.abspath(os.path.expanduser(spec.cwd))
+    if not os.path.isdir(cwd):
+        raise BadInput(f"--workdir {spec.cwd}: not a directory")
+    if cwd != spec.cwd:
+        spec = replace(spec, cwd=cwd)
+    if spec.image or spec.env_file or spec.mounts:
+        from orchestrator.jobenv import prepare  # reads files and asks the container engine: only when asked
+
+        spec = prepare(spec, settings.container_engine)
     store = store or JobStore.from_settings(settings)
-    if spec.cwd is None:
-        spec = replace(spec, cwd=os.getcwd())
     services = live_services(store)
     largest = largest_capacity(services)
     why = unplaceable_reason(spec.gpus, largest) if largest else None

@@ -97,6 +97,7 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "llm_model": ("AUTORESEARCH_LLM_MODEL", _text),
     "llm_base_url": ("OPENAI_BASE_URL", _text),
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
+    "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
 }
 
 
@@ -126,6 +127,7 @@ class Settings:
     llm_model: Optional[str] = None
     llm_base_url: Optional[str] = None
     llm_price: Optional[str] = None
+    container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.jobenv import image_tags
 from orchestrator.queue.models import Job
 from orchestrator.tracking import TAG_EXPERIMENT, TAG_JOB, Tracker
 
@@ -10,11 +11,12 @@ DEFAULT_EXPERIMENT = "jobs"
 
 def ensure_job_run(tracker: Tracker, job: Job) -> str:
     """A new run for `job` in the MLflow experiment named after its experiment (or `jobs`), tagged with the
-    job id, owner and experiment, its params logged; returns the run id."""
+    job id, owner, experiment and container image (name and digest), its params logged; returns the run id."""
     exp_id = tracker.experiment_id(job.experiment or DEFAULT_EXPERIMENT)
     tags = {TAG_JOB: str(job.id), "autoresearch.owner": job.owner, "mlflow.runName": f"{job.name}-{job.id}"}
     if job.experiment:
         tags[TAG_EXPERIMENT] = job.experiment
+    tags.update(image_tags(job))
     run = tracker.client.create_run(exp_id, tags=tags, run_name=f"{job.name}-{job.id}")
     if job.params:
         from mlflow.entities import Param

@@ -1,8 +1,8 @@
-"""The suite's own guarantee: under CI a missing PostgreSQL or FUSE fails the run instead of skipping tests.
+"""The suite's own guarantee: under CI a missing PostgreSQL, FUSE or podman fails the run instead of skipping.
 
-Each case runs pytest in a subprocess on two probe tests that only request the real fixtures (`pg_url`,
-`slow_volume`), with PostgreSQL pointed at a closed port and `fusermount3` off the PATH, so both are
-unavailable whatever this machine has.
+Each case runs pytest in a subprocess on three probe tests that only request the real fixtures (`pg_url`,
+`slow_volume`, `image`), with PostgreSQL pointed at a closed port and `fusermount3` and `podman` off the PATH,
+so all are unavailable whatever this machine has.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ def test_needs_postgres(pg_url):
 
 def test_needs_fuse(slow_volume):
     pass
+
+
+def test_needs_a_container_engine(image):
+    pass
 '''
 FIXTURES = ("from tests.conftest import pg_url  # noqa: F401\n"
-            "from tests.runtime.conftest import slow_volume  # noqa: F401\n")
+            "from tests.runtime.conftest import slow_volume  # noqa: F401\n"
+            "from tests.containers.conftest import image  # noqa: F401\n")
 
 
 def run_probes(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
@@ -47,19 +52,21 @@ def test_under_ci_missing_postgres_and_fuse_fail_the_run(tmp_path):
     result = run_probes(tmp_path, ci="true")
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
-    assert "2 errors" in out and "skipped" not in out, out
+    assert "3 errors" in out and "skipped" not in out, out
     assert "PostgreSQL is required under CI=true but unavailable: no server at" in out
     assert "127.0.0.1:1/test" in out  # the reason says where it looked
     assert "FUSE (for the slow volume) is required under CI=true" in out
+    assert "podman is required under CI=true but unavailable: podman is not installed" in out
 
 
 def test_outside_ci_they_skip_with_the_reason(tmp_path):
     result = run_probes(tmp_path, ci=None)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    assert "2 skipped" in out
+    assert "3 skipped" in out
     assert "PostgreSQL unavailable: no server at" in out and "set AUTORESEARCH_TEST_PG" in out
     assert "FUSE (for the slow volume) unavailable" in out
+    assert "podman unavailable: podman is not installed" in out
 
 
 @pytest.mark.parametrize("value, expected", [("true", True), ("TRUE", True), ("1", True), ("yes", True),

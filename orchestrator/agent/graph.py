@@ -219,12 +219,17 @@ class Agent:
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
-                spec = JobSpec(argv=self.spec.argv(), name=f"{self.spec.name}-{self.session_id}-{t.n}",
+                spec = JobSpec(argv=self.spec.argv(in_image=bool(self.spec.image)),
+                               name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
                                preemptible=True, owner=self.session_id, experiment=self.spec.name,
                                params=t.params, env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t.key)
+                               idempotency_key=t.key, image=self.spec.image)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
+                if job.image:  # pinned by api.submit to the image's content id; the run says which
+                    from orchestrator.jobenv import image_tags
+
+                    self.tracker.set_tags(run_id, image_tags(job))
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status=S.QUEUED, submitted_at=time.time())
             if t.run_id:
                 self.tracker.set_tags(t.run_id, {"autoresearch.job_id": job.id})

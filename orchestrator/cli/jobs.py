@@ -33,6 +33,12 @@ def submit(
     experiment: Optional[str] = typer.Option(None, "--experiment", help="Run a registered experiment."),
     param: List[str] = typer.Option([], "--param", help="KEY=VALUE for --experiment (repeatable)."),
     env: List[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's environment (repeatable)."),
+    env_file: Optional[str] = typer.Option(None, "--env-file", help="A dotenv file of KEY=VALUE lines added "
+                                           "to the job's environment (--env wins); values are never shown."),
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="Directory the job runs in (default: here)."),
+    image: Optional[str] = typer.Option(None, "--image", help="Run the job in this container image "
+                                        "(podman, or docker: the container_engine setting)."),
+    mount: List[str] = typer.Option([], "--mount", help="SRC:DST[:ro] bind mount for --image (repeatable)."),
     no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Stop an attempt that runs longer "
                                              "(90s, 5m, 2h): SIGTERM, SIGKILL after --grace, then FAILED."),
@@ -43,6 +49,7 @@ def submit(
 
     options = dict(name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
                    preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
+                   env_file=env_file, cwd=workdir, image=image, mounts=list(mount) or None,
                    time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
     if experiment:
         if argv:

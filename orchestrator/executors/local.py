@@ -28,7 +28,7 @@ from typing import Optional
 
 import psutil
 
-from orchestrator.executors import procs
+from orchestrator.executors import container, procs
 from orchestrator.executors.base import (Executor, Exit, Launched, Liveness, OnExit, Probe, describe,
                                          job_argv)
 from orchestrator.layout import Layout
@@ -67,8 +67,10 @@ class LocalExecutor(Executor):
 
     name = "local"
 
-    def __init__(self, layout: Layout, on_exit: OnExit, *, cgroup: str = "auto"):
+    def __init__(self, layout: Layout, on_exit: OnExit, *, cgroup: str = "auto",
+                 container_engine: Optional[str] = None):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.container_engine = container_engine  # for --image jobs (executors.container), resolved per use
         self.layout.ensure()
         self.cgroups = procs.Cgroups.for_home(self.layout.home, cgroup)
         if self.cgroups is not None:
@@ -88,7 +90,7 @@ class LocalExecutor(Executor):
     @classmethod
     def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
         mode = os.environ.get("AUTORESEARCH_CGROUP") or str(settings.extra.get("cgroup", "auto"))
-        return cls(layout, on_exit, cgroup=mode)
+        return cls(layout, on_exit, cgroup=mode, container_engine=settings.container_engine)
 
     @property
     def tracking(self) -> str:
@@ -102,12 +104,16 @@ class LocalExecutor(Executor):
         env = dict(env)
         env[EXIT_FILE_VAR] = str(exit_file)
         env[CGROUP_VAR] = str(cgroup or "")
-        argv = job_argv(job)
         log_path = Path(job.log_path or self.layout.log_path(job.id))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         if job.checkpoint_dir:
             os.makedirs(job.checkpoint_dir, exist_ok=True)
         cwd = job.cwd if job.cwd and os.path.isdir(job.cwd) else str(Path.home())
+        if job.image:  # the container is the job's process: the wrapper runs the engine in the foreground
+            log_path.touch()
+            argv = container.run_argv(job, env, self.layout, container.engine_name(self.container_engine))
+        else:
+            argv = job_argv(job)
         with open(log_path, "ab", buffering=0) as out:
             out.write(f"=== autoresearch: attempt {job.attempts} of job {job.id} on "
                       f"{','.join(job.devices) or '-'}: {describe(argv)}\n".encode())
@@ -167,8 +173,16 @@ class LocalExecutor(Executor):
         return probe.found
 
     def signal(self, job: Job, sig: int, layout: Optional[Layout] = None) -> None:
-        if not self._foreign(job):
-            self._tree(job, layout or self.layout).signal(sig)
+        if self._foreign(job):
+            return
+        layout = layout or self.layout
+        engine = container.engine_for(job, self.container_engine)
+        if engine is not None:  # a container: through the engine; its client and wrapper go only with a SIGKILL
+            container.deliver(engine, container.container_name(layout.home, job.id, job.attempts), sig,
+                              self._tree(job, layout).alive, job.grace)
+            if sig != signal.SIGKILL:
+                return
+        self._tree(job, layout).signal(sig)
 
     def adopt(self, job: Job) -> bool:
         recorded = procs.same_process(job.pid, job.proc_start)
@@ -181,6 +195,9 @@ class LocalExecutor(Executor):
         if leader is not None:
             self._watch(watch)
             return True
+        engine = container.engine_for(job, self.container_engine)
+        if engine is not None:  # its engine client is gone: nothing would remove the container (or stop its job)
+            container.remove(engine, container.container_name(self.layout.home, job.id, job.attempts))
         self._settle(watch, None)
         return False
 

@@ -130,6 +130,13 @@ class _Watch:
     task: Any = None
     written: int = 0  # characters of the attempt's Ray log already in the log file
 
+def runtime_env_of(job: Job, env_vars: dict[str, str]) -> dict[str, Any]:
+    """The Ray runtime env of an attempt: its variables, and for an --image job Ray's container runtime env
+    (`image_uri`: Ray runs the job in that image with podman on the node, which must have the image)."""
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if job.image:
+        runtime_env["image_uri"] = job.image
+    return runtime_env
 
 class RayExecutor(Executor):
     """Runs attempts as Ray jobs on the cluster at `settings.extra["ray_address"]` (or RAY_ADDRESS)."""
@@ -191,9 +198,9 @@ class RayExecutor(Executor):
             os.makedirs(job.checkpoint_dir, exist_ok=True)  # visible to other nodes on a shared home
         resources = ({"entrypoint_num_cpus": job.gpus} if self.cpu_slots else {"entrypoint_num_gpus": job.gpus})
         entrypoint = describe(["/bin/sh", "-c", WRAPPER, "autoresearch-job", job.cwd or "", *argv])
+        runtime_env = runtime_env_of(job, self._env_vars(job, env))
         try:
-            self.client.submit_job(entrypoint=entrypoint, submission_id=sid,
-                                   runtime_env={"env_vars": self._env_vars(job, env)},
+            self.client.submit_job(entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env,
                                    metadata={"autoresearch_job": str(job.id), "attempt": str(job.attempts)},
                                    **resources)
         except Exception:

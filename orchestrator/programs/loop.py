@@ -158,7 +158,8 @@ class Loop(Judge):
                       "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
                       "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
                       "autoresearch.node": str(t["node"])})
-            argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
+            python = "python3" if self.spec.image else sys.executable  # an image has its own python
+            argv = [python, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
                     "--pattern", self.spec.pattern]
             if self.cfg.sandbox:
                 argv += ["--sandbox", str(worktree)]
@@ -167,7 +168,12 @@ class Loop(Judge):
                            priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
                            owner=self.sid, params={"commit": t["commit"], "seed": t["seed"]},
                            env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
-                           idempotency_key=t["key"], time_limit=self.spec.time_limit)
+                           idempotency_key=t["key"], time_limit=self.spec.time_limit, image=self.spec.image)
+            if spec.image:  # pinned to the image's content id; the run says which
+                from orchestrator.jobenv import image_tags, prepare
+
+                spec = prepare(spec)
+                self.tracker.set_tags(run_id, image_tags(spec))
             job = self.store.submit(spec)
             self.notify()
             self._log_patch(node, run_id, t["commit"])

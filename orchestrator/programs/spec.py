@@ -11,7 +11,8 @@
 Optional keys (extensions of Contract 4): `pattern` (the output line regex, `{metric}` filled in; default
 `^{metric}:\\s*<number>`), `repeats` (runs per commit for the noise gate, default 3), `max_debug` (debug
 attempts per crashed trial, default 2), `max_edit_chars` (size limit of one proposal's replacement text),
-`max_failures` and `patience` (the governor's limits).
+`max_failures` and `patience` (the governor's limits), `image` (a container image every run uses, pinned to its
+content id when the run is queued and recorded on the run; it needs python3 and autoresearch installed).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ProgramSpec:
     max_edit_chars: int = 20_000
     max_failures: int = 5
     patience: int = 20
+    image: str | None = None  # a container image every run uses (it needs autoresearch installed inside)
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
@@ -128,7 +130,7 @@ def load(directory: str | Path) -> ProgramSpec:
     if not isinstance(section, dict):
         raise BadInput(f"{path}: no [program] table")
     known = {"edit", "protected", "run", "metric", "direction", "time_limit", "pattern", "repeats", "max_debug",
-             "max_edit_chars", "max_failures", "patience", "name"}
+             "max_edit_chars", "max_failures", "patience", "name", "image"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise BadInput(f"{path}: unknown key {unknown[0]!r} in [program]")
@@ -147,7 +149,13 @@ def load(directory: str | Path) -> ProgramSpec:
     for name in edit + protected:
         if not (root / name).is_file():
             raise BadInput(f"{path}: {name} does not exist in the program")
-    extra = {k: section[k] for k in ("pattern", "repeats", "max_debug", "max_edit_chars", "max_failures",
+    if not isinstance(section.get("image", ""), str):
+        raise BadInput(f"{path}: image must be a string, e.g. \"localhost/train:1\"")
+    if section.get("image"):  # refused now, not at the first run: an unknown image or no engine
+        from orchestrator.executors import container
+
+        container.resolve_image(container.engine_name(), section["image"])
+    extra = {k: section[k] for k in ("image", "pattern", "repeats", "max_debug", "max_edit_chars", "max_failures",
                                      "patience", "direction") if k in section}
     return ProgramSpec(root=root, repo=repo, prefix="" if prefix == "." else prefix,
                        name=str(section.get("name") or root.name), edit=edit, protected=protected,

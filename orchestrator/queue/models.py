@@ -45,6 +45,13 @@ class JobSpec:
     mlflow_run_id: Optional[str] = None
     idempotency_key: Optional[str] = None
     time_limit: Optional[float] = None  # seconds an attempt may run; then stopped and FAILED ("time limit exceeded")
+    # The job's software environment (orchestrator.jobenv checks and resolves these at submit): the dotenv
+    # file whose values are merged into `env` (its path is shown; its values never are), a container image
+    # and the content id it resolved to, bind mounts `SRC:DST[:ro]`.
+    env_file: Optional[str] = None
+    image: Optional[str] = None
+    image_id: Optional[str] = None
+    mounts: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -63,6 +70,8 @@ class JobSpec:
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                       for k, v in self.env.items()):
             raise BadInput("env overrides must map strings to strings")
+        if self.mounts and not self.image:
+            raise BadInput("--mount needs --image (a job without an image sees the host's files already)")
 
 
 def check_priority(priority: Any) -> int:
@@ -98,6 +107,10 @@ class Job(SQLModel, table=True):
     params: Optional[dict] = Field(default=None, sa_column=Column(JSON, nullable=True))
     idempotency_key: Optional[str] = None
     time_limit: Optional[float] = None
+    image: Optional[str] = None  # container image as given; None: runs in the service's environment
+    image_id: Optional[str] = None  # the image's content id at submit (sha256:...): what runs
+    mounts: Optional[list] = Field(default=None, sa_column=Column(JSON, nullable=True))
+    env_file: Optional[str] = None  # where `env` values came from (shown instead of them)
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -157,6 +170,9 @@ class Job(SQLModel, table=True):
             "log_path": self.log_path, "checkpoint_dir": self.checkpoint_dir,
             "submitted_at": self.submitted_at, "started_at": self.started_at, "finished_at": self.finished_at,
             "not_before": self.not_before, "idempotency_key": self.idempotency_key, "time_limit": self.time_limit,
+            # Names only: values may be secrets (--env-file), and `show`/`queue` never print them.
+            "env": sorted((self.env or {}).keys()), "env_file": self.env_file,
+            "image": self.image, "image_id": self.image_id, "mounts": list(self.mounts or []),
         }
 
 

@@ -99,7 +99,9 @@ class JobStore(JobQueries):
                   priority=spec.priority, gpus=spec.gpus, max_attempts=spec.max_attempts, grace=float(spec.grace),
                   preemptible=spec.preemptible, owner=spec.owner, experiment=spec.experiment,
                   params=spec.params, mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
-                  time_limit=spec.time_limit, state=S.QUEUED.value, reason="submitted", submitted_at=now)
+                  time_limit=spec.time_limit, image=spec.image, image_id=spec.image_id,
+                  mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
+                  state=S.QUEUED.value, reason="submitted", submitted_at=now)
         try:
             with self._tx() as session:
                 session.add(job)

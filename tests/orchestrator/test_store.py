@@ -311,14 +311,17 @@ def test_a_database_from_an_older_release_is_upgraded_in_place(db_url):
 
     old = JobStore(db_url)
     kept = old.submit(spec(name="from before")).id
-    with old.engine.connect() as conn:  # what an older release left: no time_limit column
-        conn.execute(text('ALTER TABLE "jobs" DROP COLUMN "time_limit"'))
+    with old.engine.connect() as conn:  # what an older release left: no time_limit (nor job environment) column
+        for column in ("time_limit", "image", "image_id", "mounts", "env_file"):
+            conn.execute(text(f'ALTER TABLE "jobs" DROP COLUMN "{column}"'))
         conn.commit()
     old.close()
     store = JobStore(db_url)
     try:
         assert store.get(kept).name == "from before" and store.get(kept).time_limit is None
         assert store.get(store.submit(spec(time_limit=30.0)).id).time_limit == 30.0
+        boxed = store.get(store.submit(spec(image="img:1", image_id="sha256:ab", mounts=["/a:/b:ro"])).id)
+        assert (boxed.image, boxed.image_id, boxed.mounts) == ("img:1", "sha256:ab", ["/a:/b:ro"])
     finally:
         store.close()
     again = JobStore(db_url)  # a second open finds nothing to add
