@@ -165,6 +165,13 @@ class Nvml:
         """The GPU's marketing name, e.g. 'NVIDIA H100 80GB HBM3'."""
         return _text(self._call("nvmlDeviceGetName", self.handle(index)))
 
+    def usage(self, name: str | int) -> tuple[int, int, int]:
+        """(GPU utilisation %, memory used, memory total in bytes) of device `name`, for live views."""
+        h = self.handle(name)
+        util = self._call("nvmlDeviceGetUtilizationRates", h)
+        mem = self._call("nvmlDeviceGetMemoryInfo", h)
+        return int(util.gpu), int(mem.used), int(mem.total)
+
     # -- checks ------------------------------------------------------------------------------------------
 
     def ecc(self, index: str | int) -> Outcome:

@@ -67,6 +67,11 @@ class JobQueries(HostRecords):
             stmt = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
             return list(session.exec(stmt))
 
+    def recent_events(self, limit: int = 20) -> list[JobEvent]:
+        """The latest `limit` transitions of any job, newest first (for live views)."""
+        with self._read() as session:
+            return list(session.exec(select(JobEvent).order_by(JobEvent.id.desc()).limit(limit)))
+
     def count(self) -> int:
         """How many jobs exist."""
         with Session(self.engine) as session:
