@@ -97,18 +97,23 @@ def client_owner(ctx: Optional[Context]) -> str:
     return f"mcp:{name or 'client'}"
 
 
-def read_log(job: Any, *, tail: Optional[int] = None, offset: Optional[int] = None,
-             max_bytes: int = MAX_LOG_BYTES) -> dict:
-    """A piece of a job's output: the last `tail` lines, or the bytes from `offset` (at most `max_bytes`).
-
-    Returns text, the offset it starts at, `next_offset` to continue from, the file's size so far, and whether
-    the job has finished (then nothing more will come)."""
+def check_log_window(tail: Optional[int], offset: Optional[int]) -> None:
+    """BadInput unless at most one of tail and offset is given, and it is not negative."""
     if tail is not None and offset is not None:
         raise BadInput("give either tail or offset, not both")
     if tail is not None and tail < 0:
         raise BadInput(f"tail must be >= 0, got {tail}")
     if offset is not None and offset < 0:
         raise BadInput(f"offset must be >= 0, got {offset}")
+
+
+def read_log(job: Any, *, tail: Optional[int] = None, offset: Optional[int] = None,
+             max_bytes: int = MAX_LOG_BYTES) -> dict:
+    """A piece of a job's output: the last `tail` lines, or the bytes from `offset` (at most `max_bytes`).
+
+    Returns text, the offset it starts at, `next_offset` to continue from, the file's size so far, and whether
+    the job has finished (then nothing more will come)."""
+    check_log_window(tail, offset)
     path = job.log_path
     base = {"job_id": job.id, "state": job.state, "final": job.final}
     if not path or not os.path.exists(path):
@@ -211,6 +216,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     def job_logs(job_id: int, tail: Optional[int] = None, offset: Optional[int] = None) -> dict[str, Any]:
         """A job's output: the last `tail` lines, or the text from byte `offset` (default 0; page on with
         next_offset until final is true and no text comes back)."""
+        check_log_window(tail, offset)
         return read_log(store().get(job_id), tail=tail, offset=offset)
 
     @server.tool()

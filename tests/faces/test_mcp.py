@@ -1,0 +1,192 @@
+"""`autoresearch mcp` driven by the SDK's own client over stdio (and streamable HTTP), against a real service."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp_types import Implementation
+
+from tests.faces.conftest import SCRIPTS
+
+TOOLS = {"submit_job", "list_jobs", "get_job", "job_logs", "cancel_job", "list_devices", "run_metrics",
+         "leaderboard", "start_session", "session_status", "stop_session"}
+
+
+def with_client(env, body, *args: str, name: str = "test-agent"):
+    """Run `body(session)` against `autoresearch mcp ARGS` spawned over stdio; returns what body returns."""
+    async def main():
+        params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp", *args], env=env)
+        with open(env["AUTORESEARCH_HOME"] + "/mcp.stderr", "a") as errlog:
+            async with stdio_client(params, errlog=errlog) as (read, write):
+                async with ClientSession(read, write, client_info=Implementation(name=name, version="1")) as session:
+                    await session.initialize()
+                    return await body(session)
+    return anyio.run(main)
+
+
+async def call(session, tool, **arguments):
+    """(is_error, JSON result or error text) of one tool call."""
+    result = await session.call_tool(tool, arguments)
+    text = result.content[0].text if result.content else ""
+    if result.is_error:
+        return True, text
+    return False, result.structured_content if result.structured_content is not None else json.loads(text)
+
+
+def test_tools_have_schemas_and_search_spaces_are_resources(child_env):
+    async def body(session):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        resources = {str(r.uri): r for r in (await session.list_resources()).resources}
+        digits = await session.read_resource("autoresearch://experiments/digits")
+        return tools, resources, json.loads(digits.contents[0].text)
+
+    tools, resources, digits = with_client(child_env, body)
+    assert set(tools) == TOOLS
+    submit = tools["submit_job"].input_schema
+    assert submit["type"] == "object"
+    assert "command" in submit["properties"] and "priority" in submit["properties"]
+    assert tools["get_job"].input_schema["required"] == ["job_id"]
+    assert "autoresearch://experiments/digits" in resources
+    assert digits["metric"] == "val_accuracy" and {"lr", "epochs"} <= {p["name"] for p in digits["space"]}
+
+
+@pytest.mark.slow
+def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(child_env, make_service, tmp_path):
+    make_service(devices="cpu:2")
+    marker = tmp_path / "pwned"
+
+    async def body(session):
+        # The last argument would run a command if anything put this argv through a shell.
+        command = [sys.executable, str(SCRIPTS / "metrics_job.py"), f"; touch {marker}", f"$(touch {marker})"]
+        err, job = await call(session, "submit_job", command=command, name="mcp-metrics", priority=5,
+                              env={"PYTHONPATH": child_env["PYTHONPATH"]}, cwd=str(tmp_path))
+        assert not err, job
+        assert job["service_running"] and job["owner"] == "mcp:test-agent" and job["priority"] == 5
+        deadline = time.monotonic() + 90
+        while True:
+            err, shown = await call(session, "get_job", job_id=job["id"])
+            assert not err, shown
+            if shown["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") or time.monotonic() > deadline:
+                break
+            await anyio.sleep(0.3)
+        _, tail = await call(session, "job_logs", job_id=job["id"], tail=1)
+        _, first = await call(session, "job_logs", job_id=job["id"], offset=0)
+        _, rest = await call(session, "job_logs", job_id=job["id"], offset=first["next_offset"])
+        _, metrics = await call(session, "run_metrics", job_id=job["id"])
+        _, listed = await call(session, "list_jobs", all=True, owner="mcp:test-agent")
+        _, devices = await call(session, "list_devices")
+        return shown, tail, first, rest, metrics, listed, devices
+
+    shown, tail, first, rest, metrics, listed, devices = with_client(child_env, body)
+    assert shown["state"] == "SUCCEEDED", shown
+    assert [e["to"] for e in shown["events"]][-3:] == ["STARTING", "RUNNING", "SUCCEEDED"]
+    assert tail["text"].startswith("argv tail:") and tail["text"].count("\n") == 1
+    assert "step 2 loss 0.3333" in first["text"] and first["next_offset"] == first["size"] and first["final"]
+    assert rest["text"] == "" and rest["offset"] == first["size"]
+    assert f"; touch {tmp_path}" in first["text"] and not (tmp_path / "pwned").exists()  # argv stayed literal
+    assert metrics["metrics"]["loss"] == [[0, 1.0], [1, 0.5], [2, pytest.approx(1 / 3)]]
+    assert [j["id"] for j in listed["jobs"]] == [shown["id"]]
+    assert {d["device"] for d in devices["devices"]} == {"cpu:0", "cpu:1"} and len(devices["services"]) == 1
+
+    # People see who submitted it.
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "--all", "--json"], env=child_env,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)[0]["owner"] == "mcp:test-agent"
+
+
+def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keeps_serving(child_env):
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--experiment", "digits",
+                          "--param", "lr=fast"], env=child_env, capture_output=True, text=True)
+    assert cli.returncode == 2
+    cli_line = cli.stderr.strip().removeprefix("autoresearch: ")
+
+    async def body(session):
+        answers = {
+            "param": await call(session, "submit_job", experiment="digits", params={"lr": "fast"}),
+            "cap": await call(session, "submit_job", command=["true"], priority=6),
+            "empty": await call(session, "submit_job", command=[]),
+            "both": await call(session, "submit_job", command=["true"], experiment="digits"),
+            "experiment": await call(session, "submit_job", experiment="nope"),
+            "missing": await call(session, "get_job", job_id=12345),
+            "type": await call(session, "get_job", job_id="one"),
+            "no-arg": await call(session, "cancel_job"),
+            "time": await call(session, "submit_job", command=["true"], time_limit="soon"),
+            "logs": await call(session, "job_logs", job_id=1, tail=3, offset=0),
+            "session": await call(session, "session_status", session_id="s-00000000"),
+            "start": await call(session, "start_session", goal="x", experiment="nope"),
+        }
+        answers["after"] = await call(session, "list_jobs", all=True)
+        return answers
+
+    answers = with_client(child_env, body)
+    for key, (is_error, text) in answers.items():
+        if key == "after":
+            continue
+        assert is_error, (key, text)
+        assert "\n" not in text and "Traceback" not in text and not text.startswith("Error executing"), (key, text)
+    assert answers["param"][1] == cli_line
+    assert answers["cap"][1].startswith("--priority 6 is above this server's cap of 5")
+    assert answers["missing"][1] == "no job with id 12345"
+    assert answers["type"][1].startswith("bad argument job_id:")
+    assert answers["no-arg"][1] == "missing argument job_id"
+    assert "unknown experiment 'nope'" in answers["experiment"][1]
+    assert answers["logs"][1] == "give either tail or offset, not both"
+    assert answers["after"] == (False, {"jobs": []})  # nothing was queued by any refused call
+
+
+def test_max_priority_is_a_server_side_cap_a_person_can_raise(child_env):
+    async def body(session):
+        return (await call(session, "submit_job", command=["true"], priority=11),
+                await call(session, "submit_job", command=["true"], priority=13))
+
+    (ok, job), (refused, why) = with_client(child_env, body, "--max-priority", "12")
+    assert not ok and job["priority"] == 11
+    assert refused and "cap of 12" in why
+    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "mcp", "--http", "0"], env=child_env,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "autoresearch: --http must be a port in 1..65535, got 0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_streamable_http_listens_on_loopback(child_env):
+    from mcp.client.streamable_http import streamable_http_client
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "mcp", "--http", str(port)], env=child_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                time.sleep(0.2)
+
+        async def main():
+            async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as streams:
+                async with ClientSession(streams[0], streams[1]) as session:
+                    await session.initialize()
+                    return {t.name for t in (await session.list_tools()).tools}
+
+        assert anyio.run(main) == TOOLS
+        local = [line.split()[3] for line in subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True,
+                                                             text=True).stdout.splitlines()]
+        assert local == [f"127.0.0.1:{port}"]  # loopback only, unless --host says otherwise
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
