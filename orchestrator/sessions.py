@@ -44,6 +44,7 @@ def start_session(config: Any, settings: Optional[Settings] = None, devices: Opt
 
     settings = settings or Settings.load()
     runner.check(config, settings, devices)
+    _ready_tracking(settings)
     session_id = new_id()
     log = log_path(settings.home, session_id)
     argv = [sys.executable, "-m", "orchestrator.sessions", json.dumps(config.to_dict()), session_id]
@@ -69,6 +70,14 @@ def start_session(config: Any, settings: Optional[Settings] = None, devices: Opt
     finally:
         registry.close()
     return {"session": session_id, "pid": proc.pid, "log": str(log)}
+
+
+def _ready_tracking(settings: Settings) -> None:
+    """Create (migrate) the MLflow store now, in one process: a fresh SQLite store created by the session and
+    by the service at once fails in MLflow's migrations ("table _alembic_tmp_experiments already exists")."""
+    from orchestrator.tracking import Tracker
+
+    Tracker.from_settings(settings).client.search_experiments(max_results=1)
 
 
 def progress(row: dict, store: JobStore, home: Path) -> dict:

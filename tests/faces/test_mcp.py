@@ -59,7 +59,8 @@ def test_tools_have_schemas_and_search_spaces_are_resources(child_env):
 
 
 @pytest.mark.slow
-def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(child_env, make_service, tmp_path):
+def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(tracked_home, child_env, make_service,
+                                                                       tmp_path):
     make_service(devices="cpu:2")
     marker = tmp_path / "pwned"
 
@@ -190,3 +191,32 @@ def test_streamable_http_listens_on_loopback(child_env):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.slow
+def test_a_session_is_started_watched_and_stopped_over_mcp(tracked_home, child_env, make_service):
+    make_service(devices="cpu:2")
+
+    async def body(session):
+        err, started = await call(session, "start_session", goal="higher val_accuracy", experiment="digits",
+                                  proposer="random", trials=20, parallel=2, params={"epochs": 30})
+        assert not err, started
+        sid = started["session"]
+        deadline = time.monotonic() + 120
+        while True:  # wait until its trials are on the devices
+            _, status = await call(session, "session_status", session_id=sid)
+            if status["sessions"][0]["trials"].get("RUNNING", 0) or time.monotonic() > deadline:
+                break
+            await anyio.sleep(0.5)
+        err, stopped = await call(session, "stop_session", session_id=sid)
+        assert not err, stopped
+        _, jobs = await call(session, "list_jobs", all=True, owner=sid)
+        again = await call(session, "stop_session", session_id="s-nothere")
+        return status["sessions"][0], stopped, jobs["jobs"], again
+
+    status, stopped, jobs, again = with_client(child_env, body)
+    assert status["status"] == "running" and status["experiment"] == "digits" and status["planned"] == 20
+    assert stopped["status"] == "interrupted"  # resumable with `autoresearch resume`
+    assert stopped["cancelled_jobs"] and set(stopped["cancelled_jobs"]) <= {j["id"] for j in jobs}
+    assert all(j["state"] in ("CANCELLING", "CANCELLED", "SUCCEEDED", "FAILED") for j in jobs), jobs
+    assert again == (True, "no session 's-nothere'; see `autoresearch sessions`")
