@@ -169,11 +169,18 @@ def stop_session(session_id: str, settings: Optional[Settings] = None) -> dict:
 
 
 def _interrupt(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGINT)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + STOP_WAIT
+    """SIGINT (Ctrl-C: the session stops cleanly and stays resumable), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, STOP_WAIT / 2), (signal.SIGTERM, STOP_WAIT / 2), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        if _gone(pid, wait):
+            return
+
+
+def _gone(pid: int, wait: float) -> bool:
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
             os.waitpid(pid, os.WNOHANG)  # our own child (started here): reap it, or it lingers as a zombie
@@ -182,14 +189,11 @@ def _interrupt(pid: int) -> None:
         try:
             os.kill(pid, 0)
             if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                return
+                return True
         except (ProcessLookupError, OSError):
-            return
+            return True
         time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return False
 
 
 def _main(argv: list[str]) -> None:
@@ -198,6 +202,8 @@ def _main(argv: list[str]) -> None:
     from orchestrator.agent.session import SessionConfig
     from orchestrator.cli.agent import progress as print_progress
 
+    # Started from a background shell, SIGINT may be ignored (and that is inherited): make it Ctrl-C again.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     config = SessionConfig.from_dict(json.loads(argv[0]))
     summary = runner.start(config, session_id=argv[1], devices=argv[2] if len(argv) > 2 else None,
                            on_event=print_progress)

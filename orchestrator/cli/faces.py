@@ -35,6 +35,8 @@ def top(
     once: bool = typer.Option(False, "--once", help="Print one frame and exit (for scripts)."),
     interval: float = typer.Option(1.0, "--interval", help="Seconds between refreshes."),
     width: Optional[int] = typer.Option(None, "--width", help="Columns of --once output (default: the terminal's)."),
+    preempt_after: Optional[float] = typer.Option(None, "--preempt-after", help="As given to `serve`, if it was "
+                                                  "given there (the plan shown uses it; default: the setting)."),
 ) -> None:
     """Live view of devices, the queue (and the next plan), recent events and agent sessions; q quits."""
     if not 0.1 <= interval <= 3600:
@@ -43,7 +45,8 @@ def top(
         raise BadInput(f"--width must be between 20 and 1000, got {width}")
     from orchestrator.views import top as view
 
+    config = settings(preempt_after=preempt_after)
     if once:
-        view.print_once(settings(), width=width)
+        view.print_once(config, width=width)
     else:
-        view.run(settings(), interval=interval)
+        view.run(config, interval=interval)

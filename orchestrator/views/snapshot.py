@@ -45,7 +45,7 @@ class QueueRow:
 
     position: int
     job: Job
-    plan: str  # e.g. "starts on cpu:0", "preempts #4 #7", "holds 2 (reserved)", "waits behind #3"
+    plan: str  # "starts on cpu:0", "preempts #4 #7", "next, needs 2", "waits behind #3", "no service has 4 devices"
     starts: bool = False
     preempts: tuple[int, ...] = ()
 
@@ -99,7 +99,6 @@ def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], se
 
     The policy is run on growing prefixes of the line: the preemptions that appear when job k joins are the
     ones made for job k (the policy serves the line in order, so earlier jobs' choices do not change)."""
-    free = 0
     starting: dict[int, tuple[str, ...]] = {}
     victims: dict[int, int] = {}
     line = [scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus) for j in waiting]
@@ -108,8 +107,6 @@ def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], se
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now, j.preemptible,
                                       j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in holding if j.host == svc.host]
-        held = {d for j in running for d in j.devices}
-        free += sum(1 for d in usable if d not in held)
         full = scheduling.plan(line, running, usable, now, preempt_after)
         starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
         seen: set[int] = set()
@@ -122,7 +119,6 @@ def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], se
                     seen.add(victim)
                     victims.setdefault(victim, line[k].id)
     capacity = max((len(s.devices or []) for s in services), default=0)
-    free -= sum(len(devs) for devs in starting.values())
     rows: list[QueueRow] = []
     blocker: Optional[Job] = None
     for i, job in enumerate(waiting, 1):
@@ -137,18 +133,17 @@ def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], se
             text, starts = "preempts " + " ".join(f"#{v}" for v in sorted(mine)), False
         elif blocker is None:
             blocker = job
-            held = min(max(free, 0), job.gpus)
-            text = f"next: holds {held} free, needs {job.gpus}" if held else f"next: waits for {job.gpus}"
-            starts = False
+            text, starts = f"next, needs {job.gpus}", False
         else:
             text, starts = f"waits behind #{blocker.id}", False
         rows.append(QueueRow(i, job, text, starts, mine))
     return rows, victims
 
 
-def holder(queue: list[QueueRow]) -> Optional[int]:
-    """The waiting job that idle devices are held for (the first one the plan neither starts nor serves)."""
-    return next((r.job.id for r in queue if r.plan.startswith("next: holds")), None)
+def reserved(queue: list[QueueRow]) -> bool:
+    """Whether idle devices are being held: a job that could run here waits, and the plan starts nothing on them
+    (the policy keeps free devices for the head of the line rather than let jobs behind it pass)."""
+    return any(r.preempts or r.plan.startswith("next") for r in queue)
 
 
 def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, events: int = 12) -> Snapshot:

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.config import Settings
-from orchestrator.views.snapshot import Snapshot, holder, take
+from orchestrator.views.snapshot import Snapshot, reserved, take
 
 STATE_STYLE = {"RUNNING": "green", "STARTING": "cyan", "PREEMPTING": "yellow", "CANCELLING": "yellow",
                "QUEUED": "white", "SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "magenta",
@@ -55,27 +55,34 @@ def _table(title: str, *columns: tuple[str, dict]) -> Table:
 
 
 def _more(table: Table, hidden: int) -> None:
+    # A caption, not a row: a row would widen the first column to fit the note.
     if hidden > 0:
-        table.add_row(Text(f"+{hidden} more", style="dim"))
+        table.caption, table.caption_justify, table.caption_style = f"+{hidden} more", "left", "dim"
 
 
 def _state(text: str) -> Text:
     return Text(text, style=STATE_STYLE.get(text, ""))
 
 
-def devices_table(snap: Snapshot, limit: Optional[int]) -> Table:
+def _empty(title: str, note: str) -> Group:
+    return Group(Text(title, style="bold"), Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
+
+
+def devices_table(snap: Snapshot, limit: Optional[int]) -> Any:
     """Devices: state, the job on it with its priority, runtime and last heartbeat; GPU use where known."""
-    table = _table("devices", ("device", {"ratio": 2, "min_width": 6}), ("state", {"min_width": 5}),
+    if not snap.devices:
+        return _empty("devices", "no devices known yet: start `autoresearch serve`")
+    table = _table("devices", ("device", {"min_width": 6, "max_width": 24}), ("state", {"min_width": 5}),
                    ("job", {"ratio": 4, "min_width": 8}), ("prio", {"justify": "right"}),
                    ("run", {"justify": "right"}), ("beat", {"justify": "right"}), ("gpu", {"min_width": 3}))
     hosts = {d.host for d in snap.devices}
-    held_for = holder(snap.queue)
+    held = reserved(snap.queue)
     rows = snap.devices if limit is None else snap.devices[:limit]
     for d in rows:
         name = d.name if len(hosts) < 2 else f"{d.host}/{d.name}"
         job = d.job
         if job is None:
-            idle = f"idle, held for #{held_for}" if held_for and d.state == "available" else "idle"
+            idle = "idle, reserved for the line" if held and d.state == "available" else "idle"
             desc, prio, run, beat = Text(d.reason or idle, style="dim"), "", "", ""
         else:
             desc = Text(f"#{job.id} {job.name}")
@@ -87,14 +94,14 @@ def devices_table(snap: Snapshot, limit: Optional[int]) -> Table:
             beat = _age(snap.at - d.heartbeat_at) if d.heartbeat_at else "-"
         gpu = "" if d.util is None else f"{d.util}% {d.mem_used / 2**30:.0f}/{d.mem_total / 2**30:.0f}G"
         table.add_row(name, _state(d.state), desc, prio, run, beat, gpu)
-    if not snap.devices:
-        table.add_row(Text("no devices: start `autoresearch serve`", style="dim"))
     _more(table, len(snap.devices) - len(rows))
     return table
 
 
-def queue_table(snap: Snapshot, limit: Optional[int]) -> Table:
+def queue_table(snap: Snapshot, limit: Optional[int]) -> Any:
     """Waiting jobs in line order with what the next scheduling pass does for each."""
+    if not snap.queue:
+        return _empty("queue", "nothing waiting")
     table = _table("queue (line order, next plan)", ("#", {"justify": "right"}), ("job", {"ratio": 3, "min_width": 8}),
                    ("prio", {"justify": "right"}), ("gpus", {"justify": "right"}), ("owner", {"ratio": 1, "min_width": 5}),
                    ("wait", {"justify": "right"}), ("next", {"ratio": 3, "min_width": 10}))
@@ -104,15 +111,13 @@ def queue_table(snap: Snapshot, limit: Optional[int]) -> Table:
         style = "green" if row.starts else "yellow" if row.preempts else "dim" if "behind" in row.plan else ""
         table.add_row(str(row.position), f"#{job.id} {job.name}", str(job.priority), str(job.gpus), job.owner,
                       _age(snap.at - job.submitted_at), Text(row.plan, style=style))
-    if not snap.queue:
-        table.add_row("", Text("nothing waiting", style="dim"))
     _more(table, len(snap.queue) - len(rows))
     return table
 
 
 def sessions_table(snap: Snapshot, limit: Optional[int]) -> Table:
     """Agent sessions: status, trials done (of the budget), best so far against the baseline."""
-    table = _table("agent sessions", ("session", {"min_width": 10}), ("experiment", {"ratio": 1, "min_width": 6}),
+    table = _table("agent sessions", ("session", {"min_width": 10}), ("exp", {"ratio": 1, "min_width": 6}),
                    ("status", {"min_width": 6}), ("trials", {"justify": "right"}), ("running", {"justify": "right"}),
                    ("best", {"justify": "right"}), ("baseline", {"justify": "right"}), ("goal", {"ratio": 2}))
     rows = snap.sessions if limit is None else snap.sessions[:limit]
@@ -148,7 +153,8 @@ def header(snap: Snapshot, live: bool) -> Text:
     services = (f"{len(snap.services)} service" + ("s" if len(snap.services) != 1 else "")) if snap.services \
         else "no service running"
     text = Text.assemble(("autoresearch top", "bold"), f"  {dt.datetime.fromtimestamp(snap.at):%H:%M:%S}  ",
-                         (services, "green" if snap.services else "red"), f"  {counts}")
+                         (services, "green" if snap.services else "red"), f"  {counts}",
+                         no_wrap=True, overflow="ellipsis")
     if live:
         text.append("  q quits", style="dim")
     return text

@@ -1,0 +1,193 @@
+"""`autoresearch top`: the next plan it shows, frames cut to the terminal, --once, and the live view under tmux."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
+from orchestrator.views.snapshot import Snapshot, plan_queue, take
+from orchestrator.views.top import render
+from tests.orchestrator.helpers import wait_for
+from tests.support.requires import require
+
+NOW = 10_000.0
+
+
+def _job(id, state="QUEUED", priority=0, gpus=1, devices=(), started=None, host="h", name=None):
+    return Job(id=id, name=name or f"job-{id}", argv=["true"], state=state, priority=priority, gpus=gpus,
+               devices=list(devices), started_at=started, submitted_at=NOW - 100 + id, host=host, owner="human")
+
+
+def _devices(n, host="h"):
+    return [Device(host=host, name=f"cpu:{i}", position=i) for i in range(n)]
+
+
+SERVICE = ServiceRecord(host="h", pid=1, devices=["cpu:0", "cpu:1", "cpu:2"], heartbeat_at=NOW)
+
+
+def test_the_next_plan_says_who_starts_who_preempts_whom_and_who_waits():
+    running = [_job(1, "RUNNING", 0, devices=["cpu:0"], started=NOW - 500),
+               _job(2, "RUNNING", 0, devices=["cpu:1"], started=NOW - 400),   # younger: preempted first
+               _job(3, "RUNNING", 30, devices=["cpu:2"], started=NOW - 900)]
+    waiting = [_job(10, priority=20), _job(11, priority=15), _job(12, priority=5, gpus=2), _job(13, priority=1),
+               _job(14, priority=1, gpus=4)]
+    rows, victims = plan_queue(waiting, running, _devices(3), [SERVICE], NOW, preempt_after=60)
+    assert victims == {2: 10, 1: 11}
+    assert [r.plan for r in rows] == ["preempts #2", "preempts #1", "next, needs 2", "waits behind #12",
+                                      "no service has 4 devices"]
+
+    # Too young to preempt: the head of the line waits; a free device starts the first job that fits.
+    young = [_job(1, "RUNNING", 0, devices=["cpu:0"], started=NOW - 5)]
+    rows, victims = plan_queue([_job(10, priority=20), _job(11)], young, _devices(2), [SERVICE], NOW, 60)
+    assert victims == {} and [r.plan for r in rows] == ["starts on cpu:1", "next, needs 1"]
+    rows, _ = plan_queue([_job(10)], [], _devices(2), [], NOW, 60)
+    assert rows[0].plan == "no service running"
+
+
+def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
+    devs = _devices(devices)
+    running = [_job(i + 1, "RUNNING", 0, devices=[d.name], started=NOW - 60 * i, name=f"a-rather-long-job-name-{i}")
+               for i, d in enumerate(devs)]
+    waiting = [_job(100 + i, priority=i % 3, name=f"waiting-{i}") for i in range(queued)]
+    service = ServiceRecord(host="h", pid=1, devices=[d.name for d in devs], heartbeat_at=NOW)
+    rows, victims = plan_queue(waiting, running, devs, [service], NOW, 60)
+    from orchestrator.views.snapshot import DeviceRow
+
+    drows = [DeviceRow("h", d.name, "available", "", running[i], NOW - 2, 7) for i, d in enumerate(devs)]
+    evs = [(JobEvent(job_id=1, at=NOW - i, src="QUEUED", dst="STARTING", reason=f"placed on cpu:{i} " * 5), "x")
+           for i in range(events)]
+    sessions = [{"session": "s-0000000a", "experiment": "digits", "status": "running", "trials": {"RUNNING": 2},
+                 "done": 5, "planned": 20, "best": 0.97, "baseline": 0.961, "direction": "maximize", "goal": "g"}]
+    return Snapshot(at=NOW, home="/h", services=[service], devices=drows, queue=rows, victims=victims,
+                    running=running, events=evs, sessions=sessions, counts={"RUNNING": devices, "QUEUED": queued})
+
+
+def _lines(snap, width, height):
+    console = Console(file=io.StringIO(), width=width, height=height, force_terminal=False)
+    console.print(render(snap, height=height, live=True))
+    return console.file.getvalue().rstrip("\n").split("\n")
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (132, 43), (60, 15)])
+def test_a_frame_fits_the_terminal_it_gets(width, height):
+    lines = _lines(_busy_snapshot(), width, height)
+    assert len(lines) <= height and max(map(len, lines)) <= width
+    text = "\n".join(lines)
+    assert "cpu:0" in text and "+" in text and "more" in text  # a cut section says how much it hides
+    if height >= 24:
+        assert "queue" in text and "waiting-" in text and "s-0000000a" in text and "recent events" in text
+    wide = _lines(_busy_snapshot(), 200, height)
+    assert max(map(len, wide)) > width  # a wider terminal is used, not left blank
+
+
+def test_a_small_queue_shows_every_row_and_a_frame_without_a_height_shows_all():
+    snap = _busy_snapshot(devices=2, queued=3, events=4)
+    text = "\n".join(_lines(snap, 80, 24))
+    assert "more" not in text and text.count("waiting-") == 3
+    console = Console(file=io.StringIO(), width=80)
+    console.print(render(_busy_snapshot()))
+    assert console.file.getvalue().count("waiting-") == 30
+
+
+def _setup_queue(make_service, store_jobs):
+    """Two long jobs on cpu:0/1 (too young to preempt), an urgent job at the head of the line, one behind it."""
+    from orchestrator import api
+    from orchestrator.config import Settings
+    from orchestrator.queue.models import JobSpec
+
+    service = make_service(devices="cpu:2", preempt_after=3600)
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    for name in ("long-a", "long-b"):
+        api.submit(JobSpec(argv=sleep, name=name, priority=0, track=False), Settings.load())
+    wait_for(lambda: service.store.count_in("RUNNING") == 2, timeout=60, what="two running jobs")
+    api.submit(JobSpec(argv=["true"], name="urgent", priority=20, track=False), Settings.load())
+    api.submit(JobSpec(argv=["true"], name="behind", priority=1, track=False), Settings.load())
+    return service
+
+
+@pytest.mark.slow
+def test_once_prints_one_frame_of_a_running_service(child_env, make_service):
+    _setup_queue(make_service, None)
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--once", "--width", "100"],
+                         env=child_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(map(len, lines)) <= 100 and "q quits" not in out.stdout
+    assert any("cpu:0" in line and "#1 long-a" in line for line in lines)
+    assert any("#3 urgent" in line and "next, needs 1" in line for line in lines)
+    assert any("#4 behind" in line and "waits behind #3" in line for line in lines)
+    assert "1 service" in lines[0] and "2 running" in lines[0] and "2 queued" in lines[0]
+
+    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--interval", "0"], env=child_env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--interval" in bad.stderr
+
+
+def test_take_reads_a_home_without_a_service(home):
+    from orchestrator.config import Settings
+
+    snap = take(Settings.load())
+    assert snap.services == [] and snap.queue == [] and snap.devices == []
+    text = "\n".join(_lines(snap, 80, 24))
+    assert "no service running" in text and "start `autoresearch serve`" in text and "nothing waiting" in text
+
+
+class Tmux:
+    """A private tmux server (its own socket) with one 80x24 pane running a shell command."""
+
+    def __init__(self, tmp_path, command: str):
+        require("tmux", None if shutil.which("tmux") else "tmux is not installed (apt-get install -y tmux)")
+        self.socket = str(tmp_path / "tmux.sock")
+        self.run("new-session", "-d", "-x", "80", "-y", "24", "-s", "top", command)
+
+    def run(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-S", self.socket, *args], capture_output=True, text=True, check=True).stdout
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", "top")
+
+    def wait_for(self, needle: str, timeout: float = 60) -> str:
+        return wait_for(lambda: needle in (s := self.screen()) and s, timeout=timeout, interval=0.2,
+                        what=f"{needle!r} on the tmux screen")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["q", "C-c"])
+def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(child_env, make_service, tmp_path,
+                                                                                   key):
+    _setup_queue(make_service, None)
+    env = " ".join(f"{k}='{v}'" for k, v in child_env.items() if k in ("AUTORESEARCH_HOME", "MLFLOW_TRACKING_URI",
+                                                                        "PYTHONPATH", "AUTORESEARCH_PREFLIGHT"))
+    before, after = tmp_path / "stty.before", tmp_path / "stty.after"
+    command = (f"stty -g > {before}; env {env} {sys.executable} -m orchestrator.cli top --interval 0.5; "
+               f"echo EXITED rc=$?; stty -g > {after}; sleep 60")
+    tmux = Tmux(tmp_path, command)
+    try:
+        screen = tmux.wait_for("#4 behind")
+        lines = screen.rstrip("\n").split("\n")
+        assert len(lines) <= 24 and max(map(len, lines)) <= 80
+        assert lines[0].startswith("autoresearch top") and "q quits" in lines[0]
+        assert any("cpu:0" in line and "long-a" in line for line in lines)
+        assert any("cpu:1" in line and "long-b" in line for line in lines)
+        assert any("#3 urgent" in line and "next, needs 1" in line for line in lines)
+        time.sleep(1.2)  # a few refreshes later it still shows one frame, not frames stacked or scrolled
+        again = tmux.screen().rstrip("\n").split("\n")
+        assert again[0].startswith("autoresearch top") and sum("autoresearch top" in x for x in again) == 1
+        tmux.run("send-keys", "-t", "top", key)
+        done = tmux.wait_for("EXITED rc=", timeout=30)
+        assert "EXITED rc=0" in done and "Traceback" not in done
+        assert "autoresearch top" not in done  # the alternate screen is gone: the shell's screen is back
+        wait_for(lambda: after.exists() and after.read_text(), timeout=10, what="stty after")
+        assert after.read_text() == before.read_text()  # echo and line mode restored
+    finally:
+        tmux.close()
