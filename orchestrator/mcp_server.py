@@ -176,7 +176,8 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         """Queue a job: `command` (an argv list, run without a shell) or `experiment` with `params`.
 
         priority: higher wins (people's jobs default to 10; this server caps what it accepts).
-        time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory.
+        time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory (default:
+        the server's working directory). env: extra environment variables for the job.
         Returns the job (id, state, ...) and whether a service is running to pick it up."""
         from orchestrator.durations import parse_duration
 
@@ -199,7 +200,8 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @server.tool()
     @_tool
     def list_jobs(all: bool = False, owner: Optional[str] = None) -> dict[str, Any]:
-        """Jobs in line order of submission: unfinished ones (or every job with all=true), optionally one owner's."""
+        """Jobs by id: unfinished ones (or every job with all=true), optionally only one owner's (e.g. your own,
+        "mcp:<client name>", or an agent session's id)."""
         s = store()
         jobs = s.list(owner=owner) if all else [j for j in s.unfinished() if owner is None or j.owner == owner]
         return {"jobs": [j.to_dict() for j in jobs]}

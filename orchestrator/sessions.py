@@ -88,16 +88,37 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
     summary = row.get("summary") or {}
     state = _checkpoint_state(home, row["id"]) if not summary else {}
     best = summary.get("winner") or summary.get("best") or state.get("best") or {}
-    baseline = summary.get("baseline") or state.get("baseline") or {}
+    baseline = summary.get("baseline") or state.get("baseline") or _baseline_runs(state.get("trials") or [])
+    metric, direction = summary.get("metric"), summary.get("direction")
+    if not direction:
+        metric, direction = _objective(row.get("experiment"))
     return {
         "session": row["id"], "experiment": row.get("experiment"), "goal": row.get("goal"),
         "status": row["status"], "stop_reason": summary.get("stop_reason") or state.get("stop_reason") or "",
         "trials": counts, "done": sum(counts.get(s, 0) for s in ("SUCCEEDED", "FAILED", "CANCELLED")),
         "planned": (row.get("config") or {}).get("trials"),
         "best": _value(best), "baseline": _value(baseline),
-        "metric": summary.get("metric"), "direction": summary.get("direction"),
+        "metric": metric, "direction": direction,
         "created_at": row.get("created_at"), "updated_at": row.get("updated_at"),
     }
+
+
+def _baseline_runs(trials: list) -> Optional[float]:
+    """Mean of the finished runs of the baseline (the experiment's defaults) a running session has recorded."""
+    values = [t.get("value") for t in trials if isinstance(t, dict) and t.get("phase") == "baseline"]
+    values = [v for v in values if isinstance(v, (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def _objective(experiment: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(metric, direction) of a bundled experiment, or (None, None)."""
+    try:
+        from experiments import registry
+
+        spec = registry.get(experiment or "")
+        return spec.metric, spec.direction
+    except Exception:  # a custom `package.module:SPEC` experiment: not worth importing for a view
+        return None, None
 
 
 def _value(record: Any) -> Optional[float]:

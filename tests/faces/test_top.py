@@ -191,3 +191,25 @@ def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(
         assert after.read_text() == before.read_text()  # echo and line mode restored
     finally:
         tmux.close()
+
+
+def test_session_progress_counts_its_trials_and_reads_best_and_baseline(home):
+    from orchestrator.config import Settings
+    from orchestrator.queue.models import JobSpec
+    from orchestrator.queue.store import JobStore
+    from orchestrator.sessions import progress
+
+    store = JobStore.from_settings(Settings.load())
+    for name in ("a", "b", "c"):
+        store.submit(JobSpec(argv=["true"], name=name, owner="s-0000beef", track=False))
+    store.cancel(1)
+    row = {"id": "s-0000beef", "experiment": "digits", "goal": "g", "status": "finished", "config": {"trials": 8},
+           "summary": {"winner": None, "best": {"value": 0.975}, "baseline": {"mean": 0.961, "n": 2},
+                       "metric": "val_accuracy", "direction": "maximize", "stop_reason": "trials"}}
+    p = progress(row, store, home)
+    assert p["trials"] == {"CANCELLED": 1, "QUEUED": 2} and p["done"] == 1 and p["planned"] == 8
+    assert (p["best"], p["baseline"], p["direction"], p["stop_reason"]) == (0.975, 0.961, "maximize", "trials")
+    running = progress({**row, "status": "running", "summary": {}}, store, home)
+    assert running["best"] is None and running["direction"] == "maximize"  # from the experiment's spec
+    text = "\n".join(_lines(_busy_snapshot(), 100, 40))
+    assert "0.97" in text and "0.961" in text and "5/20" in text
