@@ -25,7 +25,11 @@ def mcp(
     if http is not None and not 0 < http < 65536:
         raise BadInput(f"--http must be a port in 1..65535, got {http}")
     check_priority(max_priority)
+    from orchestrator.cli.common import info
     from orchestrator.mcp_server import serve
+
+    if http is not None and host not in ("127.0.0.1", "localhost", "::1"):
+        info(f"note: the MCP server has no authentication and listens on {host}:{http}")
 
     serve(settings(), http_port=http, host=host, max_priority=max_priority)
 

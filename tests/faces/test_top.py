@@ -61,6 +61,7 @@ def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
     from orchestrator.views.snapshot import DeviceRow
 
     drows = [DeviceRow("h", d.name, "available", "", running[i], NOW - 2, 7) for i, d in enumerate(devs)]
+    drows[0].util, drows[0].mem_used, drows[0].mem_total = 97, 70 * 2**30, 140 * 2**30  # as NVML reports a GPU
     evs = [(JobEvent(job_id=1, at=NOW - i, src="QUEUED", dst="STARTING", reason=f"placed on cpu:{i} " * 5), "x")
            for i in range(events)]
     sessions = [{"session": "s-0000000a", "experiment": "digits", "status": "running", "trials": {"RUNNING": 2},
@@ -81,6 +82,7 @@ def test_a_frame_fits_the_terminal_it_gets(width, height):
     assert len(lines) <= height and max(map(len, lines)) <= width
     text = "\n".join(lines)
     assert "cpu:0" in text and "+" in text and "more" in text  # a cut section says how much it hides
+    assert "97% 70/140G" in text
     if height >= 24:
         assert "queue" in text and "waiting-" in text and "s-0000000a" in text and "recent events" in text
     wide = _lines(_busy_snapshot(), 200, height)
