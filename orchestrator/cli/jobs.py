@@ -79,9 +79,9 @@ def queue(
     if as_json:
         print_json([j.to_dict() for j in jobs])
         return
-    print_table("jobs", ["id", "name", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted",
+    print_table("jobs", ["id", "name", "owner", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted",
                          "reason"],
-                [(j.id, j.name, j.state, j.priority, j.gpus, ",".join(j.devices or []), j.attempts,
+                [(j.id, j.name, j.owner, j.state, j.priority, j.gpus, ",".join(j.devices or []), j.attempts,
                   j.preemptions, j.exit_code, _when(j.submitted_at), _short(j.reason)) for j in jobs])
 
 

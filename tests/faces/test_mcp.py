@@ -101,6 +101,9 @@ def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(tracked_
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "--all", "--json"], env=child_env,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)[0]["owner"] == "mcp:test-agent"
+    table = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "--all"], capture_output=True,
+                           env={**child_env, "COLUMNS": "200"}, text=True, check=True).stdout
+    assert any("mcp-metrics" in line and "mcp:test-agent" in line for line in table.splitlines())
 
 
 def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keeps_serving(child_env):
