@@ -84,9 +84,11 @@ def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(tracked_
         _, metrics = await call(session, "run_metrics", job_id=job["id"])
         _, listed = await call(session, "list_jobs", all=True, owner="mcp:test-agent")
         _, devices = await call(session, "list_devices")
-        return shown, tail, first, rest, metrics, listed, devices
+        _, board = await call(session, "leaderboard", experiment="digits")
+        return shown, tail, first, rest, metrics, listed, devices, board
 
-    shown, tail, first, rest, metrics, listed, devices = with_client(child_env, body)
+    shown, tail, first, rest, metrics, listed, devices, board = with_client(child_env, body)
+    assert [(b["experiment"], b["metric"], b["entries"]) for b in board["boards"]] == [("digits", "val_accuracy", [])]
     assert shown["state"] == "SUCCEEDED", shown
     assert [e["to"] for e in shown["events"]][-3:] == ["STARTING", "RUNNING", "SUCCEEDED"]
     assert tail["text"].startswith("argv tail:") and tail["text"].count("\n") == 1
@@ -126,6 +128,7 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
             "logs": await call(session, "job_logs", job_id=1, tail=3, offset=0),
             "session": await call(session, "session_status", session_id="s-00000000"),
             "start": await call(session, "start_session", goal="x", experiment="nope"),
+            "board": await call(session, "leaderboard", experiment="nope"),
         }
         answers["after"] = await call(session, "list_jobs", all=True)
         return answers
