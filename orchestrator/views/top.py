@@ -85,11 +85,13 @@ def devices_table(snap: Snapshot, limit: Optional[int]) -> Any:
             idle = "idle, reserved for the line" if held and d.state == "available" else "idle"
             desc, prio, run, beat = Text(d.reason or idle, style="dim"), "", "", ""
         else:
-            desc = Text(f"#{job.id} {job.name}")
-            if job.state != "RUNNING":
-                desc.append(f" {job.state.lower()}", style=STATE_STYLE.get(job.state, ""))
+            # What is about to happen to the job comes before its name, which is what a narrow column cuts.
+            desc = Text(f"#{job.id} ")
             if job.id in snap.victims:
-                desc.append(f" <- #{snap.victims[job.id]}", style="yellow")
+                desc.append(f"yields to #{snap.victims[job.id]} ", style="yellow")
+            if job.state != "RUNNING":
+                desc.append(f"{job.state.lower()} ", style=STATE_STYLE.get(job.state, ""))
+            desc.append(job.name)
             prio, run = str(job.priority), _age(snap.at - job.started_at) if job.started_at else "-"
             beat = _age(snap.at - d.heartbeat_at) if d.heartbeat_at else "-"
         gpu = "" if d.util is None else f"{d.util}% {d.mem_used / 2**30:.0f}/{d.mem_total / 2**30:.0f}G"

@@ -55,7 +55,8 @@ def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
     devs = _devices(devices)
     running = [_job(i + 1, "RUNNING", 0, devices=[d.name], started=NOW - 60 * i, name=f"a-rather-long-job-name-{i}")
                for i, d in enumerate(devs)]
-    waiting = [_job(100 + i, priority=i % 3, name=f"waiting-{i}") for i in range(queued)]
+    waiting = sorted((_job(100 + i, priority=i % 3, name=f"waiting-{i}") for i in range(queued)),
+                     key=lambda j: (-j.priority, j.submitted_at, j.id))  # line order, as `take` gives it
     service = ServiceRecord(host="h", pid=1, devices=[d.name for d in devs], heartbeat_at=NOW)
     rows, victims = plan_queue(waiting, running, devs, [service], NOW, 60)
     from orchestrator.views.snapshot import DeviceRow
@@ -85,6 +86,7 @@ def test_a_frame_fits_the_terminal_it_gets(width, height):
     assert "97% 70/140G" in text
     if height >= 24:
         assert "queue" in text and "waiting-" in text and "s-0000000a" in text and "recent events" in text
+        assert "yields to #" in text and "preempts #" in text  # who will preempt whom, from both sides
     wide = _lines(_busy_snapshot(), 200, height)
     assert max(map(len, wide)) > width  # a wider terminal is used, not left blank
 
