@@ -100,7 +100,7 @@ def test_a_small_queue_shows_every_row_and_a_frame_without_a_height_shows_all():
     assert console.file.getvalue().count("waiting-") == 30
 
 
-def _setup_queue(make_service, store_jobs):
+def _setup_queue(make_service):
     """Two long jobs on cpu:0/1 (too young to preempt), an urgent job at the head of the line, one behind it."""
     from orchestrator import api
     from orchestrator.config import Settings
@@ -118,7 +118,7 @@ def _setup_queue(make_service, store_jobs):
 
 @pytest.mark.slow
 def test_once_prints_one_frame_of_a_running_service(child_env, make_service):
-    _setup_queue(make_service, None)
+    _setup_queue(make_service)
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--once", "--width", "100"],
                          env=child_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -169,7 +169,7 @@ class Tmux:
 @pytest.mark.parametrize("key", ["q", "C-c"])
 def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(child_env, make_service, tmp_path,
                                                                                    key):
-    _setup_queue(make_service, None)
+    _setup_queue(make_service)
     env = " ".join(f"{k}='{v}'" for k, v in child_env.items() if k in ("AUTORESEARCH_HOME", "MLFLOW_TRACKING_URI",
                                                                         "PYTHONPATH", "AUTORESEARCH_PREFLIGHT"))
     before, after = tmp_path / "stty.before", tmp_path / "stty.after"
