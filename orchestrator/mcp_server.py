@@ -255,16 +255,20 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def start_session(goal: str, experiment: str, trials: Optional[int] = None, parallel: Optional[int] = None,
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
-                      priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                      priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
+                      baseline: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Start a research-agent session in the background (it proposes, runs and ranks trials through the
-        queue). params: values held fixed. Watch it with session_status; stop it with stop_session."""
+        queue; every result is judged against a baseline run on several seeds first). params: values held
+        fixed; baseline: overrides of the experiment's defaults for the baseline. Watch it with session_status;
+        stop it with stop_session."""
         from orchestrator import sessions
-        from orchestrator.agent.proposers.base import default_name
+        from orchestrator.agent.proposers import default_name
         from orchestrator.agent.session import SessionConfig
 
         config = SessionConfig(goal=goal, experiment=experiment, proposer=proposer or default_name(),
                                trials=trials, budget_minutes=budget_minutes, parallel=parallel,
-                               priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}))
+                               priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
+                               baseline=dict(baseline or {}))
         return sessions.start_session(config, settings)
 
     @server.tool()

@@ -96,11 +96,17 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
         "session": row["id"], "experiment": row.get("experiment"), "goal": row.get("goal"),
         "status": row["status"], "stop_reason": summary.get("stop_reason") or state.get("stop_reason") or "",
         "trials": counts, "done": sum(counts.get(s, 0) for s in ("SUCCEEDED", "FAILED", "CANCELLED")),
-        "planned": (row.get("config") or {}).get("trials"),
+        "planned": _planned(row.get("config") or {}),
         "best": _value(best), "baseline": _value(baseline),
         "metric": metric, "direction": direction,
         "created_at": row.get("created_at"), "updated_at": row.get("updated_at"),
     }
+
+
+def _planned(config: dict) -> Optional[int]:
+    """Jobs the session will run in all: its trial budget plus the baseline's seeds (which come on top)."""
+    trials = config.get("trials")
+    return None if trials is None else int(trials) + int(config.get("baseline_seeds") or 0)
 
 
 def _baseline_runs(trials: list) -> Optional[float]:

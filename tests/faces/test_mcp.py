@@ -221,7 +221,7 @@ def test_a_session_is_started_watched_and_stopped_over_mcp(tracked_home, child_e
         return status["sessions"][0], stopped, jobs["jobs"], again
 
     status, stopped, jobs, again = with_client(child_env, body)
-    assert status["status"] == "running" and status["experiment"] == "digits" and status["planned"] == 20
+    assert status["status"] == "running" and status["experiment"] == "digits" and status["planned"] == 23  # 20 trials and the baseline on 3 seeds
     assert stopped["status"] == "interrupted"  # resumable with `autoresearch resume`
     assert stopped["cancelled_jobs"] and set(stopped["cancelled_jobs"]) <= {j["id"] for j in jobs}
     assert all(j["state"] in ("CANCELLING", "CANCELLED", "SUCCEEDED", "FAILED") for j in jobs), jobs
