@@ -47,6 +47,18 @@ def import_mlflow():
         return mlflow
 
 
+def _store_lock(tracking_uri: str):
+    """A lock around opening a SQLite tracking store: MLflow creates and migrates a new store on first open, and
+    two processes doing that at once (`serve` and `start` on a new home) fail in its migrations."""
+    import contextlib
+
+    if not tracking_uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    from filelock import FileLock
+
+    return FileLock(tracking_uri[len("sqlite:///"):] + ".lock", timeout=120)
+
+
 class Tracker:
     """A thin, idempotent layer over `MlflowClient` for one tracking store."""
 
@@ -55,7 +67,8 @@ class Tracker:
 
         self.tracking_uri = tracking_uri
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        with _store_lock(tracking_uri):
+            self.client = MlflowClient(tracking_uri=tracking_uri)  # opens the store, migrating a new one
         self._experiments: dict[str, str] = {}
 
     @classmethod
