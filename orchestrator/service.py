@@ -255,15 +255,20 @@ class Service:
     def dispatch_once(self) -> None:
         """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
         self._record_exits()
-        queued, mine = self.store.snapshot(self.host)
-        mine = self._expire(mine)
-        self._enforce_stops(mine)
         usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
-        now = time.time()
         if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued
-                   if job_id not in self._tracking_blocked]
+        # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
+        # at most one per usable device plus the first it must stop at (each start or reservation uses at least
+        # one device that is free, being released, or preemptible; a job that finds none ends the pass). So
+        # the pass reads O(devices) rows whatever the queue's length, and no job that could start is hidden.
+        capacity = len(set(usable))
+        queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
+                                           skip=self._tracking_blocked)
+        mine = self._expire(mine)
+        self._enforce_stops(mine)
+        now = time.time()
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
