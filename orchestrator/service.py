@@ -40,6 +40,7 @@ from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
+from orchestrator.runprep import RunPreparer
 from orchestrator.supervisor import Supervisor
 from orchestrator import wakeup
 
@@ -106,6 +107,8 @@ class Service:
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_error = ""
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
+        self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
+        self.run_preparer: Optional[RunPreparer] = None
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -155,6 +158,9 @@ class Service:
             self._reconcile()
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+            self._capacity = len(self.device_names)
+            self.run_preparer = RunPreparer(self.store, self._tracking, lambda: self._capacity,
+                                            retry_after=TRACKING_RETRY_AFTER).start()
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
             self._start_scheduler()
@@ -200,6 +206,8 @@ class Service:
         for listener in self._listeners:
             listener.close()
         self._spawner.shutdown(wait=True)
+        if self.run_preparer is not None:
+            self.run_preparer.close()
         if self.executor is not None:
             self.executor.close()
         self.guard.close()
@@ -227,7 +235,10 @@ class Service:
             self.stop()
 
     def wake(self) -> None:
+        """Run a dispatch pass soon, and let the run preparer look at the queue."""
         self._wake.set()
+        if self.run_preparer is not None:
+            self.run_preparer.wake()
 
     # ---- events from the executor -----------------------------------------------------------------------
 
@@ -262,7 +273,7 @@ class Service:
         # at most one per usable device plus the first it must stop at (each start or reservation uses at least
         # one device that is free, being released, or preemptible; a job that finds none ends the pass). So
         # the pass reads O(devices) rows whatever the queue's length, and no job that could start is hidden.
-        capacity = len(set(usable))
+        capacity = self._capacity = len(set(usable))
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
                                            skip=self._tracking_blocked)
         mine = self._expire(mine)
