@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -47,6 +48,7 @@ from orchestrator import wakeup
 log = logging.getLogger(__name__)
 S = JobState
 HEARTBEAT_EVERY = 2.0
+SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
 TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 
 
@@ -159,7 +161,7 @@ class Service:
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
-            self.run_preparer = RunPreparer(self.store, self._tracking, lambda: self._capacity,
+            self.run_preparer = RunPreparer(self.store, self._tracking, lambda: self._capacity, self._wake.set,
                                             retry_after=TRACKING_RETRY_AFTER).start()
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
@@ -227,6 +229,10 @@ class Service:
         """Run until SIGINT or SIGTERM."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
+        # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
+        # 5 ms switch interval each one waits up to 5 ms to get it back while another thread computes (a convoy:
+        # MLflow's create_run took 70 ms in the service against 3 ms alone). A whole process of our own: set here.
+        sys.setswitchinterval(SWITCH_INTERVAL)
         self.start()
         try:
             while not self._stop.wait(1.0):
@@ -294,7 +300,12 @@ class Service:
     def _start_jobs(self, starts, need_runs: set[int]) -> None:
         """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn.
         `need_runs`: ids of jobs that are tracked and have no MLflow run yet."""
-        starts = self._prepare_runs(list(starts), need_runs)
+        if need_runs and self.run_preparer is not None and self.run_preparer.healthy:
+            # The preparer makes these runs (in line order) and wakes us: their devices stay free this pass.
+            starts = [start for start in starts if start[0] not in need_runs]
+            self.run_preparer.wake()
+        else:
+            starts = self._prepare_runs(list(starts), need_runs)
         claimed = self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                    log_root=str(self.layout.logs_dir))
         ready = []
@@ -380,8 +391,10 @@ class Service:
 
     def _tracking_unlocked(self):
         if self.tracking is None:
+            from orchestrator.runprep import tune_sqlite_tracking
             from orchestrator.tracking import Tracker
 
+            tune_sqlite_tracking(self.settings.tracking_uri)
             self.tracking = Tracker(self.settings.tracking_uri, self.settings.artifacts_dir)
         return self.tracking
 
