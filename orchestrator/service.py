@@ -41,6 +41,7 @@ from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
+from orchestrator.intake import IntakeServer
 from orchestrator.runprep import RunPreparer
 from orchestrator.supervisor import Supervisor
 from orchestrator import wakeup
@@ -165,6 +166,7 @@ class Service:
                                             retry_after=TRACKING_RETRY_AFTER).start()
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
+            self._listeners.append(IntakeServer(self.settings, self.store, self.wake))
             self._start_scheduler()
             self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
             self._dispatcher.start()
