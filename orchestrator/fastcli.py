@@ -1,5 +1,5 @@
-"""The `autoresearch` console script: `submit` of a command goes straight to the running service (standard
-library only, `orchestrator.intake`); everything else, and any submit this does not fully understand or that
+"""The `autoresearch` console script: `submit` of a command, `queue --json` and `show ID --json` go straight to
+the running service (standard library only, `orchestrator.intake`); everything else, and any submit this does not fully understand or that
 no service takes, goes through the full CLI (`orchestrator.cli`, typer) with exactly its behaviour.
 
 `python -m orchestrator.fastcli ARGS` is the same as `autoresearch ARGS`.
@@ -94,13 +94,39 @@ def fast_submit(args: list[str]) -> Optional[int]:
     return 0
 
 
+def fast_read(command: str, args: list[str]) -> Optional[int]:
+    """`queue [--all] --json` and `show ID --json` answered by the running service; None: the full CLI."""
+    if "--json" not in args or not _config_parses(_home()):
+        return None
+    rest = [a for a in args if a != "--json"]
+    if command == "queue" and rest in ([], ["--all"]):
+        request: dict[str, Any] = {"op": "queue", "all": rest == ["--all"]}
+    elif command == "show" and len(rest) == 1 and rest[0].lstrip("-").isdigit():
+        request = {"op": "show", "id": int(rest[0])}
+    else:
+        return None
+    from orchestrator import intake
+
+    reply = intake.ask(_home(), request)
+    if reply is None:
+        return None
+    if not reply.get("ok"):
+        print(f"autoresearch: {reply.get('error')}", file=sys.stderr)
+        return int(reply.get("code", 1))
+    sys.stdout.write(json.dumps(reply["data"], default=str, indent=2) + "\n")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
+    code = None
     if args and args[0] == "submit":
         code = fast_submit(args[1:])
-        if code is not None:
-            sys.exit(code)
+    elif args and args[0] in ("queue", "show"):
+        code = fast_read(args[0], args[1:])
+    if code is not None:
+        sys.exit(code)
     from orchestrator.cli import main as full_main
 
     full_main(args)

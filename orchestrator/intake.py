@@ -5,7 +5,9 @@ the ORM, typer, rich or MLflow (an import-heavy CLI cost 0.4 s of CPU per submit
   "options": {...}, "cwd": ..., "db_url": ...}`, submits through `orchestrator.api.submit` (the same checks as
   the CLI) and answers `{"ok": true, "job": {...}}`, `{"ok": false, "error": "...", "code": 2}` for bad input,
   or `{"fallback": true}` when the client should take the ordinary path (it names another database).
-- `submit` (client side): imports only the standard library. None means "no service answered before anything
+  `{"op": "queue", "all": bool}` and `{"op": "show", "id": N}` answer `{"ok": true, "data": ...}`, the JSON of
+  `queue --json` and `show --json`.
+- `submit`, `ask` (client side): import only the standard library. None means "no service answered before anything
   was sent": the caller takes the ordinary path (which then writes to the database directly).
 """
 
@@ -41,8 +43,13 @@ def _read_line(conn: socket.socket) -> bytes:
 
 def submit(home: Path, argv: list[str], options: dict[str, Any]) -> Optional[dict]:
     """Hand a submit to the home's running service; its answer, or None when no service took the request."""
-    request = {"op": "submit", "argv": argv, "options": options, "cwd": os.getcwd(),
-               "db_url": os.environ.get("AUTORESEARCH_DB_URL")}
+    return ask(home, {"op": "submit", "argv": argv, "options": options, "cwd": os.getcwd()})
+
+
+def ask(home: Path, request: dict) -> Optional[dict]:
+    """Send one request (`submit`, `queue` with `all`, `show` with `id`) to the home's running service; its
+    answer, or None when no service took it (nothing was sent, or it answered `fallback`)."""
+    request = {**request, "db_url": os.environ.get("AUTORESEARCH_DB_URL")}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(2.0)
@@ -102,10 +109,13 @@ class IntakeServer:
         from orchestrator.errors import BadInput
         from orchestrator.queue.models import JobSpec
 
-        if request.get("op") != "submit":
-            return {"fallback": True}
         if request.get("db_url") and request["db_url"] != self.settings.db_url:
             return {"fallback": True}  # the client means another queue than this service's
+        op = request.get("op")
+        if op in ("queue", "show"):
+            return self._read(request)
+        if op != "submit":
+            return {"fallback": True}
         opts = dict(request.get("options") or {})
         try:
             if opts.get("time_limit") is not None:
@@ -121,6 +131,21 @@ class IntakeServer:
             return {"ok": False, "error": f"error: {exc}", "code": 1}
         self._on_submit()
         return {"ok": True, "job": job.to_dict()}
+
+    def _read(self, request: dict) -> dict:
+        from orchestrator import api
+        from orchestrator.errors import BadInput
+
+        try:
+            if request["op"] == "queue":
+                jobs = self.store.list() if request.get("all") else self.store.unfinished()
+                return {"ok": True, "data": [j.to_dict() for j in jobs]}
+            job, events = api.show(int(request["id"]), self.store)
+            return {"ok": True, "data": {**job.to_dict(), "events": [e.to_dict() for e in events]}}
+        except BadInput as exc:
+            return {"ok": False, "error": str(exc), "code": 2}
+        except Exception as exc:  # noqa: BLE001
+            return {"ok": False, "error": f"error: {exc}", "code": 1}
 
     def close(self) -> None:
         """Stop taking submits and remove the socket."""

@@ -78,3 +78,29 @@ def test_a_submit_naming_another_database_is_not_taken_by_this_service(make_serv
     out = fast("submit", "--json", "--no-track", "--", "true", env={"AUTORESEARCH_DB_URL": other})
     assert out.returncode == 0, out.stderr
     assert JobStore(other).count() == 1 and service.store.count() == 0
+
+
+def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_service):
+    service = make_service("cpu:1")
+    first = service.store.submit(__import__("orchestrator.queue.models", fromlist=["JobSpec"]).JobSpec(
+        argv=["sleep", "30"], track=False)).id
+    second = fast("submit", "--no-track", "--", "true").stdout.strip()
+    full = {name: subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                                 timeout=60).stdout
+            for name, args in (("queue", ["queue", "--json"]), ("all", ["queue", "--all", "--json"]),
+                               ("show", ["show", str(first), "--json"]))}
+    for name, args in (("queue", ["queue", "--json"]), ("all", ["queue", "--all", "--json"]),
+                       ("show", ["show", str(first), "--json"])):
+        code = "import sys; from orchestrator import fastcli; c = fastcli.fast_read(sys.argv[1], sys.argv[2:]); " \
+               "assert 'sqlalchemy' not in sys.modules and 'typer' not in sys.modules; sys.exit(99 if c is None else c)"
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        mine, theirs = json.loads(out.stdout), json.loads(full[name])
+        if name == "show":
+            assert list(mine) == list(theirs) and mine["id"] == first
+        else:
+            assert [j["id"] for j in mine] == [j["id"] for j in theirs] and list(mine[0]) == list(theirs[0])
+    assert str(second) in {str(j["id"]) for j in json.loads(full["all"])}
+    missing = fast("show", "999", "--json")
+    assert missing.returncode == 2 and missing.stderr.startswith("autoresearch: ") and missing.stdout == ""
+    service.store.cancel(first)
