@@ -7,6 +7,9 @@ Both queues get the same work in the same run:
    first submit to the last job's end (tsp: one `tsp` call per job, as users do; autoresearch: `autoresearch
    serve` in its own process, and one submitter process calling the library `api.submit`, the agent's path;
    the per-call cost of the `autoresearch submit` CLI is reported separately);
+3. one CLI call with a service running: `submit`, `queue --json`, `show --json` through the console script's
+   lean path (`orchestrator.fastcli`, handed to the service over its socket) and through the full typer CLI,
+   wall and CPU, against one `tsp` call;
 2. latency on an idle queue: one job at a time that records when it started; submit-to-start p50 and p95.
 autoresearch runs with MLflow tracking off (`track=False`, `submit --no-track`) for the no-op jobs and, in a
 third row, with a tracked MLflow run per job (the default), which costs an MLflow `create_run` per job.
@@ -162,12 +165,45 @@ def ar_latency(n: int, home: Path) -> list[float]:
     return lat
 
 
-def cli_submit_seconds(n: int, home: Path) -> float:
+def cli_seconds(n: int, home: Path, *args: str, entry: str = "orchestrator.fastcli") -> tuple[float, float]:
+    """Mean wall and CPU seconds (user + system of the child) of one `autoresearch ARGS` call. The console
+    script's module is `orchestrator.fastcli`; `orchestrator.cli` is the full typer CLI."""
     env = {**os.environ, "AUTORESEARCH_HOME": str(home)}
+    before = os.times()
     start = time.perf_counter()
     for _ in range(n):
-        subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--no-track", "--", "true"], env=env,
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", entry, *args], env=env, check=True, capture_output=True)
+    wall = (time.perf_counter() - start) / n
+    after = os.times()
+    cpu = (after.children_user - before.children_user + after.children_system - before.children_system) / n
+    return wall, cpu
+
+
+def cli_rows(n: int, home: Path) -> dict[str, tuple[float, float]]:
+    """`submit`, `queue --json` and `show --json` with a service running: the lean path and the full CLI."""
+    served = Served(home, 2)
+    try:
+        subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--no-track", "--", "sleep", "60"],
+                       env=served.env, check=True, capture_output=True)
+        rows = {
+            "submit (lean, service running)": cli_seconds(n, home, "submit", "--no-track", "--", "true"),
+            "submit (full typer CLI)": cli_seconds(n, home, "submit", "--no-track", "--", "true",
+                                                   entry="orchestrator.cli"),
+            "queue --json (lean)": cli_seconds(n, home, "queue", "--json"),
+            "show 1 --json (lean)": cli_seconds(n, home, "show", "1", "--json"),
+            "queue --json (full typer CLI)": cli_seconds(n, home, "queue", "--json", entry="orchestrator.cli"),
+        }
+        served.store.cancel(1)
+    finally:
+        served.close()
+    return rows
+
+
+def tsp_client_seconds(n: int, tmp: Path, *args: str) -> float:
+    env = tsp_env(tmp)
+    start = time.perf_counter()
+    for _ in range(n):
+        tsp(env, *args)
     return (time.perf_counter() - start) / n
 
 
@@ -188,7 +224,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=500)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--latency-jobs", type=int, default=40)
-    parser.add_argument("--cli-submits", type=int, default=10)
+    parser.add_argument("--cli-submits", type=int, default=10, help="calls per CLI row")
     args = parser.parse_args()
     if shutil.which("tsp") is None:
         sys.exit("task-spooler is not installed (apt-get install task-spooler)")
@@ -200,7 +236,12 @@ def main() -> None:
         l_tsp = tsp_latency(args.latency_jobs, tmp / "tsp2")
         l_ar = ar_latency(args.latency_jobs, tmp / "ar3")
         s_tsp = tsp_submit_seconds(args.cli_submits, tmp / "tsp3")
-        s_ar = cli_submit_seconds(args.cli_submits, tmp / "ar4")
+        env4 = tsp_env(tmp / "tsp4")
+        tsp(env4, "-S", "1")
+        tsp(env4, "-n", "sleep", "30")
+        l_tsp_list = tsp_client_seconds(args.cli_submits, tmp / "tsp4", "-l")
+        tsp(env4, "-K")
+        cli = cli_rows(args.cli_submits, tmp / "ar4")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -213,9 +254,11 @@ def main() -> None:
     print(f"  task-spooler     p50 {1000 * statistics.median(l_tsp):7.1f}  p95 {1000 * pct(l_tsp, 95):7.1f}")
     print(f"  autoresearch     p50 {1000 * statistics.median(l_ar):7.1f}  p95 {1000 * pct(l_ar, 95):7.1f}"
           f"   p50 ratio vs tsp {statistics.median(l_ar) / statistics.median(l_tsp):5.2f}x")
-    print(f"one CLI submit call: autoresearch/tsp time ratio {s_ar / s_tsp:6.1f}x "
-          f"(python start-up + imports vs a C client)")
-
+    print(f"one CLI call, {args.cli_submits} each (wall ms, child CPU ms; tsp: submit {1000 * s_tsp:.1f} ms, "
+          f"list {1000 * l_tsp_list:.1f} ms wall):")
+    for name, (wall, cpu) in cli.items():
+        peer = s_tsp if name.startswith("submit") else l_tsp_list
+        print(f"  {name:32s} wall {1000 * wall:7.1f}  cpu {1000 * cpu:7.1f}   wall ratio vs tsp {wall / peer:6.1f}x")
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -40,12 +41,15 @@ from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
+from orchestrator.intake import IntakeServer
+from orchestrator.runprep import RunPreparer
 from orchestrator.supervisor import Supervisor
 from orchestrator import wakeup
 
 log = logging.getLogger(__name__)
 S = JobState
 HEARTBEAT_EVERY = 2.0
+SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
 TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 
 
@@ -106,6 +110,8 @@ class Service:
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_error = ""
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
+        self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
+        self.run_preparer: Optional[RunPreparer] = None
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -155,8 +161,12 @@ class Service:
             self._reconcile()
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+            self._capacity = len(self.device_names)
+            self.run_preparer = RunPreparer(self.store, self._tracking, lambda: self._capacity, self._wake.set,
+                                            retry_after=TRACKING_RETRY_AFTER).start()
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
+            self._listeners.append(IntakeServer(self.settings, self.store, self.wake))
             self._start_scheduler()
             self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
             self._dispatcher.start()
@@ -200,6 +210,8 @@ class Service:
         for listener in self._listeners:
             listener.close()
         self._spawner.shutdown(wait=True)
+        if self.run_preparer is not None:
+            self.run_preparer.close()
         if self.executor is not None:
             self.executor.close()
         self.guard.close()
@@ -219,6 +231,10 @@ class Service:
         """Run until SIGINT or SIGTERM."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
+        # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
+        # 5 ms switch interval each one waits up to 5 ms to get it back while another thread computes (a convoy:
+        # MLflow's create_run took 70 ms in the service against 3 ms alone). A whole process of our own: set here.
+        sys.setswitchinterval(SWITCH_INTERVAL)
         self.start()
         try:
             while not self._stop.wait(1.0):
@@ -227,7 +243,10 @@ class Service:
             self.stop()
 
     def wake(self) -> None:
+        """Run a dispatch pass soon, and let the run preparer look at the queue."""
         self._wake.set()
+        if self.run_preparer is not None:
+            self.run_preparer.wake()
 
     # ---- events from the executor -----------------------------------------------------------------------
 
@@ -255,15 +274,20 @@ class Service:
     def dispatch_once(self) -> None:
         """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
         self._record_exits()
-        queued, mine = self.store.snapshot(self.host)
-        mine = self._expire(mine)
-        self._enforce_stops(mine)
         usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
-        now = time.time()
         if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued
-                   if job_id not in self._tracking_blocked]
+        # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
+        # at most one per usable device plus the first it must stop at (each start or reservation uses at least
+        # one device that is free, being released, or preemptible; a job that finds none ends the pass). So
+        # the pass reads O(devices) rows whatever the queue's length, and no job that could start is hidden.
+        capacity = self._capacity = len(set(usable))
+        queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
+                                           skip=self._tracking_blocked)
+        mine = self._expire(mine)
+        self._enforce_stops(mine)
+        now = time.time()
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
@@ -278,7 +302,12 @@ class Service:
     def _start_jobs(self, starts, need_runs: set[int]) -> None:
         """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn.
         `need_runs`: ids of jobs that are tracked and have no MLflow run yet."""
-        starts = self._prepare_runs(list(starts), need_runs)
+        if need_runs and self.run_preparer is not None and self.run_preparer.healthy:
+            # The preparer makes these runs (in line order) and wakes us: their devices stay free this pass.
+            starts = [start for start in starts if start[0] not in need_runs]
+            self.run_preparer.wake()
+        else:
+            starts = self._prepare_runs(list(starts), need_runs)
         claimed = self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                    log_root=str(self.layout.logs_dir))
         ready = []
@@ -364,8 +393,10 @@ class Service:
 
     def _tracking_unlocked(self):
         if self.tracking is None:
+            from orchestrator.runprep import tune_sqlite_tracking
             from orchestrator.tracking import Tracker
 
+            tune_sqlite_tracking(self.settings.tracking_uri)
             self.tracking = Tracker(self.settings.tracking_uri, self.settings.artifacts_dir)
         return self.tracking
 

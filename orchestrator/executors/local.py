@@ -125,8 +125,11 @@ class LocalExecutor(Executor):
                                             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
                                            (os.POSIX_SPAWN_DUP2, 1, 2)],
                              setsid=True)
-        start = procs.start_time(pid)
-        self._watch(_Watch(job.id, job.attempts, pid, procs.ProcessTree(_process(pid), cgroup), child=True))
+        # One psutil.Process: building it reads /proc/PID/stat for its start time already (a second lookup
+        # through procs.start_time doubled the launch's /proc work, measured with py-spy on 600 no-op jobs).
+        proc = _process(pid)
+        start = procs.start_time_of(proc) if proc is not None else None
+        self._watch(_Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), child=True))
         return Launched(pid, start)
 
     # ---- finding attempts ---------------------------------------------------------------------------------

@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 def start_time(pid: int) -> Optional[str]:
     """The process's start time as a string, which tells our process from a later one reusing its pid."""
     try:
-        return f"{psutil.Process(pid).create_time():.2f}"
+        return start_time_of(psutil.Process(pid))
+    except (psutil.Error, ValueError):
+        return None
+
+
+def start_time_of(proc: psutil.Process) -> Optional[str]:
+    """`start_time` of a process already looked up (None when it is gone)."""
+    try:
+        return f"{proc.create_time():.2f}"
     except (psutil.Error, ValueError):
         return None
 

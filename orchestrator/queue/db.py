@@ -62,6 +62,7 @@ class Database:
             if create:
                 SQLModel.metadata.create_all(self.engine)
                 add_missing_columns(self.engine)
+                add_missing_indexes(self.engine)
             else:
                 with self.engine.connect():
                     pass
@@ -117,6 +118,22 @@ def add_missing_columns(engine: Engine) -> list[str]:
                     raise StoreUnavailable(f"cannot add column {table.name}.{column.name}: {exc}") from None
             added.append(f"{table.name}.{column.name}")
     return added
+
+
+def add_missing_indexes(engine: Engine) -> None:
+    """Create the indexes added since a database was made (`create_all` skips the indexes of tables that
+    exist). A second process doing the same at once is harmless."""
+    from sqlalchemy import inspect
+
+    inspector = inspect(engine)
+    for table in SQLModel.metadata.sorted_tables:
+        have = {ix["name"] for ix in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in have:
+                try:
+                    index.create(engine, checkfirst=True)
+                except Exception:  # noqa: BLE001 - created meanwhile by another process, or not needed to work
+                    pass
 
 
 def redact(url: str) -> str:

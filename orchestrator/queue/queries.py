@@ -89,14 +89,34 @@ class JobQueries(HostRecords):
                                      or_(Job.gpus > gpus_over, Job.reason.startswith(reason_prefix)))
             return list(session.exec(stmt.order_by(Job.id)))
 
-    def snapshot(self, host: str, limit: int = 256) -> tuple[list[tuple], list[Job]]:
-        """What one dispatch pass needs: the first `limit` QUEUED jobs in line order as light
-        (id, priority, submitted_at, gpus, needs an MLflow run) rows, and the jobs this host holds devices for."""
+    def needing_runs(self, *, capacity: int, limit: int) -> list[Job]:
+        """The first `limit` QUEUED jobs in line order that need at most `capacity` devices, are tracked and
+        have no MLflow run yet (the service makes their runs ahead of time)."""
         with self._read() as session:
-            waiting = list(session.exec(
-                select(Job.id, Job.priority, Job.submitted_at, Job.gpus, Job.track & Job.mlflow_run_id.is_(None))
-                .where(Job.state == S.QUEUED.value)
-                .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit)))
+            stmt = (select(Job).where(Job.state == S.QUEUED.value, Job.gpus <= capacity, Job.track,
+                                      Job.mlflow_run_id.is_(None))
+                    .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit))
+            return list(session.exec(stmt))
+
+    def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
+                 skip: Iterable[int] = ()) -> tuple[list[tuple], list[Job]]:
+        """What one dispatch pass needs: QUEUED jobs in line order as light (id, priority, submitted_at, gpus,
+        needs an MLflow run) rows, and the jobs this host holds devices for.
+
+        `capacity`: only jobs needing at most this many devices (the others can never run here and must not
+        take places in the window); `limit`: at most this many rows; `skip`: ids left out (held back)."""
+        stmt = (select(Job.id, Job.priority, Job.submitted_at, Job.gpus, Job.track & Job.mlflow_run_id.is_(None))
+                .where(Job.state == S.QUEUED.value))
+        if capacity is not None:
+            stmt = stmt.where(Job.gpus <= capacity)
+        skip = list(skip)
+        if skip:
+            stmt = stmt.where(Job.id.not_in(skip))
+        stmt = stmt.order_by(Job.priority.desc(), Job.submitted_at, Job.id)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._read() as session:
+            waiting = list(session.exec(stmt))
             mine = list(session.exec(select(Job).where(Job.state.in_([s.value for s in HOLDING]),
                                                        Job.host == host)))
         return waiting, mine

@@ -1,0 +1,80 @@
+"""The queue at scale, through a real service and real processes (correctness only, nothing timed): every job
+runs exactly once, in line order, and a long line of jobs that cannot start does not hide one that can."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from orchestrator.queue.models import JobSpec
+from tests.orchestrator.helpers import wait_for
+from tests.support.dispatch import wait_for_dispatch
+
+
+def _recorder(out: Path, **kw) -> JobSpec:
+    """A no-op job that appends its id to `out` (O_APPEND: lines from concurrent jobs never interleave)."""
+    return JobSpec(argv=["sh", "-c", f'echo "$AUTORESEARCH_JOB_ID" >> {out}'], track=False, **kw)
+
+
+def test_a_thousand_jobs_each_run_exactly_once(make_service, tmp_path):
+    service = make_service("cpu:8")
+    out = tmp_path / "ran.txt"
+    ids = [service.store.submit(_recorder(out, name=f"n{i}")).id for i in range(1000)]
+    service.wake()
+    wait_for(lambda: service.store.count_in("SUCCEEDED") == len(ids), timeout=240, what="1000 jobs to succeed")
+    ran = [int(line) for line in out.read_text().split()]
+    assert sorted(ran) == sorted(ids), "every job ran, and none twice"
+    jobs = service.store.list()
+    assert all(j.attempts == 1 and j.exit_code == 0 for j in jobs)
+    assert service.store.unfinished() == []
+
+
+def test_one_slot_starts_jobs_in_line_order(home, tmp_path):
+    from orchestrator.config import Settings
+    from orchestrator.queue.store import JobStore
+    from orchestrator.service import Service
+
+    store = JobStore(Settings.load().db_url)
+    out = tmp_path / "ran.txt"
+    rng = random.Random(7)
+    jobs = [store.submit(_recorder(out, priority=rng.choice([0, 5, 10]))) for _ in range(200)]
+    service = Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=0.2).start()
+    try:
+        wait_for(lambda: store.count_in("SUCCEEDED") == len(jobs), timeout=120, what="200 jobs to succeed")
+    finally:
+        service.stop()
+    expected = [j.id for j in sorted(jobs, key=lambda j: (-j.priority, j.submitted_at, j.id))]
+    assert [int(line) for line in out.read_text().split()] == expected
+
+
+def test_a_job_that_fits_starts_behind_300_that_cannot_run_here(make_service, tmp_path):
+    """300 jobs needing 3 devices (another host of a shared queue could run them) stand in line before a
+    1-device job on a 2-device host: the small one starts; the big ones keep waiting."""
+    service = make_service("cpu:2")
+    big = [service.store.submit(JobSpec(argv=["true"], track=False, gpus=3, priority=5)).id for _ in range(300)]
+    small = service.store.submit(_recorder(tmp_path / "ran.txt", priority=0)).id
+    service.wake()
+    wait_for(lambda: service.store.get(small).state == "SUCCEEDED", what="the 1-device job to run")
+    assert {j.state for j in service.store.get_many(big)} == {"QUEUED"}
+
+
+def test_the_reservation_of_a_blocked_job_still_holds_behind_a_long_line(make_service, tmp_path):
+    """Within the reservation rules: 300 jobs needing both devices wait on a job that may not be preempted; the
+    first of them holds the free device, so the 1-device job behind them does not jump the line. Once the
+    blocker ends, the first of them starts before it."""
+    service = make_service("cpu:2")
+    blocker = service.store.submit(JobSpec(argv=["sleep", "60"], track=False, priority=50, preemptible=False)).id
+    wait_for(lambda: service.store.get(blocker).state == "RUNNING", what="the blocker to run")
+    big = [service.store.submit(JobSpec(argv=["true"], track=False, gpus=2, priority=5)).id for _ in range(300)]
+    small = service.store.submit(_recorder(tmp_path / "ran.txt", priority=0)).id
+    wait_for_dispatch(service)
+    wait_for_dispatch(service)
+    assert service.store.get(small).state == "QUEUED"
+    assert service.store.get(big[0]).state == "QUEUED"
+    for job_id in big[1:]:  # each 2-device job starts through torchrun: seconds; the first one shows the order
+        service.store.cancel(job_id)
+    service.store.cancel(blocker)
+    service.wake()
+    wait_for(lambda: service.store.get(small).state == "SUCCEEDED", timeout=120, what="the line to drain")
+    first = service.store.get(big[0])
+    assert first.state == "SUCCEEDED" and first.started_at <= service.store.get(small).started_at
