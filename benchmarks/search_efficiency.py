@@ -7,9 +7,9 @@
 
 Each (proposer, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its
 own embedded service, real trial processes and a real MLflow store, exactly as `autoresearch start` runs it:
-the baseline (the experiment's defaults) on `--baseline-seeds` seeds (3) first, then `--trials` trials (search, ASHA, and the top two
-candidates re-run on three fresh seeds each), then the noise gate against the baseline (Welch's t-test on the
-fresh re-runs only, Bonferroni-corrected over the candidates gated: 97.5% CIs for two).
+the baseline (the experiment's defaults) on `--baseline-seeds` seeds (3) first, then `--trials` trials (search,
+ASHA, and the top two candidates re-run on three fresh seeds each), then the noise gate against the baseline
+(Welch's t-test on the fresh re-runs only, Bonferroni-corrected over the candidates gated: 97.5% CIs for two).
 Reported: a baseline row (the defaults' mean and seed spread), and per proposer the share of seeds whose
 session found a gated win, the mean improvement, and the device-seconds the winning sessions used (the time
 to get there: the win is only known once its re-runs are done). `llm` and `hybrid` are measured only when an
@@ -201,7 +201,8 @@ def main() -> int:
 
     logging.disable(logging.WARNING)
     print(f"search efficiency on {args.experiment}: {', '.join(kinds)}; {args.seeds} seeds; {args.trials} trials "
-          f"per session (+{args.baseline_seeds} baseline runs) on cpu:{args.slots}; a win = the noise gate (Welch on fresh re-runs, Bonferroni) passes",
+          f"per session (+{args.baseline_seeds} baseline runs) on cpu:{args.slots}; a win = the noise gate "
+          "(Welch on fresh re-runs, Bonferroni) passes",
           flush=True)
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     for seed in range(args.seeds):

@@ -2,12 +2,12 @@
 
     python -m orchestrator.demo [--trials 14] [--minutes 3] [--devices cpu:2] [--seed 0]
 
-Uses the LLM proposer when `OPENAI_BASE_URL`/`OPENAI_API_KEY` are set, Optuna TPE otherwise. First the
-baseline (the experiment's defaults) runs on 5 seeds (cheap, and with 3 its own noise swamps the gate); then trials train for 6 epochs at scale 1 (seconds each
-on a laptop core), ASHA stops weak ones after their first epochs, and the top two candidates are re-run on three
-fresh seeds each. A winner is declared only if the mean of its fresh re-runs (never the search run that
-selected it) beats the baseline's by more than the seed noise (Welch's t-test, 97.5% CIs: Bonferroni over the
-two candidates); otherwise the demo says that no improvement was found. Everything lands in
+Uses the LLM proposer when `OPENAI_BASE_URL`/`OPENAI_API_KEY` are set, Optuna TPE otherwise. First the baseline (the
+experiment's defaults) runs on 5 seeds (cheap, and with 3 its own noise swamps the gate); then trials train for 6
+epochs at scale 1 (seconds each on a laptop core), ASHA stops weak ones after their first epochs, and the top two
+candidates are re-run on three fresh seeds each. A winner is declared only if the mean of its fresh re-runs (never
+the search run that selected it) beats the baseline's by more than the seed noise (Welch's t-test, 97.5% CIs:
+Bonferroni over the two candidates); otherwise the demo says that no improvement was found. Everything lands in
 `AUTORESEARCH_HOME` (default ~/.autoresearch): browse it with `autoresearch ui`.
 """
 
