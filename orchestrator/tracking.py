@@ -258,6 +258,7 @@ class Entry:
     sources: list[str] = field(default_factory=list)  # "job 12 (session s-ab)" / "job 7 (by hand)"
     job_ids: list[int] = field(default_factory=list)
     baseline_runs: int = 0  # how many of its runs were a session's baseline
+    fresh: list[float] = field(default_factory=list)  # the values of runs that played no part in selecting it
 
     @property
     def n(self) -> int:
@@ -277,16 +278,24 @@ NO_IMPROVEMENT = "no improvement over the baseline found"
 
 
 def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Sequence[str] = ("seed",),
-                defaults: Mapping[str, Any] | None = None) -> dict:
-    """Rank configurations by mean metric over seeds and judge the best against the baseline.
+                defaults: Mapping[str, Any] | None = None, alpha: float = 0.05) -> dict:
+    """Rank configurations by mean metric over seeds and judge the confirmed ones against the baseline.
 
-    `rows` have `params`, `value` and optionally `job_id`, `source` and `baseline` (the run was a session's
-    baseline). Runs differing only in a seed key are the same configuration. The baseline is the configuration
-    with the most baseline runs; each entry gets its `gap` to the baseline's mean (positive = better) and
-    `diff`, its params that differ from the baseline's (from `defaults` when there is no baseline). The winner
-    is the best-ranked configuration that the noise gate (`orchestrator.agent.gate`) calls a real improvement
-    over the baseline; `headline` says so in words, or that none was found.
-    `lead_within_noise` (kept for scripts) compares the top two: None when neither was run twice.
+    `rows` have `params`, `value` and optionally `job_id`, `source`, `baseline` (the run was a session's
+    baseline) and `selection` (a session's search-phase run: the run that made the configuration a candidate).
+    Runs differing only in a seed key are the same configuration. The baseline is the configuration with the
+    most baseline runs; each entry gets its `gap` to the baseline's mean (positive = better) and `diff`, its
+    params that differ from the baseline's (from `defaults` when there is no baseline).
+
+    Ranking uses every run; the gate does not. A selection run is the best of many draws, so pooling it with a
+    candidate's re-runs biases the candidate's mean upward (the winner's curse): the gate
+    (`orchestrator.agent.gate`, Welch's t-test) judges each configuration on its other runs only (fresh-seed
+    confirmation re-runs, other sessions' confirmations, runs by hand). Only confirmed candidates, those with
+    at least 2 such runs, are gated, and since k of them are tested at once the level is Bonferroni-corrected
+    to 1 - alpha/k (97.5% CIs for two candidates), so the chance that any of them is called a win by noise
+    stays at most `alpha`. The winner is the best-ranked candidate that passes; `headline` says so in words,
+    or that none was found. `lead_within_noise` (kept for scripts) compares the top two: None when neither was
+    run twice.
     """
     from orchestrator.agent.gate import gate
 
@@ -298,6 +307,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
         key = repr(sorted((k, repr(v)) for k, v in params.items()))
         entry = groups.setdefault(key, Entry(params=params, values=[]))
         entry.values.append(float(row["value"]))
+        if not row.get("selection"):
+            entry.fresh.append(float(row["value"]))
         entry.baseline_runs += bool(row.get("baseline"))
         if row.get("source"):
             entry.sources.append(str(row["source"]))
@@ -316,32 +327,36 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
             within = lead < noise
     reference = base.params if base is not None else dict(defaults or {})
     winner = verdict = best_tried = None
-    if base is not None:
-        for e in entries:
-            if e is base or e.n < 2:
-                continue
-            v = gate(base.values, e.values, direction=direction)
-            if best_tried is None:
-                best_tried = v
-            if v.win:
-                winner, verdict = e, v
-                break
+    confirmed = [] if base is None or not base.fresh else [e for e in entries if e is not base and len(e.fresh) >= 2]
+    k = len(confirmed)
+    for e in confirmed:
+        v = gate(base.fresh, e.fresh, direction=direction, level=1.0 - alpha / k)
+        if k > 1:
+            v = dataclasses.replace(v, method=f"{v.method}, Bonferroni-corrected for {k} candidates")
+        if best_tried is None:
+            best_tried = v
+        if v.win:
+            winner, verdict = e, v
+            break
+    correction = f" [{k} candidates gated, Bonferroni: {(1 - alpha / k) * 100:g}% CIs]" if k > 1 else ""
     if base is None:
         headline = "no baseline measured: no result can be called an improvement"
     elif verdict is not None:
-        headline = verdict.describe()
+        headline = verdict.describe() + correction
     else:
         headline = NO_IMPROVEMENT + (f" (best re-run candidate: {best_tried.describe().split('(', 1)[1]}"
-                                     if best_tried is not None else " (no candidate was run on several seeds)")
+                                     f"{correction}" if best_tried is not None
+                                     else " (no candidate was re-run on 2 or more fresh seeds)")
     out_entries = []
     for i, e in enumerate(entries):
         out_entries.append({
             "rank": i + 1, "params": e.params, "diff": _diff(e.params, reference), "n": e.n, "mean": e.mean,
             "spread": e.spread, "best": (min if direction == "minimize" else max)(e.values), "values": e.values,
             "gap": None if base is None else -sign * (e.mean - base.mean), "baseline": e is base,
-            "winner": e is winner, "job_ids": e.job_ids, "sources": sorted(set(e.sources))})
+            "winner": e is winner, "job_ids": e.job_ids, "sources": sorted(set(e.sources)),
+            "n_fresh": len(e.fresh), "gated": any(e is c for c in confirmed)})
     summary = (lambda e: None if e is None else {"params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,
-                                                 "values": e.values, "job_ids": e.job_ids})
+                                                 "values": e.values, "job_ids": e.job_ids, "fresh": e.fresh})
     return {
         "direction": direction,
         "entries": out_entries,
@@ -349,6 +364,7 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
         "winner": summary(winner),
         "verdict": None if verdict is None else {**dataclasses.asdict(verdict), "text": verdict.describe()},
         "headline": headline,
+        "gated": k,
         "lead": lead,
         "noise": noise,
         "lead_within_noise": within,

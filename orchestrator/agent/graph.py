@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypedDict
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds, is_final
 from orchestrator.agent.outcome import Outcomes, reports
+from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
@@ -43,8 +44,6 @@ if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
 
 S, P = TrialStatus, Phase
 
-ACTIVE = tuple(s for s in TrialStatus if s.active)
-FINAL = tuple(s for s in TrialStatus if s.final)
 HEARTBEAT = 15.0
 
 
@@ -65,7 +64,7 @@ class State(TypedDict, total=False):
     route: str
 
 
-class Agent:
+class Agent(Phases):
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
@@ -177,18 +176,7 @@ class Agent:
                     trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
                                                p.proposer, p.rationale))
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
-            candidates, state["confirm_planned"] = [], True
-            left = n_confirm
-            for rep, used in search.top_candidates(trials, self.baseline, self.spec.direction,
-                                                   self.cfg.confirm_top):
-                if left <= 0:
-                    break
-                fresh = [s for s in self.seeds[1:] if s not in used][: min(self.cfg.confirm_seeds, left)]
-                for seed in fresh:
-                    trials.append(self._record(len(trials), "confirm", search.seeded(self.spec, rep.params, seed),
-                                               "confirm", f"re-run of trial {rep.n} on a fresh seed"))
-                left -= len(fresh)
-                candidates.append(rep.n)
+            candidates, state["confirm_planned"] = self._plan_confirmation(trials, n_confirm), True
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
                 "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
 
@@ -312,64 +300,6 @@ class Agent:
             metrics[f"llm_{k}"] = v
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": dump(trials), "best": best}
-
-    def decide(self, state: State) -> State:
-        """Phase changes (search -> confirm -> done) and the route to take next."""
-        self._elapsed(state)
-        trials = load(state["trials"])
-        phase, reason = state["phase"], state.get("stop_reason", "")
-        search_max, n_confirm = self.cfg.split()
-        active = [t for t in trials if t.status in ACTIVE]
-        best = state.get("best")
-        if phase == "search":
-            target = self.cfg.target
-            hit = target is not None and best is not None and not self.spec.better(target, best["value"])
-            n_search = sum(1 for t in trials if t.phase is P.SEARCH)
-            exhausted = search_max is not None and n_search >= search_max
-            reserve = 0.0
-            if n_confirm and self.cfg.budget_minutes and best is not None:
-                # Room for the confirmation rounds (the re-runs share the devices): a typical finished trial per
-                # round, with a margin for a busy machine. Until a search trial has finished there is nothing
-                # to confirm, so the search goes on.
-                took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
-                rounds = -(-n_confirm // max(1, self.parallel))
-                reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
-            late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
-            searching = [t for t in active if t.phase is not P.BASELINE]
-            if hit or late or (exhausted and not searching):
-                reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
-                          else "time left only for the confirmation re-runs" if late else "trial budget used")
-                for t in trials:
-                    # The baseline runs on (it is what the winner is judged against) unless time is up.
-                    keep = t.phase is P.BASELINE and not self._time_up(state)
-                    if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None and not keep:
-                        self._cancel(t, f"session {self.session_id}: {reason}")
-                    if t.status is S.PROPOSED:
-                        t.status = S.CANCELLED
-                phase = "confirm" if n_confirm and best and not self._time_up(state) else "done"
-                self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
-        elif phase == "confirm":
-            waiting = [t for t in trials if t.phase in (P.CONFIRM, P.BASELINE)]
-            if self._time_up(state):
-                for t in waiting:
-                    if t.status in ACTIVE and t.job_id is not None:
-                        self._cancel(t, f"session {self.session_id}: time budget reached")
-                phase, reason = "done", "time budget reached during the confirmation re-runs"
-            elif state.get("confirm_planned") and all(t.status in FINAL for t in waiting):
-                phase = "done"
-        active = [t for t in trials if t.status in ACTIVE]
-        if phase == "done":
-            route = "finish"
-        elif phase == "confirm" and not state.get("confirm_planned"):
-            route = "propose"
-        elif phase == "search" and len(active) < self.capacity and (
-                search_max is None or sum(t.phase is P.SEARCH for t in trials) < search_max
-                or any(t.status is S.PAUSED for t in trials)):
-            route = "propose"
-        else:
-            route = "monitor"
-        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route,
-                "elapsed": state["elapsed"]}
 
     def finish(self, state: State) -> State:
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""

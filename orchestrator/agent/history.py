@@ -77,7 +77,7 @@ class Results:
         self.tracker = tracker
         self.spec = spec
         self._values: dict[int, float | None] = {}
-        self._baseline: dict[int, bool] = {}
+        self._phase: dict[int, str | None] = {}
 
     def jobs(self) -> list[Job]:
         return self.store.list(experiment=self.spec.name)
@@ -104,12 +104,12 @@ class Results:
             self._values[job.id] = value
         return value
 
-    def is_baseline(self, job: Job) -> bool:
-        """Whether the job ran a session's baseline (its MLflow run is tagged so)."""
-        if job.id not in self._baseline:
+    def phase(self, job: Job) -> str | None:
+        """The session phase a job ran in ("baseline", "search", "confirm"; its MLflow run's tag), None by hand."""
+        if job.id not in self._phase:
             tags = self.tracker.tags(job.mlflow_run_id) if job.mlflow_run_id else {}
-            self._baseline[job.id] = tags.get(TAG_PHASE) == "baseline"
-        return self._baseline[job.id]
+            self._phase[job.id] = tags.get(TAG_PHASE)
+        return self._phase[job.id]
 
     def observations(self, session_trials: Sequence[Trial] = ()) -> list[Observation]:
         """Every trial of the experiment as proposer input; the session's own come from its state."""
@@ -131,14 +131,16 @@ class Results:
         return out
 
     def rows(self, jobs: Iterable[Job] | None = None) -> list[dict[str, Any]]:
-        """Leaderboard rows: every job of the experiment with a final metric (complete runs only)."""
+        """Leaderboard rows: every job of the experiment with a final metric (complete runs only); a session's
+        search-phase runs are marked `selection` (they rank a configuration but never gate it)."""
         rows = []
         for job in self.jobs() if jobs is None else jobs:
             if is_final(job) and job.params is not None:
                 value = self.value(job)
                 if value is not None:
                     rows.append({"params": dict(job.params), "value": value, "job_id": job.id,
-                                 "source": source(job), "baseline": self.is_baseline(job)})
+                                 "source": source(job), "baseline": self.phase(job) == "baseline",
+                                 "selection": self.phase(job) == "search"})
         return rows
 
 

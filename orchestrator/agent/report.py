@@ -17,9 +17,9 @@ REPORT = "report.md"
 
 def session_board(session_id: str, trials: Sequence[Mapping[str, Any]], direction: str,
                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The leaderboard of one session's finished trials (baseline marked)."""
+    """The leaderboard of one session's finished trials (baseline and selection runs marked)."""
     rows = [{"params": t["params"], "value": t["value"], "job_id": t["job_id"], "source": f"session {session_id}",
-             "baseline": t["phase"] == "baseline"}
+             "baseline": t["phase"] == "baseline", "selection": t["phase"] == "search"}
             for t in trials if t["status"] == "succeeded" and t.get("value") is not None]
     return leaderboard(rows, direction, defaults=defaults)
 
@@ -63,7 +63,8 @@ def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
     verdict = summary.get("verdict")
     if verdict:
         lines += [f"Gate: {verdict['method']}; a candidate wins only if the lower end of the CI of its "
-                  "improvement is above zero.", ""]
+                  "improvement is above zero, judged on its fresh-seed re-runs only (the search run that "
+                  "selected it is left out).", ""]
     lines += ["## Ranking", "", f"| # | {metric} mean | spread | n | gap to baseline | changes from the baseline |",
               "|---|---|---|---|---|---|"]
     for e in summary.get("ranking", [])[:top]:

@@ -38,7 +38,9 @@ class SessionConfig:
     priority: int = 0
     model: str | None = None
     fixed: dict[str, Any] = field(default_factory=dict)  # params held constant (e.g. scale=1 on a laptop)
-    confirm_seeds: int = 2  # fresh-seed re-runs of each top candidate before one may be declared the winner
+    # Fresh-seed re-runs of each top candidate: the gate judges a candidate on these alone (its selecting search
+    # run is biased upward), so 3 give the t-test 2 degrees of freedom instead of 1.
+    confirm_seeds: int = 3
     confirm_top: int = 2  # candidates re-run (best mean over seeds first)
     baseline: dict[str, Any] = field(default_factory=dict)  # overrides of the spec's defaults for the baseline
     baseline_seeds: int = 3  # the baseline runs on this many seeds, first of all

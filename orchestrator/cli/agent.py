@@ -78,7 +78,9 @@ def _print_summary(summary: dict) -> None:
         print(f"baseline: {metric} {_mean(base)} over {base['n']} seed(s) (the experiment's defaults)")
     if winner:
         diff = {k: v for k, v in winner["params"].items() if (base or {}).get("params", {}).get(k) != v}
-        print(f"winner:   {metric} {_mean(winner)} over {winner['n']} seeds: {_params(diff, 20) or '-'}")
+        fresh = len(winner.get("fresh") or [])
+        print(f"winner:   {metric} {_mean(winner)} over {winner['n']} seeds ({fresh} fresh re-runs gated): "
+              f"{_params(diff, 20) or '-'}")
     elif summary.get("best"):
         best = summary["best"]
         print(f"best single run: {metric} {_fmt(best['value'])} (not a win unless it holds up over seeds)")
@@ -110,7 +112,8 @@ def start(
     priority: int = typer.Option(0, "--priority", help="Priority of the trials (people's jobs use 10)."),
     model: Optional[str] = typer.Option(None, "--model", help="LLM model name."),
     param: List[str] = typer.Option([], "--param", help="KEY=VALUE held fixed while searching (repeatable)."),
-    confirm_seeds: int = typer.Option(2, "--confirm-seeds", help="Fresh-seed re-runs of each top candidate."),
+    confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="Fresh-seed re-runs of each top "
+                                       "candidate (the gate judges it on these alone)."),
     confirm_top: int = typer.Option(2, "--confirm-top", help="Top candidates (by mean) re-run at the end."),
     baseline: List[str] = typer.Option([], "--baseline", help="KEY=VALUE: the baseline's change from the "
                                        "experiment's defaults (repeatable)."),

@@ -231,13 +231,14 @@ def test_report_markdown_has_verdict_baseline_and_ranking():
     trials = [{"params": {"x": 0.0, "seed": s}, "value": 6.6 + s / 100, "job_id": s, "status": "succeeded",
                "phase": "baseline"} for s in range(3)]
     trials += [{"params": {"x": 1.5, "seed": s}, "value": 0.1 + s / 100, "job_id": 10 + s, "status": "succeeded",
-                "phase": "search"} for s in range(3)]
+                "phase": "search" if s == 0 else "confirm"} for s in range(4)]
     board = session_board(SID, trials, "minimize", defaults={"x": 0.0})
     text = markdown({"session": SID, "experiment": "synthetic", "goal": "g", "proposer": "tpe", "stop_reason": "",
                      "trials": 6, "elapsed_s": 1.0, "device_seconds": 2.0, "metric": "loss",
                      "headline": board["headline"], "baseline": board["baseline"], "verdict": board["verdict"],
                      "ranking": board["entries"]})
-    assert "**improvement +6.5" in text and "Baseline (the experiment's defaults): loss 6.61" in text
+    assert "**improvement +6.49" in text and "fresh-seed re-runs only" in text
+    assert "Baseline (the experiment's defaults): loss 6.61" in text
     assert "| 1 (winner) |" in text and "x=1.5" in text and "**baseline**" in text and "Welch" in text
 
 
@@ -291,3 +292,81 @@ def test_bad_baseline_is_refused_before_anything_runs(home, baseline, seeds, mat
     with pytest.raises(BadInput, match=match):
         runner.check(config(baseline=baseline, baseline_seeds=seeds), devices="cpu:2")
     assert JobStore(Settings.load().db_url).list() == []
+
+
+# -- the winner's curse and multiple comparisons -----------------------------------------------------------------
+
+BASE_ACC = [0.9611, 0.9583, 0.9639]  # digits defaults over 3 seeds: mean 0.9611, std 0.0028
+FRESH_ACC = [0.9652, 0.9666, 0.9659]  # a candidate's fresh-seed re-runs: +0.005, inside the seed noise
+SELECTED_ACC = 0.9705  # the search run that made it the top candidate: the best of many draws
+
+
+def _rows(selection_marked: bool) -> list[dict]:
+    base = [{"params": {"lr": 0.003, "seed": s}, "value": v, "baseline": True} for s, v in enumerate(BASE_ACC)]
+    cand = [{"params": {"lr": 0.01, "seed": 0}, "value": SELECTED_ACC, "selection": selection_marked}]
+    cand += [{"params": {"lr": 0.01, "seed": 10 + s}, "value": v} for s, v in enumerate(FRESH_ACC)]
+    return base + cand
+
+
+def test_a_high_selection_run_does_not_make_fresh_reruns_that_match_the_baseline_a_win():
+    """Pooled with the run that selected it, the candidate would pass the gate; judged on its fresh re-runs alone
+    (what the gate must do: the selecting run is biased upward), it is not a winner."""
+    pooled = leaderboard(_rows(selection_marked=False), "maximize")
+    assert pooled["winner"] is not None  # the flaw: the selecting run tips the gate
+    board = leaderboard(_rows(selection_marked=True), "maximize")
+    assert board["winner"] is None
+    top = board["entries"][0]
+    assert top["params"] == {"lr": 0.01} and top["n"] == 4 and top["n_fresh"] == 3  # ranked on all four runs
+    assert not top["winner"] and top["gated"]
+    assert board["headline"].startswith(NO_IMPROVEMENT)
+    assert "candidate 0.9659 ± 0.0007, 3 seeds" in board["headline"]  # the fresh runs, not the selecting one
+
+
+def test_only_confirmed_candidates_are_gated_at_a_bonferroni_level():
+    """Two confirmed candidates: each is judged at 97.5% (1 - 0.05/2); an unconfirmed one is not gated at all."""
+    from orchestrator.agent.gate import gate
+
+    base = [{"params": {"lr": 0.003, "seed": s}, "value": v, "baseline": True} for s, v in enumerate(BASE_ACC)]
+    # Clears the gate at 95% but not at 97.5%: one of two candidates tested, so not a win.
+    edge = [0.9680, 0.9690, 0.9685]
+    assert gate(BASE_ACC, edge).win and not gate(BASE_ACC, edge, level=0.975).win
+    a = [{"params": {"lr": 0.01, "seed": 0}, "value": 0.975, "selection": True}]
+    a += [{"params": {"lr": 0.01, "seed": 10 + s}, "value": v} for s, v in enumerate(edge)]
+    b = [{"params": {"lr": 0.02, "seed": 0}, "value": 0.972, "selection": True}]
+    b += [{"params": {"lr": 0.02, "seed": 10 + s}, "value": v} for s, v in enumerate(BASE_ACC)]
+    lucky = [{"params": {"lr": 0.05, "seed": 0}, "value": 0.99, "selection": True},
+             {"params": {"lr": 0.05, "seed": 11}, "value": 0.99}]  # one fresh run: not confirmed, not gated
+    board = leaderboard(base + a + b + lucky, "maximize")
+    assert board["winner"] is None and "97.5% CI" in board["headline"]
+    assert board["gated"] == 2
+    assert [e["gated"] for e in board["entries"]] == [False, True, True, False]
+    assert "97.5% CI" in board["headline"] and "2 candidates gated, Bonferroni" in board["headline"]
+    # Alone (one candidate, no correction) the same re-runs are a win at 95%.
+    alone = leaderboard(base + a, "maximize")
+    assert alone["gated"] == 1 and alone["winner"]["params"] == {"lr": 0.01}
+    assert alone["verdict"]["level"] == 0.95 and alone["headline"].startswith("improvement +")
+    assert alone["winner"]["fresh"] == edge
+
+
+def test_the_cli_leaderboard_reads_selection_runs_from_mlflow_and_agrees_with_the_session(parts):
+    """`autoresearch leaderboard` learns which runs selected a candidate from their MLflow phase tags, so it
+    reaches the same verdict as the session's own report."""
+    store, tracker = parts
+    a = agent(parts)
+    parent = tracker.session_run(SID, SPEC.name, {})
+    loss = lambda acc: round(1 - acc, 4)  # noqa: E731 - the synthetic metric is a loss (minimized)
+    planned = [("baseline", {"seed": s}, loss(v)) for s, v in zip(a.seeds[:3], BASE_ACC)]
+    planned += [("search", {"x": 1.0, "kind": "b", "seed": 0}, loss(SELECTED_ACC))]
+    planned += [("confirm", {"x": 1.0, "kind": "b", "seed": s}, loss(v)) for s, v in zip(a.seeds[1:4], FRESH_ACC)]
+    trials = [_trial(a, n, phase, params, None, status="proposed") for n, (phase, params, _) in enumerate(planned)]
+    trials = a.submit(state(parent, trials))["trials"]
+    for t, (_, _, value) in zip(trials, planned):
+        _log(tracker, t["run_id"], [value], total=1)  # a complete run: its full budget reached
+        store.cancel(t["job_id"], "test: finished")
+        t.update(status="succeeded", value=value)
+    board = runner.leaderboard(EXP)[0]
+    own = session_board(SID, trials, "minimize")
+    assert board["winner"] is None and own["winner"] is None
+    assert board["headline"] == own["headline"] and board["headline"].startswith(NO_IMPROVEMENT)
+    (cand,) = [e for e in board["entries"] if e["params"].get("x") == 1.0]
+    assert cand["n"] == 4 and cand["n_fresh"] == 3

@@ -101,13 +101,15 @@ def test_confirm_seeds_are_fresh_and_stable():
 
 
 def test_trial_budget_includes_the_confirmation_reruns():
-    # Two re-runs for each of the top two candidates, at most half of what is left after two trials.
+    # Three re-runs for each of the top two candidates, at most half of what is left after two trials.
+    assert SessionConfig(goal="g", experiment="x", trials=14).split() == (8, 6)  # the demo
     assert SessionConfig(goal="g", experiment="x", trials=10).split() == (6, 4)
-    assert SessionConfig(goal="g", experiment="x", trials=10, confirm_top=1).split() == (8, 2)
+    assert SessionConfig(goal="g", experiment="x", trials=10, confirm_top=1).split() == (7, 3)
+    assert SessionConfig(goal="g", experiment="x", trials=10, confirm_seeds=2).split() == (6, 4)
     assert SessionConfig(goal="g", experiment="x", trials=4).split() == (3, 1)
     assert SessionConfig(goal="g", experiment="x", trials=2).split() == (2, 0)
-    assert SessionConfig(goal="g", experiment="x").split() == (16, 4)  # no budget at all: 20 trials
-    assert SessionConfig(goal="g", experiment="x", budget_minutes=5).split() == (None, 4)
+    assert SessionConfig(goal="g", experiment="x").split() == (14, 6)  # no budget at all: 20 trials
+    assert SessionConfig(goal="g", experiment="x", budget_minutes=5).split() == (None, 6)
     for bad in (dict(trials=0), dict(budget_minutes=-1), dict(parallel=0), dict(goal=" "), dict(baseline_seeds=0),
                 dict(confirm_top=0)):
         with pytest.raises(BadInput):

@@ -1,0 +1,100 @@
+"""A session's phases: search -> confirm (fresh-seed re-runs of the top candidates) -> done.
+
+A mixin of `orchestrator.agent.graph.Agent` (it uses the agent's config, spec, seeds and helpers), kept apart so
+the graph module holds the nodes' plumbing and this one the rules for moving between phases: when the search
+stops (trial budget, target, time left only for the re-runs), which candidates are re-run on which seeds, and
+when the session is done. The winner is decided afterwards by the noise gate against the baseline
+(`orchestrator.agent.report`), on the re-runs alone: the search run that selected a candidate never gates it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.agent import search
+from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
+
+if TYPE_CHECKING:  # the annotations only
+    from orchestrator.agent.graph import State
+
+S, P = TrialStatus, Phase
+
+ACTIVE = tuple(s for s in TrialStatus if s.active)
+FINAL = tuple(s for s in TrialStatus if s.final)
+
+
+class Phases:
+    """Phase changes and confirmation planning; see `Agent` for the attributes it uses."""
+
+    def _plan_confirmation(self, trials: list[Trial], n_confirm: int) -> list[int]:
+        """Record up to `n_confirm` re-runs of the top `confirm_top` candidates by mean, `confirm_seeds` fresh
+        seeds each (the seeds the baseline ran on first), appended to `trials`; the candidates' trial numbers."""
+        candidates, left = [], n_confirm
+        for rep, used in search.top_candidates(trials, self.baseline, self.spec.direction, self.cfg.confirm_top):
+            if left <= 0:
+                break
+            fresh = [s for s in self.seeds[1:] if s not in used][: min(self.cfg.confirm_seeds, left)]
+            for seed in fresh:
+                trials.append(self._record(len(trials), "confirm", search.seeded(self.spec, rep.params, seed),
+                                           "confirm", f"re-run of trial {rep.n} on a fresh seed"))
+            left -= len(fresh)
+            candidates.append(rep.n)
+        return candidates
+
+    def decide(self, state: State) -> State:
+        """Phase changes (search -> confirm -> done) and the route to take next."""
+        self._elapsed(state)
+        trials = load(state["trials"])
+        phase, reason = state["phase"], state.get("stop_reason", "")
+        search_max, n_confirm = self.cfg.split()
+        active = [t for t in trials if t.status in ACTIVE]
+        best = state.get("best")
+        if phase == "search":
+            target = self.cfg.target
+            hit = target is not None and best is not None and not self.spec.better(target, best["value"])
+            n_search = sum(1 for t in trials if t.phase is P.SEARCH)
+            exhausted = search_max is not None and n_search >= search_max
+            reserve = 0.0
+            if n_confirm and self.cfg.budget_minutes and best is not None:
+                # Room for the confirmation rounds (the re-runs share the devices): a typical finished trial per
+                # round, with a margin for a busy machine. Until a search trial has finished there is nothing
+                # to confirm, so the search goes on.
+                took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
+                rounds = -(-n_confirm // max(1, self.parallel))
+                reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
+            late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
+            searching = [t for t in active if t.phase is not P.BASELINE]
+            if hit or late or (exhausted and not searching):
+                reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
+                          else "time left only for the confirmation re-runs" if late else "trial budget used")
+                for t in trials:
+                    # The baseline runs on (it is what the winner is judged against) unless time is up.
+                    keep = t.phase is P.BASELINE and not self._time_up(state)
+                    if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None and not keep:
+                        self._cancel(t, f"session {self.session_id}: {reason}")
+                    if t.status is S.PROPOSED:
+                        t.status = S.CANCELLED
+                phase = "confirm" if n_confirm and best and not self._time_up(state) else "done"
+                self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
+        elif phase == "confirm":
+            waiting = [t for t in trials if t.phase in (P.CONFIRM, P.BASELINE)]
+            if self._time_up(state):
+                for t in waiting:
+                    if t.status in ACTIVE and t.job_id is not None:
+                        self._cancel(t, f"session {self.session_id}: time budget reached")
+                phase, reason = "done", "time budget reached during the confirmation re-runs"
+            elif state.get("confirm_planned") and all(t.status in FINAL for t in waiting):
+                phase = "done"
+        active = [t for t in trials if t.status in ACTIVE]
+        if phase == "done":
+            route = "finish"
+        elif phase == "confirm" and not state.get("confirm_planned"):
+            route = "propose"
+        elif phase == "search" and len(active) < self.capacity and (
+                search_max is None or sum(t.phase is P.SEARCH for t in trials) < search_max
+                or any(t.status is S.PAUSED for t in trials)):
+            route = "propose"
+        else:
+            route = "monitor"
+        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route,
+                "elapsed": state["elapsed"]}
