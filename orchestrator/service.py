@@ -158,7 +158,7 @@ class Service:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
-            self._reconcile()
+            self.supervisor.reconcile()
             # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
@@ -284,8 +284,8 @@ class Service:
         capacity = self._capacity = len(set(usable))
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
                                            skip=self._tracking_blocked)
-        mine = self._expire(mine)
-        self._enforce_stops(mine)
+        mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
+        self.supervisor.enforce_stops(mine)
         now = time.time()
         waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
@@ -405,24 +405,7 @@ class Service:
     def _send_stop(self, job: Job) -> None:
         self.supervisor.send_stop(job)
 
-    def _expire(self, mine: list[Job]) -> list[Job]:
-        """Jobs running past their time limit start stopping (the pass's list, with those updated)."""
-        now = time.time()
-        out = []
-        for job in mine:
-            if (job.time_limit and job.started_at and job.job_state is S.RUNNING
-                    and now - job.started_at >= job.time_limit):
-                job = self.store.expire(job.id, now) or job
-            out.append(job)
-        return out
-
-    def _enforce_stops(self, mine: list[Job]) -> None:
-        self.supervisor.enforce_stops(mine)
-
     # ---- recovery and housekeeping ------------------------------------------------------------------------
-
-    def _reconcile(self) -> None:
-        self.supervisor.reconcile()
 
     def _housekeeping(self) -> None:
         try:

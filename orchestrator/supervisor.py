@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from orchestrator.cluster import reap_dead_hosts
@@ -69,6 +70,17 @@ class Supervisor:
             return
         self.executor.stop(job)
         self.store.mark_stop_sent(job.id)
+
+    def expire(self, mine: list[Job]) -> list[Job]:
+        """Jobs running past their time limit start stopping (`mine` returned, those jobs updated)."""
+        now = time.time()
+        out = []
+        for job in mine:
+            if (job.time_limit and job.started_at and job.job_state is S.RUNNING
+                    and now - job.started_at >= job.time_limit):
+                job = self.store.expire(job.id, now) or job
+            out.append(job)
+        return out
 
     def enforce_stops(self, mine: list[Job]) -> None:
         """Stops owed to this host's stopping jobs: the first SIGTERM, or SIGKILL after the grace."""
