@@ -194,11 +194,15 @@ class Settings:
 
     @property
     def logs_dir(self) -> Path:
-        return self.home / "logs"
+        from orchestrator.layout import Layout  # the one owner of where a job's files live
+
+        return Layout(self.home).logs_dir
 
     @property
     def checkpoints_dir(self) -> Path:
-        return self.home / "checkpoints"
+        from orchestrator.layout import Layout
+
+        return Layout(self.home).checkpoints_dir
 
     @property
     def cache_dir(self) -> Path:

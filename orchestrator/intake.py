@@ -149,14 +149,7 @@ class IntakeServer:
 
     def close(self) -> None:
         """Stop taking submits and remove the socket."""
+        from orchestrator.wakeup import close_socket
+
         sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        close_socket(sock, self.path)

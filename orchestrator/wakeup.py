@@ -15,7 +15,7 @@ import select as io_select
 import socket
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 CHANNEL = "autoresearch_jobs"  # the store NOTIFYs it on every submit
@@ -65,16 +65,22 @@ class Listener:
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        close_socket(sock, self.path)
+
+
+def close_socket(sock: Optional[socket.socket], path) -> None:
+    """Shut a listening Unix socket down (waking its reader thread) and remove its file; None is a no-op."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class PgListener:
