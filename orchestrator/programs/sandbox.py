@@ -33,6 +33,8 @@ def available() -> str:
 def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protected: Sequence[Path]) -> list[str]:
     """`argv` wrapped in bwrap: read-only root, `writable` dirs and a private /tmp, `protected` read-only."""
     out = [available(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for path in _code_under_tmp():  # the private /tmp must not hide the interpreter or the code it imports
+        out += ["--ro-bind", str(path), str(path)]
     # The minimal /dev above has no GPUs: pass the NVIDIA and DRM device nodes through (CUDA_VISIBLE_DEVICES
     # still selects the job's own).
     for node in sorted(glob.glob("/dev/nvidia*")) + (["/dev/dri"] if os.path.exists("/dev/dri") else []):
@@ -48,6 +50,24 @@ def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protect
     out += ["--unshare-net", "--die-with-parent", "--chdir", str(Path(cwd).resolve()),
             "--setenv", "TMPDIR", "/tmp", "--", *argv]
     return out
+
+
+def _code_under_tmp() -> list[Path]:
+    """This Python's installation and import paths that live under /tmp (a venv or checkout there), outermost
+    first, so the sandbox can bind them back read-only over its private /tmp."""
+    import sys
+
+    found: list[Path] = []
+    here = Path(__file__).resolve().parents[2]  # the checkout holding `runtime`, which programs may import
+    candidates = [sys.prefix, sys.base_prefix, here, *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    for raw in candidates:
+        if not str(raw):
+            continue
+        path = Path(raw).resolve()
+        if path.is_relative_to("/tmp") and path != Path("/tmp") and path.exists():
+            found.append(path)
+    found = sorted(set(found), key=lambda p: len(p.parts))
+    return [p for i, p in enumerate(found) if not any(p.is_relative_to(q) for q in found[:i])]
 
 
 def writable_dirs(worktree: Path) -> list[Path]:
