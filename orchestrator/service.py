@@ -62,6 +62,15 @@ def node_name(home: Path) -> str:
     return f"{socket.gethostname()}-{digest}"
 
 
+def embedded(settings: Settings, store: JobStore, devices: Optional[str] = None) -> tuple[Optional["Service"], int]:
+    """For a session (`start`, `resume`): a service of its own when none runs for this home, and the number of
+    device slots the session can fill. The caller stops the returned service (None when one already ran)."""
+    if not Service.running(settings):
+        service = Service(settings, devices=devices).start()
+        return service, len(service.device_names)
+    return None, sum(len(s.devices) for s in live_services(store)) or 1
+
+
 class Service:
     """One queue service for one home. `start()` runs it in background threads; `serve_forever()` blocks."""
 

@@ -140,21 +140,14 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     from orchestrator.agent import report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import Service
+    from orchestrator.service import embedded
     from orchestrator.tracking import Tracker
     from orchestrator.wakeup import notify
 
     spec = load_spec(config.experiment)
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
-    service = None
-    if not Service.running(settings):
-        service = Service(settings, devices=devices).start()
-        slots = len(service.device_names)
-    else:
-        from orchestrator.api import live_services
-
-        slots = sum(len(s.devices) for s in live_services(store)) or 1
+    service, slots = embedded(settings, store, devices)
     try:
         parent = tracker.session_run(session_id, spec.name, {
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,

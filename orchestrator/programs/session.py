@@ -148,21 +148,14 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
     from orchestrator.programs.propose import ProgramLLM
     from orchestrator.programs.repo import Repo
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import Service
+    from orchestrator.service import embedded
     from orchestrator.tracking import Tracker
     from orchestrator.wakeup import notify
 
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     trees = tree.TreeStore(settings.home)
-    service = None
-    if not Service.running(settings):
-        service = Service(settings, devices=devices).start()
-        slots = len(service.device_names)
-    else:
-        from orchestrator.api import live_services
-
-        slots = sum(len(s.devices) for s in live_services(store)) or 1
+    service, slots = embedded(settings, store, devices)
     try:
         repo = Repo(spec.repo)
         dirty = repo.dirty([spec.repo_path(f) for f in (*spec.edit, *spec.protected)])
