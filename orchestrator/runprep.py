@@ -1,66 +1,50 @@
-"""MLflow runs made ahead of time: the service's dispatcher should not wait on MLflow's `create_run` (about
-4 ms of CPU per tracked job) between claiming a device and starting the job.
+"""MLflow runs made ahead of time: the service's dispatcher never waits on MLflow between claiming a device
+and starting a tracked job, and the service process never imports MLflow.
 
-`RunPreparer` is a daemon thread that, whenever the service wakes it, gives the next queued tracked jobs in
-line (those this host can run, up to `batch`) their MLflow run, and wakes the dispatcher as each is ready.
-While it is healthy the dispatcher holds a device for a tracked job without a run rather than making the run
-itself (two threads making runs for the same head of the line did the work twice). The run id is set once
-(`JobStore.set_run_id`) and the loser of a race (another host) deletes its run. A tracking store that fails
-pauses the preparer for `retry_after` seconds; the dispatcher then makes runs itself and reports the failure
-in the jobs' reasons as before.
+`RunPreparer` is a daemon thread that, whenever the service wakes it, sends the next queued tracked jobs in
+line (those this host can run, up to `batch`) to the tracking worker (`orchestrator.trackworker`, a child
+process started on demand), records each run id as it comes back and wakes the dispatcher. The dispatcher
+holds a device for a tracked job without a run rather than making the run itself. The run id is set once
+(`JobStore.set_run_id`) and the loser of a race (another host) has its run deleted.
+
+A tracking store that fails leaves the jobs QUEUED with the reason (`failure`), no attempt spent, and pauses
+the preparer for `retry_after` seconds (`paused_until`); the dispatcher keeps those jobs out of its plan
+meanwhile, so others may start. The worker is stopped after its idle time and started again when needed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
+from orchestrator.jobruns import run_request
 from orchestrator.queue.store import JobStore
+from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
-_tuned: set[str] = set()
 
 
-def tune_sqlite_tracking(tracking_uri: str) -> None:
-    """Give this process's connections to a SQLite MLflow store the queue database's settings: WAL and
-    synchronous=NORMAL (durable across process crashes, as `orchestrator.queue.db`). MLflow's defaults (a
-    rollback journal, synchronous=FULL) fsync several times per `create_run`: on a busy disk that made a run
-    cost 70 ms instead of 3. MLflow builds its engine itself, so this listens on every engine's connects and
-    acts only on this store's file."""
-    if not tracking_uri.startswith("sqlite:///") or tracking_uri in _tuned:
-        return
-    import os
-
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    path = os.path.abspath(tracking_uri[len("sqlite:///"):])
-    _tuned.add(tracking_uri)
-
-    @event.listens_for(Engine, "connect")
-    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
-        try:
-            name = dbapi_conn.execute("PRAGMA database_list").fetchone()[2]
-        except Exception:  # not sqlite3
-            return
-        if name and os.path.abspath(name) == path:
-            dbapi_conn.execute("PRAGMA journal_mode=WAL")
-            dbapi_conn.execute("PRAGMA synchronous=NORMAL")
+def waiting_reason(error: str) -> str:
+    """A queued job's reason while the tracking store fails."""
+    return f"waiting: MLflow tracking store not usable ({error}); no attempt spent"
 
 
 class RunPreparer:
-    """Creates the MLflow runs of the next `batch` tracked QUEUED jobs on a background thread."""
+    """Gets the MLflow runs of the next `batch` tracked QUEUED jobs made, from a background thread."""
 
-    def __init__(self, store: JobStore, tracker: Callable[[], object], capacity: Callable[[], int],
+    def __init__(self, store: JobStore, worker: TrackingWorker, capacity: Callable[[], int],
                  on_ready: Callable[[], None], *, batch: int = 64, retry_after: float = 5.0):
         self.store = store
+        self.worker = worker
         self._on_ready = on_ready
-        self._tracker = tracker
         self._capacity = capacity
         self.batch = batch
         self.retry_after = retry_after
         self.prepared = 0  # runs this preparer set (a test can tell the work moved here)
+        self.failure = ""  # the reason given to waiting jobs while the tracking store fails
+        self.paused_until = 0.0  # monotonic time the preparer asks the failing store again
         self._paused = threading.Event()  # set while the tracking store is failing
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -73,18 +57,23 @@ class RunPreparer:
 
     @property
     def healthy(self) -> bool:
-        """Whether the preparer is running and its tracking store answered last time: the dispatcher then
-        leaves tracked jobs without a run to it instead of making their runs itself."""
+        """Whether the preparer is running and its tracking store answered last time."""
         return self._thread.is_alive() and not self._paused.is_set() and not self._stop.is_set()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the tracking store failed and the pause after it is not over."""
+        return self._paused.is_set()
 
     def wake(self) -> None:
         """Look at the queue again soon (a submit arrived)."""
         self._wake.set()
 
     def close(self) -> None:
-        """Stop the thread (a run being made is finished first)."""
+        """Stop the thread and the worker (a run being made is abandoned: the job keeps no run id)."""
         self._stop.set()
         self._wake.set()
+        self.worker.close()
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
@@ -96,26 +85,46 @@ class RunPreparer:
             try:
                 while self.prepare_once() and not self._stop.is_set():
                     pass  # a full batch: there may be more
-            except Exception as exc:  # a tracking store that is down: the dispatcher reports it per job
-                log.debug("preparing MLflow runs failed (%s); pausing %.0fs", exc, self.retry_after)
-                self._paused.set()
-                self._on_ready()  # the dispatcher takes over (and says why in the jobs' reasons)
+                self.worker.close_if_idle()
+            except Exception:
+                log.exception("preparing MLflow runs failed")
                 self._stop.wait(self.retry_after)
-                self._paused.clear()
 
     def prepare_once(self) -> bool:
-        """Give the next batch of tracked queued jobs their runs; True when the batch was full."""
-        from orchestrator.jobruns import discard_run, ensure_job_run
-
+        """Get the next batch of tracked queued jobs their runs; True when the batch was full."""
         jobs = self.store.needing_runs(capacity=self._capacity(), limit=self.batch)
-        for job in jobs:
-            if self._stop.is_set():
-                return False
-            tracker = self._tracker()
-            run_id = ensure_job_run(tracker, job)
-            if self.store.set_run_id(job.id, run_id):
+        if not jobs:
+            return False
+        done: set[int] = set()
+        losers: list[str] = []
+
+        def on_run(job_id: int, run_id: str) -> None:
+            done.add(job_id)
+            if self.store.set_run_id(job_id, run_id):
                 self.prepared += 1
                 self._on_ready()  # it may start now
-            else:  # the dispatcher (or another host) was first
-                discard_run(tracker, run_id)
+            else:  # another host was first
+                losers.append(run_id)
+
+        try:
+            self.worker.make_runs([run_request(job) for job in jobs], on_run)
+        except TrackingUnavailable as exc:
+            if self._stop.is_set():
+                return False
+            self._pause(str(exc), [job.id for job in jobs if job.id not in done])
+            return False
+        finally:
+            self.worker.discard(losers)
         return len(jobs) == self.batch
+
+    def _pause(self, error: str, waiting: list[int]) -> None:
+        log.warning("MLflow tracking store %s is not usable: %s", self.worker.tracking_uri, error)
+        self.failure = waiting_reason(error)
+        self.paused_until = time.monotonic() + self.retry_after
+        self._paused.set()
+        try:
+            self.store.note({job_id: self.failure for job_id in waiting})
+        finally:
+            self._on_ready()  # the dispatcher keeps these jobs out of its plan until the pause ends
+            self._stop.wait(self.retry_after)
+            self._paused.clear()

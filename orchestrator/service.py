@@ -43,6 +43,7 @@ from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.intake import IntakeServer
 from orchestrator.runprep import RunPreparer
+from orchestrator.trackworker import TrackingWorker
 from orchestrator.supervisor import Supervisor
 from orchestrator import wakeup
 
@@ -114,10 +115,9 @@ class Service:
         self.recheck_every = self.health.config.recheck_every
         self.guard = DeviceGuard(self.store, self.host, self.health, heartbeat_file=self.layout.heartbeat_file,
                                  stop_job=self._send_stop, wake=self.wake)
-        self._tracking_lock = threading.Lock()
-        self.tracking = None  # set lazily: MLflow is imported only when a tracked job starts
+        # MLflow runs are made by a child process started when tracked jobs wait: the service never imports it.
+        self.tracking = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
-        self._tracking_error = ""
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
@@ -168,10 +168,9 @@ class Service:
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             self.supervisor.reconcile()
-            # MLflow's import and first schema migration take seconds: pay them now, not at the first start.
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
-            self.run_preparer = RunPreparer(self.store, self._tracking, lambda: self._capacity, self._wake.set,
+            self.run_preparer = RunPreparer(self.store, self.tracking, lambda: self._capacity, self._wake.set,
                                             retry_after=TRACKING_RETRY_AFTER).start()
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
@@ -338,35 +337,20 @@ class Service:
         self.store.mark_running_many(launched, self.host)
 
     def _prepare_runs(self, starts: list, need_runs: set[int]) -> list:
-        """Create the MLflow run of each tracked job about to start, BEFORE it is claimed: a tracking store
-        that is down leaves the job QUEUED with the reason, no attempt spent; it is asked again after
-        TRACKING_RETRY_AFTER seconds. Returns the starts that are ready to claim."""
+        """The starts that may be claimed now: not the tracked jobs without an MLflow run (the run preparer
+        makes runs, in line order, in its tracking worker: the dispatcher never waits on MLflow). While the
+        tracking store fails, those jobs stay QUEUED with the reason, no attempt spent, and out of the plan
+        until the preparer asks the store again (TRACKING_RETRY_AFTER later), so others may start."""
         wanted = [job_id for job_id, _ in starts if job_id in need_runs]
         if not wanted:
             return starts
-        need = [j for j in self.store.get_many(wanted) if j.track and not j.mlflow_run_id]
-        blocked: dict[int, str] = {}
-        if time.monotonic() < self._tracking_retry_at:
-            blocked = {j.id: self._tracking_error for j in need}  # still in the pause after a failure
-        else:
-            from orchestrator.jobruns import discard_run, ensure_job_run
-
-            for i, job in enumerate(need):
-                try:
-                    run_id = ensure_job_run(self._tracking(), job)
-                except Exception as exc:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-                    log.warning("MLflow tracking store %s is not usable: %s", self.settings.tracking_uri, first)
-                    why = f"waiting: MLflow tracking store not usable ({first}); no attempt spent"
-                    self._tracking_error = why
-                    blocked.update({j.id: why for j in need[i:]})
-                    self._tracking_retry_at = time.monotonic() + TRACKING_RETRY_AFTER
-                    break
-                if not self.store.set_run_id(job.id, run_id):  # another host prepared it first
-                    discard_run(self._tracking(), run_id)
-        self._tracking_blocked.update(blocked)  # out of the plan until the pause ends: others may start
-        self.store.note(blocked)
-        return [start for start in starts if start[0] not in blocked]
+        preparer = self.run_preparer
+        if preparer is not None and preparer.paused:
+            blocked = {job_id: preparer.failure for job_id in wanted}
+            self._tracking_retry_at = preparer.paused_until
+            self._tracking_blocked.update(blocked)
+            self.store.note(blocked)
+        return [start for start in starts if start[0] not in need_runs]
 
     def _note_unplaceable(self) -> None:
         """Keep the reason of queued jobs that no live service can place (too many devices) up to date."""
@@ -387,27 +371,11 @@ class Service:
             return exc
 
     def _warm_up(self) -> None:
-        """Start-up costs paid off the dispatch path: MLflow's import and schema migration, and a first
-        preflight of every device (torch's import; passes are trusted for the TTL, failures quarantined)."""
-        try:
-            self._tracking()
-        except Exception:
-            log.exception("MLflow tracking store %s is not usable", self.settings.tracking_uri)
+        """Start-up costs paid off the dispatch path: a first preflight of every device (passes are trusted
+        for the TTL, failures quarantined). Nothing here imports torch or MLflow (GPUs are checked in a child
+        process, cpu slots with the standard library; runs are made by the tracking worker)."""
         if self._local_devices:
             self.guard.warm_up()
-
-    def _tracking(self):
-        with self._tracking_lock:
-            return self._tracking_unlocked()
-
-    def _tracking_unlocked(self):
-        if self.tracking is None:
-            from orchestrator.runprep import tune_sqlite_tracking
-            from orchestrator.tracking import Tracker
-
-            tune_sqlite_tracking(self.settings.tracking_uri)
-            self.tracking = Tracker(self.settings.tracking_uri, self.settings.artifacts_dir)
-        return self.tracking
 
     # ---- stopping jobs ----------------------------------------------------------------------------------
 

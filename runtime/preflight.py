@@ -95,6 +95,33 @@ def _alloc_check(dev: str, cfg: PreflightConfig) -> tuple:
     return ("pass" if ok else "fail"), cfg.alloc_mb, cfg.alloc_mb, f"allocated and summed {cfg.alloc_mb} MiB"
 
 
+def _cpu_alloc_check(cfg: PreflightConfig) -> tuple:
+    """A cpu slot's memory: allocate, fill and count `alloc_mb` MiB. The standard library, not torch: the
+    service checks its cpu slots in its own process, which must not carry torch (hundreds of MB)."""
+    n = cfg.alloc_mb << 20
+    block = b"\x03" * n
+    ok = block.count(3) == n
+    del block
+    return ("pass" if ok else "fail"), cfg.alloc_mb, cfg.alloc_mb, f"allocated and counted {cfg.alloc_mb} MiB"
+
+
+def _cpu_matmul_check(cfg: PreflightConfig) -> tuple:
+    """A cpu slot's arithmetic: an n x n matrix times a vector in floating point against the exact integer
+    result (entries small enough that every float operation is exact). Standard library, O(n^2)."""
+    import operator
+    import random
+
+    rng = random.Random(1234)
+    n, bound = cfg.matmul_n, 1 << 20
+    rows = [[rng.getrandbits(21) - bound for _ in range(n)] for _ in range(n)]
+    vec = [rng.getrandbits(21) - bound for _ in range(n)]
+    fvec = [float(v) for v in vec]
+    want = [sum(map(operator.mul, row, vec)) for row in rows]
+    got = [sum(map(operator.mul, map(float, row), fvec)) for row in rows]
+    err = max(abs(g - w) for g, w in zip(got, want)) / max(1, max(abs(w) for w in want))
+    return ("pass" if err <= cfg.matmul_rtol else "fail"), err, cfg.matmul_rtol, f"max relative error {err:.2e}"
+
+
 def _cuda_init(dev: str) -> tuple:
     import torch
 
@@ -152,7 +179,7 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
     names = FULL if level == "full" else QUICK
     if is_cpu(device):
         cpu_runs = {"visible": lambda: ("pass", "cpu", None, "cpu slot"),
-                    "alloc": lambda: _alloc_check("cpu", cfg), "matmul": lambda: _matmul_check("cpu", cfg)}
+                    "alloc": lambda: _cpu_alloc_check(cfg), "matmul": lambda: _cpu_matmul_check(cfg)}
         return [outcome(c, device, cpu_runs.get(c, lambda: ()), None if c in cpu_runs else "cpu slot: no GPU")
                 for c in names]
     import torch
