@@ -155,13 +155,16 @@ class TrackingWorker:
             return
         try:
             proc.stdin.close()  # the worker exits when its input ends
-        except OSError:
+        except (OSError, ValueError):
             pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # stuck in a tracking store call
-            proc.kill()
-            proc.wait()
+        for stop in (None, proc.terminate, proc.kill):  # still importing MLflow, or stuck in a store call
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(timeout=1 if stop is None else 5)
+                return
+            except subprocess.TimeoutExpired:
+                pass
 
 
 # ---- the worker process ------------------------------------------------------------------------------------
