@@ -27,7 +27,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from runtime.cache import FileCache, Pin
 from runtime.errors import VolumeError
-from runtime.loader import _dist_rank_world, _Spec, epoch_order, rank_order, samples_per_rank, worker_positions
+from runtime.loader import (_dist_rank_world, _Spec, epoch_order, rank_length, rank_order, samples_per_rank,
+                            worker_positions)
 
 __all__ = ["VolumeConfig", "VolumeDataset", "FileInfo", "WarmReport", "warm", "epoch_order", "rank_order",
            "samples_per_rank", "worker_positions"]
@@ -242,7 +243,7 @@ class VolumeDataset(IterableDataset):
         """Publish this iteration's spec for the workers; returns the samples this rank will deliver."""
         rank, world = _dist_rank_world()
         self._spec.set(epoch=self._epoch, start=self._consumed, block=block, trail=trail, rank=rank, world=world)
-        return len(self._rank_order(self._spec.get()))
+        return rank_length(len(self.files), self._consumed, rank, world, self.config.drop_last)
 
     def _advance(self, start: int, delivered: int, world: int) -> None:
         self._consumed = start + delivered * world

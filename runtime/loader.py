@@ -48,6 +48,16 @@ def rank_order(order: list[int], consumed: int, rank: int, world_size: int, drop
     return tail[rank::world_size]
 
 
+def rank_length(num_files: int, consumed: int, rank: int, world_size: int, drop_last: bool = False) -> int:
+    """len(rank_order(...)) without building (and shuffling) the order: the loader needs it each epoch."""
+    tail = max(num_files - consumed, 0)
+    if drop_last:
+        tail -= tail % world_size
+    elif num_files:
+        tail += (-tail) % world_size
+    return max(0, -(-(tail - rank) // world_size))
+
+
 def worker_positions(length: int, block: int, worker: int, num_workers: int) -> list[int]:
     """Positions (into a rank's order) that one worker delivers: blocks of `block`, dealt round-robin."""
     out: list[int] = []
@@ -92,6 +102,39 @@ class _Spec:
         return {"_values": self._values if get_spawning_popen() is not None else list(self._values)}
 
 
+# -- the hand-off: how a worker's batch reaches the training process ----------------------------------------------
+# torch moves every tensor of a batch through its own shared-memory segment: the worker creates it, and the
+# consumer, unpickling, asks the worker's resource-sharer thread for the file descriptor over a socket. That
+# round trip waits for the worker process to be scheduled and for its GIL, which the worker holds while it
+# reads and decodes the next batches: 1-4 ms per batch on a busy host (2 cores), even for 32 labels. Small
+# tensors therefore travel inside the queue message itself (a copy of a few KiB, no second process
+# involved); big ones keep torch's shared memory, where one descriptor is cheaper than copying the bytes
+# through a pipe.
+INLINE_MAX_BYTES = 64 << 10
+
+
+def _rebuild_inline(data: bytes, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
+            and not t.is_quantized and t.nbytes <= INLINE_MAX_BYTES):
+        raw = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        return _rebuild_inline, (raw.numpy().tobytes(), t.dtype, t.shape)
+    return reduce_tensor(t)
+
+
+def _inline_small_tensors() -> None:
+    # Registered in the worker process only (the one that pickles batches); the consumer just unpickles.
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(torch.Tensor, _reduce_tensor)
+
+
 def _worker_init(user_init: Callable[[int], None] | None, worker_id: int) -> None:
     # A preemption sends SIGTERM to every process of the job (its group, or its whole tree), workers too.
     # A worker dying of it makes the training process raise instead of checkpointing, so workers take
@@ -99,6 +142,7 @@ def _worker_init(user_init: Callable[[int], None] | None, worker_id: int) -> Non
     # exit) and ignore everyone else's; the trainer then checkpoints and shuts them down, or the stop's
     # SIGKILL ends them. Who sent a signal is only known to sigwaitinfo, hence the blocked signal and the
     # thread that waits for it (threads started later inherit the mask).
+    _inline_small_tensors()
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_take_sigterm, args=(parent,), name="loader-sigterm", daemon=True).start()
@@ -116,7 +160,9 @@ class DataLoader(torch.utils.data.DataLoader):
     """torch.utils.data.DataLoader with volume-friendly defaults and a resumable position.
 
     Defaults: 2 workers that persist across epochs (no re-fork and cold thread pools each epoch), 4
-    batches prefetched per worker, pinned memory when CUDA is available. Any other torch DataLoader
+    batches prefetched per worker, pinned memory when CUDA is available. Tensors of up to 64 KiB
+    (labels, indices, lengths) come back inside the worker's message instead of through a shared-memory
+    segment per tensor (see INLINE_MAX_BYTES). Any other torch DataLoader
     argument passes through. With a VolumeDataset, `state_dict()` / `load_state_dict()` / `set_epoch()`
     carry the dataset position; iterating past the end of an epoch moves to the next one.
     """

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.data import VolumeConfig, epoch_order, rank_order, samples_per_rank, worker_positions
+from runtime.loader import rank_length
 
 sizes = st.integers(min_value=1, max_value=300)
 worlds = st.integers(min_value=1, max_value=8)
@@ -69,6 +70,7 @@ def test_resuming_from_samples_consumed_continues_each_rank_where_it_stopped(n, 
     for rank in range(world):
         full = rank_order(order, 0, rank, world, drop_last)
         assert rank_order(order, done * world, rank, world, drop_last) == full[done:]
+        assert rank_length(n, done * world, rank, world, drop_last) == len(full) - done
 
 
 @settings(max_examples=100, deadline=None)
@@ -97,3 +99,12 @@ def test_config_is_frozen():
     cfg = VolumeConfig("/data")
     with pytest.raises(AttributeError):
         cfg.seed = 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=sizes, world=worlds, drop_last=st.booleans(), data=st.data())
+def test_rank_length_counts_the_rank_order_without_building_it(n, world, drop_last, data):
+    consumed = data.draw(st.integers(0, n + world), label="samples consumed globally")
+    order = epoch_order(n, 3, epoch=0)
+    for rank in range(world):
+        assert rank_length(n, consumed, rank, world, drop_last) == len(rank_order(order, consumed, rank, world, drop_last))

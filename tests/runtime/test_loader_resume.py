@@ -121,6 +121,28 @@ def test_default_collate_stacks_transformed_tensors(files, tmp_path):
     assert isinstance(batch, torch.Tensor) and batch.shape == (5,)
 
 
+def tensors_of(path) -> dict:
+    """Per sample: small tensors of awkward kinds (inlined in the worker's message) and a big one (shared memory)."""
+    i = sample_index(path)
+    g = torch.Generator().manual_seed(i)
+    return {"label": torch.tensor(i), "half": torch.randn(3, generator=g).to(torch.bfloat16),
+            "mask": torch.arange(5) % (i % 3 + 1) == 0, "view": torch.arange(12.0).view(3, 4).t()[1:] + i,
+            "empty": torch.empty(0, 2), "big": torch.full((40_000,), float(i))}
+
+
+def test_batches_cross_from_workers_intact_whatever_their_size(files, tmp_path):
+    ds = VolumeDataset(files, cache_dir=tmp_path / "c", seed=11, transform=tensors_of)
+    got = list(DataLoader(ds, batch_size=4, num_workers=2))
+    paths = list(VolumeDataset(files, cache_dir=tmp_path / "c2", seed=11))
+    want = [torch.utils.data.default_collate([tensors_of(p) for p in paths[k:k + 4]]) for k in range(0, N, 4)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape and torch.equal(g[key], w[key]), key
+    assert got[0]["big"].is_shared() and not got[0]["label"].is_shared()  # the two paths were both taken
+
+
 def test_spawned_persistent_workers_follow_resume_and_epochs(files, tmp_path):
     # Spawned workers get the dataset pickled once; the per-epoch position must still reach them.
     ds = VolumeDataset(files, cache_dir=tmp_path / "c", seed=11, transform=sample_index)
