@@ -88,6 +88,33 @@ def loader_epochs(dl, epochs: int, step_s: float) -> list[tuple[float, float, fl
     return out
 
 
+def compare_loaders(source: Path, cache: Path, args) -> dict[str, list]:
+    """Our loader and torch's, alternating `args.loader_rounds` times, 3 epochs each."""
+    print("loaders with a simulated compute step (ours and torch's, alternating) ...", flush=True)
+    epochs: dict[str, list] = {"ours": [], "torch": []}
+    for _ in range(args.loader_rounds):
+        for kind in epochs:
+            dl = make_loader(kind, source, cache)
+            epochs[kind].append(loader_epochs(dl, 3, args.step_ms / 1000))
+            del dl
+    return epochs
+
+
+def report_loaders(epochs: dict[str, list]) -> None:
+    share = {}
+    for kind, rounds in epochs.items():
+        for r_i, per_epoch in enumerate(rounds, 1):
+            for i, (wait, total, median) in enumerate(per_epoch, 1):
+                print(f"  {kind:5} loader, round {r_i}, epoch {i}: data wait {100 * wait / total:5.1f}% of the epoch, "
+                      f"median {median * 1000:.2f} ms per batch" + ("" if i > 1 or r_i > 1 else "  (cold)"))
+        warm = [(w, t, m) for per_epoch in rounds for w, t, m in per_epoch[1:]]
+        share[kind] = (sum(w for w, _, _ in warm) / sum(t for _, t, _ in warm),
+                       statistics.median(m for _, _, m in warm))
+    print(f"  from the second epoch: our loader waits {100 * share['ours'][0]:.1f}% of the time (aim < 5%), torch's "
+          f"DataLoader {100 * share['torch'][0]:.1f}%: {share['ours'][0] / share['torch'][0]:.2f}x; median per batch "
+          f"{share['ours'][1] * 1000:.2f} vs {share['torch'][1] * 1000:.2f} ms: {share['ours'][1] / share['torch'][1]:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=5000)
@@ -98,7 +125,20 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20)
     parser.add_argument("--loader-rounds", type=int, default=2, help="alternating runs of each loader")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--loader-only", action="store_true",
+                        help="only the two loaders, on a local directory (no FUSE needed; epochs 2+ read the cache)")
     args = parser.parse_args()
+    if args.loader_only:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="volume-bench-"))
+        try:
+            make_source(work / "src", args.files, args.size_kib << 10, args.per_dir)
+            epochs = compare_loaders(work / "src", work / "cache", args)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"\n{args.files} files x {args.size_kib} KiB, local directory; {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}; CUDA {'available (pinned batches)' if torch.cuda.is_available() else 'absent'}")
+        report_loaders(epochs)
+        return
     reason = fuse_unavailable_reason()
     if reason:
         sys.exit(f"cannot mount the slow volume: {reason}")
@@ -140,13 +180,7 @@ def main() -> None:
             r["direct reads, 16 threads"], _ = timed(lambda: sum(pool.map(read_bytes, paths)))
         assert vol.stats()["opens"] - opens_before == 2 * len(paths)
 
-        print("loaders with a simulated compute step (ours and torch's, alternating) ...", flush=True)
-        epochs: dict[str, list] = {"ours": [], "torch": []}
-        for _ in range(args.loader_rounds):
-            for kind in epochs:
-                dl = make_loader(kind, mnt, work / "cache-loader")
-                epochs[kind].append(loader_epochs(dl, 3, args.step_ms / 1000))
-                del dl
+        epochs = compare_loaders(mnt, work / "cache-loader", args)
     finally:
         vol.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -165,19 +199,7 @@ def main() -> None:
     print(f"  cold epoch vs xargs recipe:              {cold_vs_xargs:6.2f}x faster  (aim >= 1)")
     print(f"  warm epoch vs direct reads (1 reader):   {warm_vs_direct:6.1f}x faster  (aim >= 20)")
     print(f"  warm epoch vs direct reads (16 threads): {warm_vs_threads:6.1f}x faster")
-    share = {}
-    for kind, rounds in epochs.items():
-        for r_i, per_epoch in enumerate(rounds, 1):
-            for i, (wait, total, median) in enumerate(per_epoch, 1):
-                print(f"  {kind:5} loader, round {r_i}, epoch {i}: data wait {100 * wait / total:5.1f}% of the epoch, "
-                      f"median {median * 1000:.2f} ms per batch" + ("" if i > 1 or r_i > 1 else "  (cold)"))
-        warm = [(w, t, m) for per_epoch in rounds for w, t, m in per_epoch[1:]]
-        share[kind] = (sum(w for w, _, _ in warm) / sum(t for _, t, _ in warm),
-                       statistics.median(m for _, _, m in warm))
-    print(f"  from the second epoch: our loader waits {100 * share['ours'][0]:.1f}% of the time (aim < 5%), torch's "
-          f"DataLoader {100 * share['torch'][0]:.1f}%: {share['ours'][0] / share['torch'][0]:.2f}x; median per batch "
-          f"{share['ours'][1] * 1000:.2f} vs {share['torch'][1] * 1000:.2f} ms: {share['ours'][1] / share['torch'][1]:.2f}x")
-
+    report_loaders(epochs)
 
 if __name__ == "__main__":
     main()

@@ -153,12 +153,17 @@ class CheckpointConfig:
     interval_steps: int = 100
     async_save: bool = True
     stage_dir: str | None = None  # local scratch for VolumeWriter; None: $AUTORESEARCH_CKPT_STAGE or /tmp
+    # Niceness added to the background copy and upload threads: on a host whose cores the training keeps
+    # busy (CPU training), the save's CPU work then waits for idle cores instead of slowing the steps.
+    background_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ValueError("keep_last must be >= 1")
         if self.interval_steps < 1:
             raise ValueError("interval_steps must be >= 1")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError("background_nice must be between 0 and 19")
 
 
 def _as_dict(state: Any) -> dict[str, Any]:
@@ -169,14 +174,14 @@ class CheckpointManager:
     """Periodic async saves, synchronous saves on preemption, retention, and loading the latest good one."""
 
     def __init__(self, directory: str | Path, keep_last: int = 2, interval_steps: int = 100,
-                 async_save: bool = True, *, stage_dir: str | None = None) -> None:
-        self.config = CheckpointConfig(keep_last, interval_steps, async_save, stage_dir)
+                 async_save: bool = True, *, stage_dir: str | None = None, background_nice: int = 0) -> None:
+        self.config = CheckpointConfig(keep_last, interval_steps, async_save, stage_dir, background_nice)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # A group of our own: the upload thread's collectives must not interleave with the loop's.
         self._pg = dist.new_group(backend="gloo") if distributed else None
-        self._stager = SnapshotStager(group=self._pg)
+        self._stager = SnapshotStager(group=self._pg, nice=background_nice)
         sweep_stage(Path(stage_dir) if stage_dir else None)
         self._inflight: Future | None = None  # the save in flight: done once committed and retention ran
         self._hooks: dict[int, Any] = {}
@@ -241,7 +246,8 @@ class CheckpointManager:
         sd = _as_dict(state)
         self._guard(sd)
         self._stager.step = step
-        writer = VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step, device=_cuda_device())
+        writer = VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step, device=_cuda_device(),
+                              nice=self.config.background_nice)
         resp = dcp.async_save(
             sd, storage_writer=writer,
             process_group=self._pg, no_dist=self._pg is None, async_stager=self._stager)

@@ -23,6 +23,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,6 +74,18 @@ def sweep_stage(root: Path | None = None) -> None:
             pass  # alive, someone else's
 
 
+def lower_this_thread(nice: int) -> None:
+    """Give the calling thread `nice` more niceness (Linux schedules threads one by one; elsewhere a no-op).
+
+    For the save's background threads: on a host whose cores the training already keeps busy, every
+    CPU-second they take is taken from the training steps; niced, they run mostly when a core is idle."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 def _same_filesystem(a: Path, b: Path) -> bool:
     try:
         return a.stat().st_dev == b.stat().st_dev
@@ -100,6 +113,7 @@ class VolumeWriter(FileSystemWriter):
     """DCP StorageWriter for a checkpoint dir on a slow shared volume: stage locally, publish, commit last.
 
     `device`: the CUDA device of the rank, made current in the thread that writes (see `write_data`).
+    `nice`: added to the writing thread's niceness (see `lower_this_thread`); for async saves only.
     `step` only serves fault injection (``checkpoint@STEP:crash`` in AUTORESEARCH_FAULTS kills the process
     after the data is published and before the metadata commit, the worst moment to die).
     """
@@ -113,8 +127,10 @@ class VolumeWriter(FileSystemWriter):
         sync_files: bool = True,
         step: int | None = None,
         device: int | None = None,
+        nice: int = 0,
     ) -> None:
         self.volume_path = Path(path)
+        self.nice = nice
         self.device = device
         self.stage_root = Path(stage_dir) if stage_dir else default_stage_root()
         self.step = step
@@ -131,6 +147,7 @@ class VolumeWriter(FileSystemWriter):
         self.path = self._new_stage_path()
 
     def write_data(self, plan, planner) -> Future:
+        lower_this_thread(self.nice)  # an async save's upload thread, made for this save alone
         if self.device is not None:
             # Async saves write from an upload thread, whose current device is 0; DCP's writer asks CUDA for
             # the current stream there: without this, a rank > 0 makes a context on GPU 0.
@@ -232,6 +249,60 @@ class HostArena:
         self.nbytes = 0
 
 
+class _Copies:
+    """The tensor copies of one stage(), taken one at a time by the background thread and, once the training
+    thread needs them done (SnapshotStager.wait), by the training thread too. Whichever thread comes first
+    gets the host buffers ready (`open`)."""
+
+    def __init__(self, jobs: list, stealable: bool) -> None:
+        self.jobs, self.stealable = jobs, stealable
+        self._next = self._done = 0
+        self._cond = threading.Condition()
+        self._arena: HostArena | None = None
+        self._stream = None
+        self._error: BaseException | None = None
+        self.by_waiter = 0  # copies the training thread made itself
+
+    def open(self, make_arena, stream=None) -> None:
+        with self._cond:
+            if self._arena is None:
+                self._arena, self._stream = make_arena(), stream
+
+    def untaken(self) -> bool:
+        with self._cond:
+            return self._next < len(self.jobs)
+
+    def take(self) -> int | None:
+        with self._cond:
+            if self._next >= len(self.jobs):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def run(self, i: int) -> None:
+        container, key, src, name = self.jobs[i]
+        try:
+            buf = self._arena.views[name]
+            with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
+                                   else contextlib.nullcontext()):
+                buf.copy_(src, non_blocking=self._stream is not None)
+            container[key] = buf
+        except BaseException as exc:
+            self._error = self._error or exc
+            raise
+        finally:
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait until every copy taken by any thread has run (or been enqueued); re-raise the first failure."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= len(self.jobs))
+        if self._error is not None:
+            raise self._error
+
+
 class SnapshotStager:
     """DCP AsyncStager: snapshot small state now, copy the big optimizer-owned tensors in the background.
 
@@ -249,10 +320,12 @@ class SnapshotStager:
 
     _synchronize_after_execute = False
 
-    def __init__(self, group: Any = None) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
+    def __init__(self, group: Any = None, nice: int = 0) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage",
+                                        initializer=lower_this_thread, initargs=(nice,))
         self._arena: HostArena | None = None
         self._future: Future | None = None
+        self._copies: _Copies | None = None
         self.deferred: set[int] = set()
         # The step being staged; only serves fault injection (``checkpoint@STEP:crash-staging`` stalls
         # halfway through the background copy, then SIGKILLs the process), like VolumeWriter's `step`.
@@ -327,7 +400,10 @@ class SnapshotStager:
             event.record()  # the side stream must see the values as of now, not later kernels' writes
         crash_at = len(jobs) // 2 if self.step is not None and faults.injected(
             f"checkpoint@{self.step}", "crash-staging") else None
-        self._future = self._pool.submit(self._copy, jobs, event, staged, crash_at)
+        # On CUDA the background thread only enqueues copies on its side stream (microseconds each): nothing
+        # to take over. On CPU it does the copying, competing with the training compute for the cores.
+        self._copies = _Copies(jobs, stealable=crash_at is None and event is None)
+        self._future = self._pool.submit(self._copy, self._copies, event, staged, crash_at)
         return self._future
 
     def _arena_for(self, jobs) -> HostArena:
@@ -339,33 +415,45 @@ class SnapshotStager:
             self._arena = HostArena(layout, pin=any(src.is_cuda for _, _, src, _ in jobs))
         return self._arena
 
-    def _copy(self, jobs, event, staged, crash_at=None):
-        stream = None
+    def _copy(self, copies: _Copies, event, staged, crash_at=None):
+        jobs, stream = copies.jobs, None
         if event is not None:
             # A new thread's current device is 0: set the tensors' device first, or this thread's first CUDA
             # call (and leaving a stream context) creates a context on GPU 0 for every rank.
             device = next(s.device for _, _, s, _ in jobs if s.is_cuda)
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device=device)
-        arena = self._arena_for(jobs)
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            if stream is not None:
-                stream.wait_event(event)
-            for i, (container, key, src, name) in enumerate(jobs):
-                if i == crash_at:  # stall as a big model's copy would, so the loop could run ahead; then die
-                    time.sleep(0.5)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                buf = arena.views[name]
-                buf.copy_(src, non_blocking=stream is not None)
-                container[key] = buf
+            stream.wait_event(event)
+        copies.open(lambda: self._arena_for(jobs), stream)
+        for i in iter(copies.take, None):
+            if i == crash_at:  # stall as a big model's copy would, so the loop could run ahead; then die
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            copies.run(i)
+        copies.join()  # copies the training thread took (see wait()) are finished or enqueued on `stream`
         if stream is not None:
             stream.synchronize()
         return staged
 
     def wait(self) -> None:
-        """Block until the last `stage()` finished copying (re-raising its error)."""
-        if self._future is not None:
-            self._future.result()
+        """Block until the last `stage()` finished copying (re-raising its error). On CPU the calling thread
+        makes whatever copies the background thread has not started itself: with the training loop stopped
+        they run at full speed, so this blocks no longer than copying the rest synchronously would (what
+        ``dcp.async_save``'s default stager does for the whole state on every save)."""
+        copies = self._copies
+        if copies is None or not copies.stealable:
+            if self._future is not None:
+                self._future.result()
+            return
+        if copies.untaken():
+            copies.open(lambda: self._arena_for(copies.jobs))
+            for i in iter(copies.take, None):
+                copies.by_waiter += 1
+                try:
+                    copies.run(i)
+                except Exception:
+                    break  # recorded: join() raises it, and so does the background thread, failing the save
+        copies.join()
 
     def synchronize_staging(self) -> None:
         self.wait()

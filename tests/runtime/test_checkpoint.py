@@ -8,6 +8,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointConfig, CheckpointManager, TrainState
-from runtime.checkpoint_io import METADATA, VolumeReader
+from runtime.checkpoint_io import METADATA, SnapshotStager, VolumeReader, lower_this_thread
 from runtime.context import read_heartbeat
 from runtime.errors import CheckpointError
 from runtime.protocol import EX_TEMPFAIL
@@ -264,6 +265,45 @@ def test_config_is_validated():
         CheckpointConfig(keep_last=0)
     with pytest.raises(ValueError):
         CheckpointConfig(interval_steps=0)
+    with pytest.raises(ValueError):
+        CheckpointConfig(background_nice=20)
+
+
+def test_the_waiting_thread_makes_the_copies_the_background_has_not_started():
+    # The training thread never waits on a background copy that has not even begun: it makes it itself,
+    # and the staged state is still the state as of stage(), whoever copied what.
+    stager = SnapshotStager()
+    gate = threading.Event()
+    stager._pool.submit(gate.wait)  # the staging thread is busy elsewhere
+    params = [torch.full((1000,), float(i)) for i in range(3)]
+    stager.deferred = {p.untyped_storage().data_ptr() for p in params}
+    try:
+        staged = stager.stage({"p": list(params), "step": torch.tensor(7)})
+        waiter = threading.Thread(target=stager.wait)
+        waiter.start()
+        waiter.join(60)  # a guard against hanging the suite, not a timing: it returns at once or never
+        assert not waiter.is_alive(), "wait() waited for a staging thread that had not started"
+        for p in params:
+            p.add_(100)  # what optimizer.step() does next
+    finally:
+        gate.set()
+    out = staged.result()
+    assert [t.tolist() for t in out["p"]] == [[float(i)] * 1000 for i in range(3)] and int(out["step"]) == 7
+    stager.close()
+
+
+def test_background_threads_run_niced():
+    seen = []
+
+    def probe():
+        lower_this_thread(5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == [min(19, before + 5)] and os.getpriority(os.PRIO_PROCESS, 0) == before  # the caller keeps its own
 
 
 def test_load_latest_through_a_slow_fuse_volume(tmp_path, slow_volume):
