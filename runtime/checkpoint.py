@@ -20,9 +20,12 @@ What `maybe_save` costs the loop: it snapshots the small state (buffers, RNG, lo
 returns; parameters and optimizer state are copied by a background thread into host buffers kept for the
 whole run (one extra copy of that state in host memory, exact-sized, pinned on CUDA, freed by `close()`; with
 several ranks only rank 0 holds the replicated part), and the next ``optimizer.step()``
-waits until the copy is done (a step pre-hook). Code that changes parameters any other way before that step
-must call `wait_staged()` first. The upload then runs in the background; the next save waits for it, and a
-failed one raises CheckpointError from the next `maybe_save`/`save_now`/`wait`.
+waits until the copy is done (a step pre-hook), making the copies the background thread has not started
+itself (so it never waits longer than a synchronous copy would take). Code that changes parameters any other
+way before that step must call `wait_staged()` first. On a CPU host whose cores the training keeps busy,
+`background_nice` lowers the background threads' priority (see README, Performance). The upload then runs in
+the background; the next save waits for it, and a failed one raises CheckpointError from the next
+`maybe_save`/`save_now`/`wait`.
 
 With several ranks, build the manager after `init_distributed()` and call its methods at the same points on
 every rank (they are collective). It creates its own gloo group so background uploads never interleave with
@@ -54,7 +57,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoint_io import METADATA, SnapshotStager, VolumeReader, VolumeWriter, sweep_stage
+from runtime.checkpoint_io import METADATA, VolumeReader, VolumeWriter, sweep_stage
+from runtime.checkpoint_stage import SnapshotStager
 from runtime.errors import CheckpointError
 
 __all__ = ["CheckpointConfig", "CheckpointManager", "TrainState", "VolumeReader", "VolumeWriter"]
