@@ -81,7 +81,6 @@ class _Copies:
         self._arena: HostArena | None = None
         self._stream = None
         self._error: BaseException | None = None
-        self.by_waiter = 0  # copies the training thread made itself
 
     def open(self, make_arena, stream=None) -> None:
         with self._cond:
@@ -268,11 +267,8 @@ class SnapshotStager:
         if copies.untaken():
             copies.open(lambda: self._arena_for(copies.jobs))
             for i in iter(copies.take, None):
-                copies.by_waiter += 1
-                try:
+                with contextlib.suppress(Exception):  # recorded by run(): join() raises it; the save fails
                     copies.run(i)
-                except Exception:
-                    break  # recorded: join() raises it, and so does the background thread, failing the save
         copies.join()
 
     def synchronize_staging(self) -> None:
