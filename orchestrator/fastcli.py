@@ -94,13 +94,37 @@ def fast_submit(args: list[str]) -> Optional[int]:
     return 0
 
 
+def parse_queue(args: list[str]) -> Optional[dict[str, Any]]:
+    """The service request of `queue [--all] [--limit N] --json` (the full CLI's flags and default), or None to
+    leave it to the full CLI (anything else, or a --limit it must refuse with its one-line message)."""
+    request: dict[str, Any] = {"op": "queue", "all": False}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--all":
+            request["all"] = True
+        elif arg == "--limit" and i + 1 < len(args) or arg.startswith("--limit="):
+            value = arg.partition("=")[2] if "=" in arg else args[i + 1]
+            if not (value.isascii() and value.isdigit()):
+                return None
+            request["limit"] = int(value)
+            i += 0 if "=" in arg else 1
+        else:
+            return None
+        i += 1
+    return request
+
+
 def fast_read(command: str, args: list[str]) -> Optional[int]:
-    """`queue [--all] --json` and `show ID --json` answered by the running service; None: the full CLI."""
+    """`queue [--all] [--limit N] --json` and `show ID --json` answered by the running service; None: the full
+    CLI."""
     if "--json" not in args or not _config_parses(_home()):
         return None
     rest = [a for a in args if a != "--json"]
-    if command == "queue" and rest in ([], ["--all"]):
-        request: dict[str, Any] = {"op": "queue", "all": rest == ["--all"]}
+    if command == "queue":
+        request = parse_queue(rest)
+        if request is None:
+            return None
     elif command == "show" and len(rest) == 1 and rest[0].lstrip("-").isdigit():
         request = {"op": "show", "id": int(rest[0])}
     else:
@@ -114,6 +138,8 @@ def fast_read(command: str, args: list[str]) -> Optional[int]:
         print(f"autoresearch: {reply.get('error')}", file=sys.stderr)
         return int(reply.get("code", 1))
     sys.stdout.write(json.dumps(reply["data"], default=str, indent=2) + "\n")
+    if reply.get("note"):
+        print(reply["note"], file=sys.stderr)  # "... and N more", as the full CLI says it
     return 0
 
 

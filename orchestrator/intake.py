@@ -5,8 +5,8 @@ the ORM, typer, rich or MLflow (an import-heavy CLI cost 0.4 s of CPU per submit
   "options": {...}, "cwd": ..., "db_url": ...}`, submits through `orchestrator.api.submit` (the same checks as
   the CLI) and answers `{"ok": true, "job": {...}}`, `{"ok": false, "error": "...", "code": 2}` for bad input,
   or `{"fallback": true}` when the client should take the ordinary path (it names another database).
-  `{"op": "queue", "all": bool}` and `{"op": "show", "id": N}` answer `{"ok": true, "data": ...}`, the JSON of
-  `queue --json` and `show --json`.
+  `{"op": "queue", "all": bool, "limit": N}` and `{"op": "show", "id": N}` answer `{"ok": true, "data": ...}`, the
+  JSON of `queue --json` and `show --json` (a queue answer adds `"note"`: the "... and N more" line, or "").
 - `submit`, `ask` (client side): import only the standard library. None means "no service answered before anything
   was sent": the caller takes the ordinary path (which then writes to the database directly).
 """
@@ -133,15 +133,15 @@ class IntakeServer:
         return {"ok": True, "job": job.to_dict()}
 
     def _read(self, request: dict) -> dict:
-        from orchestrator import api
         from orchestrator.errors import BadInput
+        from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
 
         try:
             if request["op"] == "queue":
-                jobs = self.store.list() if request.get("all") else self.store.unfinished()
-                return {"ok": True, "data": [j.to_dict() for j in jobs]}
-            job, events = api.show(int(request["id"]), self.store)
-            return {"ok": True, "data": {**job.to_dict(), "events": [e.to_dict() for e in events]}}
+                listed = self.store.listing(finished=bool(request.get("all")),
+                                            limit=check_limit(request.get("limit", DEFAULT_LIMIT)))
+                return {"ok": True, "data": listed.jobs, "note": listed.more_line()}
+            return {"ok": True, "data": self.store.record(int(request["id"]))}
         except BadInput as exc:
             return {"ok": False, "error": str(exc), "code": 2}
         except Exception as exc:  # noqa: BLE001

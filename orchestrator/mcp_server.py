@@ -25,6 +25,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from orchestrator import api
 from orchestrator.config import Settings
 from orchestrator.errors import BadInput, OrchestratorError
+from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
 from orchestrator.queue.models import JobSpec, check_priority
 
 DEFAULT_MAX_PRIORITY = 5
@@ -199,12 +200,12 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
     @server.tool()
     @_tool
-    def list_jobs(all: bool = False, owner: Optional[str] = None) -> dict[str, Any]:
-        """Jobs by id: unfinished ones (or every job with all=true), optionally only one owner's (e.g. your own,
-        "mcp:<client name>", or an agent session's id)."""
-        s = store()
-        jobs = s.list(owner=owner) if all else [j for j in s.unfinished() if owner is None or j.owner == owner]
-        return {"jobs": [j.to_dict() for j in jobs]}
+    def list_jobs(all: bool = False, owner: Optional[str] = None, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        """Unfinished jobs (every job with all=true), optionally only one owner's (e.g. your own, "mcp:<client
+        name>", or an agent session's id): the first `limit` (0: all) with those holding devices first, then the
+        waiting line in the order jobs will start (then, with all, finished jobs newest first). `total`, `more`
+        and `counts` (by state) cover every matching job, listed or not."""
+        return store().listing(finished=all, limit=check_limit(limit), owner=owner).to_dict()
 
     @server.tool()
     @_tool

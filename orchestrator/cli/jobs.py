@@ -14,6 +14,7 @@ from orchestrator import api
 from orchestrator.cli import app
 from orchestrator.cli.common import info, print_json, print_table, settings
 from orchestrator.errors import BadInput
+from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
 from orchestrator.queue.models import JobSpec
 
 
@@ -68,39 +69,50 @@ def submit(
         info("note: no service is running for this home; the job waits in the queue until `autoresearch serve`")
 
 
+# Numbers, states and times are never cut; names, owners, devices and reasons share what is left of the width
+# (at 80 columns: about 12, 6, 7 and 20 characters), each cut with an ellipsis.
+_RIGHT = {"justify": "right"}
+QUEUE_COLUMNS = [("id", _RIGHT), ("name", {"ratio": 3, "min_width": 8}), ("owner", {"ratio": 1, "min_width": 5}),
+                 "state", ("prio", _RIGHT), ("gpus", _RIGHT), ("devices", {"ratio": 1, "min_width": 5}),
+                 ("att", _RIGHT), ("pre", _RIGHT), ("exit", _RIGHT), "submitted", ("reason", {"ratio": 2, "min_width": 6})]
+
+
 @app.command()
 def queue(
-    all_jobs: bool = typer.Option(False, "--all", help="Every job, finished ones too."),
-    as_json: bool = typer.Option(False, "--json"),
+    all_jobs: bool = typer.Option(False, "--all", help="Every job, finished ones too (after the unfinished, "
+                                  "newest first)."),
+    limit: int = typer.Option(DEFAULT_LIMIT, "--limit", help="Show the first N jobs in listing order "
+                              "(0: all of them)."),
+    as_json: bool = typer.Option(False, "--json", help="The jobs as a JSON list (the same first N)."),
 ) -> None:
-    """List jobs (default: not finished)."""
-    store = api.open_store(settings())
-    jobs = store.list() if all_jobs else store.unfinished()
+    """List jobs: running ones, then the waiting line in the order jobs will start (default: not finished)."""
+    listed = api.open_store(settings()).listing(finished=all_jobs, limit=check_limit(limit))
     if as_json:
-        print_json([j.to_dict() for j in jobs])
+        print_json(listed.jobs)
+        if listed.more:
+            info(listed.more_line())
         return
-    print_table("jobs", ["id", "name", "owner", "state", "prio", "gpus", "devices", "att", "pre", "exit", "submitted",
-                         "reason"],
-                [(j.id, j.name, j.owner, j.state, j.priority, j.gpus, ",".join(j.devices or []), j.attempts,
-                  j.preemptions, j.exit_code, _when(j.submitted_at), _short(j.reason)) for j in jobs])
-
-
-def _short(text: str, width: int = 60) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+    print_table("jobs", QUEUE_COLUMNS, [(j["id"], j["name"], j["owner"], j["state"], j["priority"], j["gpus"],
+                                         ",".join(j["devices"]), j["attempts"], j["preemptions"], j["exit_code"],
+                                         _when(j["submitted_at"]), j["reason"]) for j in listed.jobs],
+                compact=True)
+    if listed.more:
+        print(listed.more_line())
 
 
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    job, events = api.show(job_id, api.open_store(settings()))
+    job = api.open_store(settings()).record(job_id)
     if as_json:
-        print_json({**job.to_dict(), "events": [e.to_dict() for e in events]})
+        print_json(job)
         return
-    for key, value in job.to_dict().items():
+    events = job.pop("events")
+    for key, value in job.items():
         if value not in (None, "", [], {}):
             print(f"{key:>16}: {value}")
     print_table("events", ["time", "from", "to", "reason"],
-                [(_when(e.at), e.src or "", e.dst, e.reason) for e in events])
+                [(_when(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
 
 
 @app.command()

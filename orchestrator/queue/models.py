@@ -6,7 +6,7 @@ Times are UNIX seconds (floats): comparable across hosts, cheap to index, exact 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
@@ -163,20 +163,28 @@ class Job(SQLModel, table=True):
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first)."""
-        return {
-            "id": self.id, "name": self.name, "state": self.state, "priority": self.priority, "gpus": self.gpus,
-            "devices": list(self.devices or []), "attempts": self.attempts, "preemptions": self.preemptions,
-            "exit_code": self.exit_code, "mlflow_run_id": self.mlflow_run_id, "owner": self.owner,
-            "experiment": self.experiment, "params": self.params, "argv": list(self.argv or []), "cwd": self.cwd,
-            "max_attempts": self.max_attempts, "failures": self.failures, "grace": self.grace,
-            "preemptible": self.preemptible, "reason": self.reason, "host": self.host, "pid": self.pid,
-            "log_path": self.log_path, "checkpoint_dir": self.checkpoint_dir,
-            "submitted_at": self.submitted_at, "started_at": self.started_at, "finished_at": self.finished_at,
-            "not_before": self.not_before, "idempotency_key": self.idempotency_key, "time_limit": self.time_limit,
-            # Names only: values may be secrets (--env-file), and `show`/`queue` never print them.
-            "env": sorted((self.env or {}).keys()), "env_file": self.env_file,
-            "image": self.image, "image_id": self.image_id, "mounts": list(self.mounts or []),
-        }
+        return job_dict({name: getattr(self, name) for name in self.__table__.columns.keys()})
+
+
+def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first) from the jobs table's column
+    values by name: a `Job`'s, or a SQLAlchemy Core row's as a plain dict (listings read those: at 10,000 jobs
+    an ORM object, or even attribute access on a Core row, per job cost more than the query)."""
+    return {
+        "id": job["id"], "name": job["name"], "state": job["state"], "priority": job["priority"],
+        "gpus": job["gpus"], "devices": list(job["devices"] or []), "attempts": job["attempts"],
+        "preemptions": job["preemptions"], "exit_code": job["exit_code"], "mlflow_run_id": job["mlflow_run_id"],
+        "owner": job["owner"], "experiment": job["experiment"], "params": job["params"],
+        "argv": list(job["argv"] or []), "cwd": job["cwd"], "max_attempts": job["max_attempts"],
+        "failures": job["failures"], "grace": job["grace"], "preemptible": job["preemptible"],
+        "reason": job["reason"], "host": job["host"], "pid": job["pid"], "log_path": job["log_path"],
+        "checkpoint_dir": job["checkpoint_dir"], "submitted_at": job["submitted_at"],
+        "started_at": job["started_at"], "finished_at": job["finished_at"], "not_before": job["not_before"],
+        "idempotency_key": job["idempotency_key"], "time_limit": job["time_limit"],
+        # Names only: values may be secrets (--env-file), and `show`/`queue` never print them.
+        "env": sorted((job["env"] or {}).keys()), "env_file": job["env_file"],
+        "image": job["image"], "image_id": job["image_id"], "mounts": list(job["mounts"] or []),
+    }
 
 
 class JobEvent(SQLModel, table=True):
@@ -193,7 +201,13 @@ class JobEvent(SQLModel, table=True):
     host: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at": self.at, "from": self.src, "to": self.dst, "reason": self.reason, "host": self.host}
+        return event_dict(self)
+
+
+def event_dict(event: Any) -> dict[str, Any]:
+    """The JSON shape of one event in `show --json`, of a `JobEvent` or a Core row of its table (a handful
+    per job: attribute access is cheap enough here)."""
+    return {"at": event.at, "from": event.src, "to": event.dst, "reason": event.reason, "host": event.host}
 
 
 class Device(SQLModel, table=True):

@@ -11,6 +11,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
 from orchestrator.errors import JobNotFound
+from orchestrator.queue import listing as listings
 from orchestrator.queue.inventory import HostRecords
 from orchestrator.queue.models import Job, JobEvent
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
@@ -59,6 +60,28 @@ class JobQueries(HostRecords):
         with self._read() as session:
             stmt = select(Job).where(or_(Job.state.in_([s.value for s in ACTIVE]), Job.retrying_sql()))
             return list(session.exec(stmt.order_by(Job.id)))
+
+    def listing(self, *, finished: bool = False, limit: Optional[int] = listings.DEFAULT_LIMIT,
+                owner: Optional[str] = None) -> listings.Listing:
+        """What `autoresearch queue` lists: the first `limit` (None: all) unfinished jobs (every job with
+        `finished`) in listing order as dicts, with the counts by state of all of them (orchestrator.queue.listing)."""
+        with self.engine.connect() as conn:
+            return listings.listing(conn, finished=finished, limit=limit, owner=owner)
+
+    def record(self, job_id: int) -> dict:
+        """One job with its events as `show --json` prints it (JobNotFound: exit 2)."""
+        with self.engine.connect() as conn:
+            return listings.record(conn, job_id)
+
+    def state_counts(self, *, finished: bool = False, owner: Optional[str] = None) -> dict[str, int]:
+        """Unfinished jobs (every job with `finished`) by state, counted in SQL."""
+        with self.engine.connect() as conn:
+            return listings.counts(conn, finished=finished, owner=owner)
+
+    def line(self, limit: int) -> list:
+        """The first `limit` QUEUED jobs in line order, as read-only rows with the Job's column attributes."""
+        with self.engine.connect() as conn:
+            return listings.line(conn, limit)
 
     def events(self, job_id: int) -> list[JobEvent]:
         """The job's event log, oldest first."""

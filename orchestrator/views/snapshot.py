@@ -20,7 +20,7 @@ from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
 from orchestrator.queue.states import HOLDING, JobState
 
 S = JobState
-QUEUE_ROWS = 200  # the queue is planned and shown up to this many waiting jobs
+QUEUE_ROWS = 200  # the queue is planned and shown up to this many waiting jobs (more than a screen holds)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class QueueRow:
     """One waiting job, in line order, with what the next plan does about it."""
 
     position: int
-    job: Job
+    job: Any  # a Job, or a read-only row with its columns (`JobStore.line`)
     plan: str  # "starts on cpu:0", "preempts #4 #7", "next, needs 2", "waits behind #3", "no service has 4 devices"
     starts: bool = False
     preempts: tuple[int, ...] = ()
@@ -63,7 +63,7 @@ class Snapshot:
     running: list[Job]
     events: list[tuple[JobEvent, str]]  # (event, job name)
     sessions: list[dict] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # unfinished jobs by state, all of them (not only shown)
 
 
 def _heartbeat(layout: Layout, job_id: int) -> tuple[Optional[float], Optional[int]]:
@@ -93,7 +93,7 @@ def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
         nv.close()
 
 
-def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], services: list[ServiceRecord],
+def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], services: list[ServiceRecord],
                now: float, preempt_after: float) -> tuple[list[QueueRow], dict[int, int]]:
     """Each waiting job's fate in the next plan of the live services, and who is preempted for whom.
 
@@ -120,7 +120,7 @@ def plan_queue(waiting: list[Job], holding: list[Job], devices: list[Device], se
                     victims.setdefault(victim, line[k].id)
     capacity = max((len(s.devices or []) for s in services), default=0)
     rows: list[QueueRow] = []
-    blocker: Optional[Job] = None
+    blocker: Optional[Any] = None
     for i, job in enumerate(waiting, 1):
         mine = tuple(v for v, f in victims.items() if f == job.id)
         if job.id in starting:
@@ -154,10 +154,11 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
     now = time.time()
     services = api.live_services(store)
     devices = store.devices()
-    jobs = store.unfinished()
-    holding = [j for j in jobs if j.job_state in HOLDING]
-    waiting = sorted((j for j in jobs if j.state == S.QUEUED.value),
-                     key=lambda j: (-j.priority, j.submitted_at, j.id))[:QUEUE_ROWS]
+    # A screenful, not the whole queue: the jobs holding devices (a few per device), the head of the line as
+    # light rows, and the counts by state from SQL (10,000 queued jobs cost the same frame as 10).
+    holding = store.list(HOLDING)
+    waiting = store.line(QUEUE_ROWS)
+    counts = store.state_counts()
     queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after)
 
     layout = Layout(settings.home)
@@ -175,9 +176,6 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
 
     recent = store.recent_events(events)
     names = {j.id: j.name for j in store.get_many({e.job_id for e in recent})}
-    counts: dict[str, int] = {}
-    for job in jobs:
-        counts[job.state] = counts.get(job.state, 0) + 1
     try:
         progress = [p for p in sessions_api.sessions(settings, store) if p["status"] == "running"
                     or (p.get("updated_at") or 0) > now - 3600]

@@ -113,7 +113,7 @@ def queue_table(snap: Snapshot, limit: Optional[int]) -> Any:
         style = "green" if row.starts else "yellow" if row.preempts else "dim" if "behind" in row.plan else ""
         table.add_row(str(row.position), f"#{job.id} {job.name}", str(job.priority), str(job.gpus), job.owner,
                       _age(snap.at - job.submitted_at), Text(row.plan, style=style))
-    _more(table, len(snap.queue) - len(rows))
+    _more(table, max(len(snap.queue), snap.counts.get("QUEUED", 0)) - len(rows))  # the snapshot reads a screenful
     return table
 
 
