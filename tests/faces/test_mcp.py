@@ -96,7 +96,7 @@ def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(tracked_
     assert rest["text"] == "" and rest["offset"] == first["size"]
     assert f"; touch {tmp_path}" in first["text"] and not (tmp_path / "pwned").exists()  # argv stayed literal
     assert metrics["metrics"]["loss"] == [[0, 1.0], [1, 0.5], [2, pytest.approx(1 / 3)]]
-    assert [j["id"] for j in listed["jobs"]] == [shown["id"]]
+    assert [j["id"] for j in listed["jobs"]] == [shown["id"]] and (listed["total"], listed["more"]) == (1, 0)
     assert {d["device"] for d in devices["devices"]} == {"cpu:0", "cpu:1"} and len(devices["services"]) == 1
 
     # People see who submitted it.
@@ -129,6 +129,7 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
             "session": await call(session, "session_status", session_id="s-00000000"),
             "start": await call(session, "start_session", goal="x", experiment="nope"),
             "board": await call(session, "leaderboard", experiment="nope"),
+            "limit": await call(session, "list_jobs", limit=-1),
         }
         answers["after"] = await call(session, "list_jobs", all=True)
         return answers
@@ -146,7 +147,8 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
     assert answers["no-arg"][1] == "missing argument job_id"
     assert "unknown experiment 'nope'" in answers["experiment"][1]
     assert answers["logs"][1] == "give either tail or offset, not both"
-    assert answers["after"] == (False, {"jobs": []})  # nothing was queued by any refused call
+    assert answers["limit"][1] == "--limit must be an integer >= 0 (0: every job), got -1"
+    assert answers["after"] == (False, {"jobs": [], "total": 0, "more": 0, "counts": {}})  # nothing was queued
 
 
 def test_max_priority_is_a_server_side_cap_a_person_can_raise(child_env):

@@ -100,6 +100,24 @@ def test_a_small_queue_shows_every_row_and_a_frame_without_a_height_shows_all():
     assert console.file.getvalue().count("waiting-") == 30
 
 
+def test_a_frame_reads_the_head_of_a_long_line_and_counts_the_rest(home, monkeypatch):
+    from orchestrator.config import Settings
+    from orchestrator.queue.models import JobSpec
+    from orchestrator.queue.store import JobStore
+    from orchestrator.views import snapshot
+
+    monkeypatch.setattr(snapshot, "QUEUE_ROWS", 5)  # 200 in life: more than a screen, far fewer than 10,000
+    settings = Settings.load()
+    store = JobStore(settings.db_url)
+    for i in range(12):
+        store.submit(JobSpec(argv=["true"], name=f"w-{i}", priority=i % 3))
+    snap = take(settings, store=store, with_gpus=False)
+    assert [r.job.id for r in snap.queue] == [3, 6, 9, 12, 2] and snap.counts == {"QUEUED": 12}
+    console = Console(file=io.StringIO(), width=80)
+    console.print(render(snap))
+    assert "+7 more" in console.file.getvalue()
+
+
 def _setup_queue(make_service):
     """Two long jobs on cpu:0/1 (too young to preempt), an urgent job at the head of the line, one behind it."""
     from orchestrator import api

@@ -62,6 +62,8 @@ def test_submit_experiment_validates_params(home):
     (["submit", "--param", "lr=1", "--", "true"], "--experiment"),
     (["serve", "--devices", "gpu:x"], "--devices"),
     (["serve", "--devices", "cpu:0"], "cpu:N"),
+    (["queue", "--limit", "-1"], "--limit must be an integer >= 0"),
+    (["queue", "--json", "--limit", "many"], "--limit"),
 ])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(home, args, needle):
     cli("submit", "--", "true")

@@ -80,6 +80,11 @@ def test_a_submit_naming_another_database_is_not_taken_by_this_service(make_serv
     assert JobStore(other).count() == 1 and service.store.count() == 0
 
 
+def _reads(job_id):
+    return (("queue", ["queue", "--json"]), ("all", ["queue", "--all", "--json"]),
+            ("one", ["queue", "--limit", "1", "--json"]), ("show", ["show", str(job_id), "--json"]))
+
+
 def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_service):
     service = make_service("cpu:1")
     first = service.store.submit(__import__("orchestrator.queue.models", fromlist=["JobSpec"]).JobSpec(
@@ -87,10 +92,8 @@ def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_se
     second = fast("submit", "--no-track", "--", "true").stdout.strip()
     full = {name: subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
                                  timeout=60).stdout
-            for name, args in (("queue", ["queue", "--json"]), ("all", ["queue", "--all", "--json"]),
-                               ("show", ["show", str(first), "--json"]))}
-    for name, args in (("queue", ["queue", "--json"]), ("all", ["queue", "--all", "--json"]),
-                       ("show", ["show", str(first), "--json"])):
+            for name, args in _reads(first)}
+    for name, args in _reads(first):
         code = "import sys; from orchestrator import fastcli; c = fastcli.fast_read(sys.argv[1], sys.argv[2:]); " \
                "assert 'sqlalchemy' not in sys.modules and 'typer' not in sys.modules; sys.exit(99 if c is None else c)"
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
@@ -100,6 +103,8 @@ def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_se
             assert list(mine) == list(theirs) and mine["id"] == first
         else:
             assert [j["id"] for j in mine] == [j["id"] for j in theirs] and list(mine[0]) == list(theirs[0])
+        if name == "one":  # the first in listing order, and the rest counted on stderr as the full CLI does
+            assert len(mine) == 1 and out.stderr.startswith("... and 1 more ")
     assert str(second) in {str(j["id"]) for j in json.loads(full["all"])}
     missing = fast("show", "999", "--json")
     assert missing.returncode == 2 and missing.stderr.startswith("autoresearch: ") and missing.stdout == ""
