@@ -211,8 +211,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def get_job(job_id: int) -> dict[str, Any]:
         """One job with its event log (every state transition with time and reason)."""
-        job, events = api.show(job_id, store())
-        return {**job.to_dict(), "events": [e.to_dict() for e in events]}
+        return store().record(job_id)
 
     @server.tool()
     @_tool

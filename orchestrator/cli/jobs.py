@@ -12,9 +12,9 @@ import typer
 
 from orchestrator import api
 from orchestrator.cli import app
-from orchestrator.cli.common import info, print_json, print_table, settings
+from orchestrator.cli.common import info, print_columns, print_json, print_table, settings
 from orchestrator.errors import BadInput
-from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
+from orchestrator.queue.listing import DEFAULT_LIMIT, Listing, check_limit
 from orchestrator.queue.models import JobSpec
 
 
@@ -70,11 +70,12 @@ def submit(
 
 
 # Numbers, states and times are never cut; names, owners, devices and reasons share what is left of the width
-# (at 80 columns: about 12, 6, 7 and 20 characters), each cut with an ellipsis.
-_RIGHT = {"justify": "right"}
+# (at 80 columns: about 10, 5, 7 and 6 characters), each cut with an ellipsis.
+_RIGHT = {"right": True}
 QUEUE_COLUMNS = [("id", _RIGHT), ("name", {"ratio": 3, "min_width": 8}), ("owner", {"ratio": 1, "min_width": 5}),
-                 "state", ("prio", _RIGHT), ("gpus", _RIGHT), ("devices", {"ratio": 1, "min_width": 5}),
-                 ("att", _RIGHT), ("pre", _RIGHT), ("exit", _RIGHT), "submitted", ("reason", {"ratio": 2, "min_width": 6})]
+                 ("state", {}), ("prio", _RIGHT), ("gpus", _RIGHT), ("devices", {"ratio": 1, "min_width": 5}),
+                 ("att", _RIGHT), ("pre", _RIGHT), ("exit", _RIGHT), ("submitted", {}),
+                 ("reason", {"ratio": 2, "min_width": 6})]
 
 
 @app.command()
@@ -92,10 +93,14 @@ def queue(
         if listed.more:
             info(listed.more_line())
         return
-    print_table("jobs", QUEUE_COLUMNS, [(j["id"], j["name"], j["owner"], j["state"], j["priority"], j["gpus"],
-                                         ",".join(j["devices"]), j["attempts"], j["preemptions"], j["exit_code"],
-                                         _when(j["submitted_at"]), j["reason"]) for j in listed.jobs],
-                compact=True)
+    print_listing(listed)
+
+
+def print_listing(listed: Listing) -> None:
+    """A listing as a table for people (one line per job, fitted to the terminal), then what it left out."""
+    print_columns(QUEUE_COLUMNS, [(j["id"], j["name"], j["owner"], j["state"], j["priority"], j["gpus"],
+                                   ",".join(j["devices"]), j["attempts"], j["preemptions"], j["exit_code"],
+                                   _when(j["submitted_at"]), j["reason"]) for j in listed.jobs])
     if listed.more:
         print(listed.more_line())
 

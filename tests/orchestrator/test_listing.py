@@ -111,7 +111,9 @@ def test_queue_shows_the_first_n_in_80_columns_with_the_rest_counted(home):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.rstrip("\n").splitlines()
     assert max(map(len, lines)) <= 80
-    rows = [line.split() for line in lines[2:-1]]
+    assert lines[0].split() == ["id", "name", "owner", "state", "prio", "gpus", "devices", "att", "pre", "exit",
+                                "submitted", "reason"]
+    rows = [line.split() for line in lines[1:-1]]
     assert [(r[0], r[3], r[4]) for r in rows] == [("7", "QUEUED", "6"), ("6", "QUEUED", "5"), ("5", "QUEUED", "4")]
     assert lines[-1] == "... and 4 more queued (--limit 0 for all)"
 
