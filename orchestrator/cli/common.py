@@ -54,19 +54,24 @@ def print_columns(columns: Sequence[tuple[str, dict]], rows: Iterable[Sequence[A
 
     from rich.cells import cell_len, set_cell_size
 
+    def size(text: str) -> int:  # terminal cells: CJK and emoji take two
+        return len(text) if text.isascii() else cell_len(text)
+
     width = width or shutil.get_terminal_size((80, 24)).columns
     cells = [["" if v is None else " ".join(str(v).split("\n")) for v in row] for row in rows]
-    natural = [max([cell_len(name)] + [cell_len(row[i]) for row in cells]) for i, (name, _) in enumerate(columns)]
+    natural = [max([size(name)] + [size(row[i]) for row in cells]) for i, (name, _) in enumerate(columns)]
     widths = fit_widths(natural, [opts.get("ratio") for _, opts in columns],
-                        [max(opts.get("min_width", 1), cell_len(name)) for name, opts in columns],
+                        [max(opts.get("min_width", 1), size(name)) for name, opts in columns],
                         width - (len(columns) - 1))
+    right = [bool(opts.get("right")) for _, opts in columns]
 
     def cell(text: str, i: int) -> str:
-        size = widths[i]
-        if cell_len(text) > size:
-            text = set_cell_size(text, size - 1) + "…" if size > 1 else set_cell_size(text, size)
-        pad = " " * (size - cell_len(text))
-        return pad + text if columns[i][1].get("right") else text + pad
+        room, used = widths[i], size(text)
+        if used > room:
+            text = set_cell_size(text, room - 1) + "…" if room > 1 else set_cell_size(text, room)
+            used = room
+        pad = " " * (room - used)
+        return pad + text if right[i] else text + pad
 
     out = [" ".join(cell(name, i) for i, (name, _) in enumerate(columns)).rstrip()]
     out += [" ".join(cell(text, i) for i, text in enumerate(row)).rstrip() for row in cells]
