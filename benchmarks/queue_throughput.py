@@ -119,7 +119,14 @@ class Served:
             if time.time() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("autoresearch serve did not come up")
             time.sleep(0.05)
-        time.sleep(3.0)  # let the service finish its start-up (the devices' first preflight) before timing
+        # Time the steady state: the service's start-up device check holds its devices out of scheduling until
+        # it ends (the first job after a start waits for it), so wait for every device's first check.
+        while os.environ.get("AUTORESEARCH_PREFLIGHT") != "off" and not all(d.checked_at
+                                                                            for d in self.store.devices()):
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("autoresearch serve did not finish its start-up check")
+            time.sleep(0.05)
+        time.sleep(0.5)
 
     def close(self) -> None:
         self.proc.terminate()
