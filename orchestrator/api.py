@@ -66,14 +66,14 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
 
         spec = prepare(spec, settings.container_engine)
     store = store or JobStore.from_settings(settings)
-    services = live_services(store)
-    largest = largest_capacity(services)
+    capacities = store.live_capacities(SERVICE_STALE_AFTER)
+    largest = max(capacities, default=0)
     why = unplaceable_reason(spec.gpus, largest) if largest else None
     if why:
         raise BadInput(f"--gpus {spec.gpus}: {why}")
     job = store.submit(spec)
     notify(settings.home)
-    return job, bool(services)
+    return job, bool(capacities)
 
 
 def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:

@@ -282,7 +282,7 @@ class Service:
     def dispatch_once(self) -> None:
         """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
         self._record_exits()
-        usable = self.guard.schedulable([d.name for d in self.store.devices(self.host) if d.state == "available"])
+        usable = self.guard.schedulable(self.store.available_devices(self.host))
         if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
         # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
@@ -33,8 +33,10 @@ def _sqlite_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):  # noqa: ANN001
-        # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade. A lone
+        # read (`Database._lone_read`, autocommit) takes no lock: it must not queue behind the writers.
+        if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 
@@ -83,6 +85,13 @@ class Database:
         with Session(self.engine, expire_on_commit=False) as session:
             with session.begin():
                 yield session
+
+    @contextmanager
+    def _lone_read(self) -> Iterator[Connection]:
+        """A Core connection for one read statement, in autocommit: no transaction and, on SQLite, no write
+        lock (the hot paths' small reads: a submit's check of the live services, a pass's devices)."""
+        with self.engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
     def _read(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
