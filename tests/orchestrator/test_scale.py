@@ -27,6 +27,11 @@ def test_a_thousand_jobs_each_run_exactly_once(make_service, tmp_path):
     jobs = service.store.list()
     assert all(j.attempts == 1 and j.exit_code == 0 for j in jobs)
     assert service.store.unfinished() == []
+    history: dict[int, list] = {}  # the transitions are written in batches: each job still has all of its own
+    for event in reversed(service.store.recent_events(limit=5 * len(ids))):
+        history.setdefault(event.job_id, []).append((event.src, event.dst))
+    assert all(history[job_id] == [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING"),
+                                   ("RUNNING", "SUCCEEDED")] for job_id in ids)
 
 
 def test_one_slot_starts_jobs_in_line_order(home, tmp_path):

@@ -206,3 +206,20 @@ def test_disabled_device_gets_no_new_jobs(make_service):
     ids = [api.submit(JobSpec(argv=["true"], track=False))[0].id for _ in range(3)]
     wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in ids), timeout=20)
     assert {tuple(service.store.get(j).devices) for j in ids} == {("cpu:1",)}
+
+
+def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tick(home, monkeypatch):
+    """With the timer tick an hour long, only the submit's wake-up (and the exit's) can start and record the
+    jobs: each one submitted to the idle service runs, one after the other."""
+    from orchestrator.config import Settings
+    from orchestrator.service import Service
+
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")  # no start-up check: the service is idle at once
+    service = Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=3600.0).start()
+    try:
+        for _ in range(3):
+            job, served = api.submit(JobSpec(argv=["true"], track=False))
+            assert served
+            wait_for(lambda: state(service, job.id) == "SUCCEEDED", timeout=60, what="the job to run")
+    finally:
+        service.stop()

@@ -326,3 +326,33 @@ def test_a_database_from_an_older_release_is_upgraded_in_place(db_url):
         store.close()
     again = JobStore(db_url)  # a second open finds nothing to add
     again.close()
+
+
+def test_a_batch_of_mixed_ends_gives_each_job_its_own_checked_transition_and_event(store):
+    """The batch transitions (claim, mark_running_many, finish_many) write rows together: jobs whose ends
+    change different columns (a success, a failure to retry, exit 75, a preemption, a cancel) still each get
+    exactly their state, columns and one event per transition, and a stale report changes nothing."""
+    ids = [store.submit(spec(max_attempts=2 if i == 1 else 1)).id for i in range(6)]
+    claimed = store.claim([(job_id, [f"cpu:{i}"]) for i, job_id in enumerate(ids)], "h1")
+    assert [j.attempts for j in claimed] == [1] * 6 and {j.state for j in claimed} == {"STARTING"}
+    assert store.mark_running_many([(job_id, 1000 + i, f"{i}.00") for i, job_id in enumerate(ids)], "h1") == ids
+    store.preempt([ids[3]], "make room", "h1")
+    store.cancel(ids[4])
+    ended = store.finish_many([(ids[0], 1, 0, ""), (ids[1], 1, 1, ""), (ids[2], 1, 75, ""), (ids[3], 1, 0, ""),
+                               (ids[4], 1, -15, ""), (ids[5], 2, 0, "a stale attempt")], "h1")
+    assert [(j.id, j.state) for j in ended] == [(ids[0], "SUCCEEDED"), (ids[1], "FAILED"), (ids[2], "QUEUED"),
+                                                (ids[3], "QUEUED"), (ids[4], "CANCELLED")]
+    jobs = {j.id: j for j in store.get_many(ids)}
+    assert (jobs[ids[0]].exit_code, jobs[ids[0]].pid, jobs[ids[0]].proc_start) == (0, 1000, "0.00")
+    assert jobs[ids[0]].finished_at and jobs[ids[0]].started_at and jobs[ids[0]].devices == ["cpu:0"]
+    assert (jobs[ids[1]].failures, jobs[ids[1]].retrying, jobs[ids[1]].not_before is not None) == (1, True, True)
+    assert (jobs[ids[2]].devices, jobs[ids[2]].failures, jobs[ids[2]].exit_code) == ([], 0, 75)
+    assert (jobs[ids[3]].preemptions, jobs[ids[3]].devices) == (1, [])
+    assert jobs[ids[5]].state == "RUNNING"  # the report named another attempt
+    head = [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING")]
+    assert states(store, ids[0]) == head + [("RUNNING", "SUCCEEDED")]
+    assert states(store, ids[1]) == head + [("RUNNING", "FAILED")]
+    assert states(store, ids[2]) == head + [("RUNNING", "QUEUED")]
+    assert states(store, ids[3]) == head + [("RUNNING", "PREEMPTING"), ("PREEMPTING", "QUEUED")]
+    assert states(store, ids[4]) == head + [("RUNNING", "CANCELLING"), ("CANCELLING", "CANCELLED")]
+    assert states(store, ids[5]) == head
