@@ -34,8 +34,9 @@ def _sqlite_engine(url: str) -> Engine:
     @event.listens_for(engine, "begin")
     def _on_begin(conn):  # noqa: ANN001
         # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade. A lone
-        # read (`Database._lone_read`, autocommit) takes no lock: it must not queue behind the writers.
-        if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        # read (`Database._lone_read`) begins nothing: the driver runs its one SELECT in autocommit, without
+        # queueing behind the writers.
+        if not conn.get_execution_options().get("lone_read"):
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
@@ -88,10 +89,11 @@ class Database:
 
     @contextmanager
     def _lone_read(self) -> Iterator[Connection]:
-        """A Core connection for one read statement, in autocommit: no transaction and, on SQLite, no write
-        lock (the hot paths' small reads: a submit's check of the live services, a pass's devices)."""
+        """A Core connection for one read statement: on SQLite no transaction and no write lock (the hot
+        paths' small reads: a submit's check of the live services, a pass's devices). Not an isolation level
+        change: the pool's reset of one would turn the driver's implicit transactions back on."""
         with self.engine.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn.execution_options(lone_read=True)
 
     def _read(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
