@@ -3,8 +3,9 @@
 Every transition runs in one transaction that re-reads the row under a write lock (SQLite `BEGIN IMMEDIATE`;
 PostgreSQL `SELECT ... FOR UPDATE`), checks Contract 2 allows it, updates the job and appends one event row.
 Methods that act on many jobs (the dispatcher's starts, the reaper's finishes) take a batch and still give each
-job its own checked transition and event, but share one commit: that is what makes 500 jobs/s possible on
-SQLite. Whether a job is final or will be retried is the job's rule (`Job.final`, `Job.retrying`).
+job its own checked transition and event, but share one commit, and their rows are written with SQLAlchemy Core
+in a few executemany statements (`_Writes`) rather than by the ORM's unit of work. Whether a job is final or
+will be retried is the job's rule (`Job.final`, `Job.retrying`).
 Devices and service heartbeats are kept by the base class (`orchestrator.queue.hosts`).
 """
 
@@ -76,7 +77,7 @@ class _Writes:
         self.rows: dict[int, dict[str, Any]] = {}  # job id -> its new column values (later changes win)
         self.events: list[dict[str, Any]] = []
 
-    def set(self, job: Job, **values: Any) -> None:
+    def set(self, job: Any, **values: Any) -> None:
         """Change columns of a loaded job: in the row (at flush) and in the object the caller gets back."""
         for key, value in values.items():
             if isinstance(job, _Row):
@@ -151,7 +152,7 @@ class JobStore(JobQueries):
 
     @staticmethod
     def _move(writes: _Writes, job: Any, dst: JobState, reason: str, by: Optional[str], now: float,
-              **fields: Any) -> Job:
+              **fields: Any) -> Any:
         src = job.job_state
         if not allowed(src, dst):
             raise InvalidTransition(f"job {job.id}: {src} -> {dst} is not allowed")
