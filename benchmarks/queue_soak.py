@@ -5,7 +5,7 @@
 `autoresearch serve --devices cpu:SLOTS` runs in its own process on a fresh home, as users run it. The
 resident memory (RSS) of its whole process tree (the service, its tracking worker and any other child; the
 jobs themselves are no-op `true` and are not running when it is sampled) is printed:
-1. at start (the service's record appears), and 15 s later (idle, after its warm-ups: the README's row);
+1. at start (once its start-up device check ended), and 15 s later (idle, after its warm-ups: the README's row);
 2. after a warm-up of 500 no-op untracked jobs, then every `--every` jobs of the soak and at its end
    (`--jobs` no-op untracked jobs submitted through the library API, `api.submit`, in chunks of 1,000 so
    the queue stays short), with the growth from the warm-up to the end;
@@ -19,9 +19,7 @@ Absolute numbers depend on the Python build and libraries; growth over the soak 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.served import Served  # noqa: E402
 HEAVY = ("torch", "numpy", "pandas", "pyarrow", "ray")
 
 
@@ -59,28 +59,8 @@ def heavy_loaded(pid: int) -> list[str]:
     return [name for name in HEAVY if f"/site-packages/{name}/" in maps or f"/site-packages/{name}." in maps]
 
 
-class Served:
-    """`autoresearch serve` in its own process on a fresh home."""
-
-    def __init__(self, home: Path, slots: int):
-        home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "AUTORESEARCH_HOME": str(home),
-                    "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
-        self.env.pop("AUTORESEARCH_DB_URL", None)
-        os.environ.update(self.env)
-        from orchestrator.config import Settings
-        from orchestrator.queue.store import JobStore
-
-        self.settings = Settings.load()
-        self.store = JobStore(self.settings.db_url)
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices",
-                                      f"cpu:{slots}", "--preempt-after", "0"], env=self.env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not self.store.services(max_age=10):
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("autoresearch serve did not come up")
-            time.sleep(0.05)
+class Soaked(Served):
+    """The served service, with its memory and a way to push jobs through it."""
 
     def rss(self) -> float:
         return tree_rss_mb(self.proc.pid)
@@ -102,9 +82,6 @@ class Served:
         while self.store.count_in(JobState.SUCCEEDED) < target:
             time.sleep(0.05)
 
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -117,7 +94,7 @@ def main() -> None:
     parser.add_argument("--idle-wait", type=float, default=15.0, help="seconds after start for the idle row")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-soak-"))
-    served = Served(tmp / "home", args.slots)
+    served = Soaked(tmp / "home", args.slots)
     pid = served.proc.pid
     try:
         print(f"autoresearch serve --devices cpu:{args.slots}: process tree RSS (MB)")

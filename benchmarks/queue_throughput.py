@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.served import Served  # noqa: E402
+
 
 def pct(values, q):
     values = sorted(values)
@@ -97,40 +99,6 @@ sys.stdin.readline()
 for _ in range(int(sys.argv[1])):
     api.submit(spec, store=store)
 """
-
-
-class Served:
-    """`autoresearch serve` in its own process on a fresh home, as users run it."""
-
-    def __init__(self, home: Path, slots: int):
-        home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "AUTORESEARCH_HOME": str(home),
-                    "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
-        os.environ.update(self.env)
-        from orchestrator.config import Settings
-        from orchestrator.queue.store import JobStore
-
-        self.store = JobStore(Settings.load().db_url)
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices",
-                                      f"cpu:{slots}", "--preempt-after", "0"], env=self.env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not self.store.services(max_age=10):
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("autoresearch serve did not come up")
-            time.sleep(0.05)
-        # Time the steady state: the service's start-up device check holds its devices out of scheduling until
-        # it ends (the first job after a start waits for it), so wait for every device's first check.
-        while os.environ.get("AUTORESEARCH_PREFLIGHT") != "off" and not all(d.checked_at
-                                                                            for d in self.store.devices()):
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("autoresearch serve did not finish its start-up check")
-            time.sleep(0.05)
-        time.sleep(0.5)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def ar_throughput(jobs: int, slots: int, home: Path, track: bool) -> float:
