@@ -1,14 +1,23 @@
 """Judging a program session's nodes: crashed (ask for a debug step), re-run on fresh seeds, then kept or
 discarded by the noise gate against the nearest measured ancestor; every outcome goes to the governor.
 
+The children of one parent are a family of tests, as the agent's confirmed candidates are
+(`orchestrator.tracking.leaderboard`): each is gated at the Bonferroni-corrected level 1 - ALPHA/k, k being the
+parent's children that reach the gate (succeeded or still running, crashes left out), so with several drafts
+judged against the baseline the chance that any of them is kept by seed noise stays at most ALPHA.
+
 A mixin of `Loop` (it uses the loop's trials, state, tracker and repo); kept apart so each module has one job.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from orchestrator.agent.gate import gate
 from orchestrator.programs import tree
 from orchestrator.programs.governor import CHANGE, STOP
+
+ALPHA = 0.05  # family-wise error rate of the gate over one parent's children
 
 
 class Judge:
@@ -56,7 +65,11 @@ class Judge:
             self._verdict(node, "discarded", "its re-runs failed: the result does not reproduce")
             self._govern("failed")
             return
-        v = gate(tree.values_of(self.trials, base["n"]), values, direction=self.spec.direction)
+        k = len(siblings(self.trials, node, base))
+        v = gate(tree.values_of(self.trials, base["n"]), values, direction=self.spec.direction,
+                 level=1.0 - ALPHA / k)
+        if k > 1:
+            v = dataclasses.replace(v, method=f"{v.method}, Bonferroni-corrected for {k} children")
         if not v.win:
             self._verdict(node, "discarded", v.describe() + f" (vs {base['commit'][:10]})")
             self._govern("discarded")
@@ -72,14 +85,7 @@ class Judge:
         self._govern("improved")
 
     def _gate_parent(self, node: dict) -> dict | None:
-        """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from)."""
-        n = node["parent_node"]
-        while n is not None:
-            parent = self.trials[n]
-            if parent["verdict"] in ("baseline", "kept", "discarded") or parent["verdict"] is None:
-                return parent
-            n = parent["parent_node"]
-        return None
+        return gate_parent(self.trials, node)
 
     def _verdict(self, node: dict, verdict: str, text: str) -> None:
         node["verdict"], node["verdict_text"] = verdict, text
@@ -100,3 +106,27 @@ class Judge:
             self.state["stop_reason"] = self.gov.reason
             self.say(f"stopping: {self.gov.reason}")
         self._save()
+
+
+def gate_parent(trials: list[dict], node: dict) -> dict | None:
+    """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from)."""
+    n = node["parent_node"]
+    while n is not None:
+        parent = trials[n]
+        if parent["verdict"] in ("baseline", "kept", "discarded") or parent["verdict"] is None:
+            return parent
+        n = parent["parent_node"]
+    return None
+
+
+def siblings(trials: list[dict], node: dict, base: dict) -> list[dict]:
+    """The nodes gated against `base` (`node` among them): its non-baseline descendants through crashed
+    nodes that have not crashed themselves (succeeded or still running)."""
+    out = []
+    for m in tree.nodes(trials):
+        if m["n"] == node["n"] or (m["kind"] != "baseline" and m["verdict"] != "crashed"
+                                   and m["status"] in ("succeeded", *tree.ACTIVE)):
+            parent = gate_parent(trials, m)
+            if parent is not None and parent["n"] == base["n"]:
+                out.append(m)
+    return out

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from orchestrator.errors import BadInput
-from orchestrator.programs import answers, edits, spec as specs
+from orchestrator.programs import answers, edits, spec as specs, tree
+from orchestrator.programs.judge import Judge
 from orchestrator.programs.governor import CHANGE, CONTINUE, STOP, Governor
 from orchestrator.programs.repo import Repo
 from tests.programs.conftest import git, make_program
@@ -139,3 +140,53 @@ def test_start_program_bad_input_is_one_line_and_exit_2(home, program):
     out = _cli("tree", "s-00000000")
     assert out.returncode == 2 and "no session" in out.stderr
     assert not (home / "agent" / "agent.db").exists() or "s-" not in _cli("sessions", "--json").stdout
+
+
+class _Judged(Judge):
+    """The judge on a hand-built tree: real spec, repo and governor; no jobs, no tracker (no run ids)."""
+
+    def __init__(self, program, trials):
+        self.spec = specs.load(program)
+        self.repo, self.sid, self.trials = Repo(self.spec.repo), "s-judge", trials
+        self.gov, self.state = Governor(), {"incumbent": 0, "pending_debug": [], "stop_reason": ""}
+
+    def say(self, text):
+        pass
+
+    def _save(self, t=None):
+        pass
+
+
+def _tree(program, children: list[list[float]]) -> list[dict]:
+    """A measured baseline (node 0, 3 seeds) and `children` drafted from it, each run on 3 seeds."""
+    head = Repo(program).head()
+    trials = [{**tree.new_trial("s", i, kind="baseline", step="baseline", parent=None, parent_node=None, node=0,
+                                commit=head, seed=i), "status": "succeeded", "value": v}
+              for i, v in enumerate([1.00, 1.01, 0.99])]
+    for values in children:
+        node = len(trials)
+        for seed, v in enumerate(values):
+            trials.append({**tree.new_trial("s", len(trials), kind="variant", step="draft", parent=head,
+                                            parent_node=0, node=node, commit=head, seed=seed),
+                           "status": "succeeded", "value": v})
+    return trials
+
+
+def test_judge_corrects_for_several_children_of_one_parent(program):
+    # 0.025 better than a baseline of 1.00 ± 0.01 on 3 seeds each: kept at 95% when it is the parent's only
+    # child, but with a sibling judged against the same parent both are gated at 97.5% (Bonferroni) and it is not.
+    close, clear = [0.975, 0.985, 0.965], [0.95, 0.96, 0.94]
+    alone = _Judged(program, _tree(program, [close]))
+    alone._judge()
+    assert alone.trials[3]["verdict"] == "kept" and "95% CI" in alone.trials[3]["verdict_text"]
+    pair = _Judged(program, _tree(program, [close, clear]))
+    pair._judge()
+    assert pair.trials[3]["verdict"] == "discarded" and "97.5% CI" in pair.trials[3]["verdict_text"]
+    assert pair.trials[6]["verdict"] == "kept" and pair.state["incumbent"] == 6
+    # A crashed sibling was never tested: it does not widen the others' intervals.
+    crashed = _tree(program, [close])
+    crashed.append({**tree.new_trial("s", 6, kind="variant", step="draft", parent=None, parent_node=0),
+                    "status": "failed", "error": "boom"})
+    one = _Judged(program, crashed)
+    one._judge()
+    assert one.trials[3]["verdict"] == "kept" and one.trials[6]["verdict"] == "crashed"
