@@ -198,3 +198,26 @@ def test_space_rejects_injection_directly():
     for s in INJECTIONS:
         with pytest.raises(SpaceError):
             SPEC.space.validate({"x": s})
+
+
+def test_tpe_starts_with_one_parameter_moves_that_build_on_the_incumbent():
+    from experiments.digits.spec import SPEC as DIGITS
+
+    searched = reduced(DIGITS, fixed_params(DIGITS, {"epochs": 6, "scale": 1}, 0))
+    base = searched.space.validate({})
+    tpe = SamplerProposer(searched, "tpe", seed=2, baseline=base)
+    history = [Observation(base, "complete", 0.96, proposer="baseline")]
+    moved = []
+    for i in range(6):
+        p = tpe.propose(1, history)[0].params
+        changed = {k for k in p if p[k] != base.get(k)} - {"channels", "momentum"}  # inactive ones may be drawn
+        moved.append(changed)
+        # The third trial is the best so far: the later moves start from it, not from the baseline.
+        history.append(Observation(p, "complete", 0.99 if i == 2 else 0.95, proposer="tpe"))
+        if i == 2:
+            base = p
+    assert all(len(c) == 1 for c in moved[:3])  # one parameter each, on the baseline
+    assert all(len(c) == 1 for c in moved[3:])  # one parameter each, on the new incumbent
+    assert len(set().union(*moved)) == 6  # a different parameter every time
+    # A branch switch (an MLP becoming a convnet at defaults tuned for the MLP) is never a one-parameter move.
+    assert not any("arch" in c or "optimizer" in c for c in moved)
