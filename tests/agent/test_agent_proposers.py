@@ -221,3 +221,20 @@ def test_tpe_starts_with_one_parameter_moves_that_build_on_the_incumbent():
     assert len(set().union(*moved)) == 6  # a different parameter every time
     # A branch switch (an MLP becoming a convnet at defaults tuned for the MLP) is never a one-parameter move.
     assert not any("arch" in c or "optimizer" in c for c in moved)
+
+
+def test_cmaes_keeps_one_study_and_learns_from_its_own_asks():
+    # CMA-ES learns only from trials it asked itself: rebuilt from add_trial each call it would sample its
+    # starting distribution forever. One live study, told each result, moves on to later generations.
+    searched = reduced(SPEC, fixed_params(SPEC, {}, 0))
+    cma = SamplerProposer(searched, "cmaes", seed=0, baseline={"x": -4.0, "y": 4.0, "kind": "b"})
+    history = [Observation({"x": 0.0, "y": 0.0, "kind": "a"}, "complete", 6.25, source="by hand (human)")]
+    for _ in range(10):
+        for p in cma.propose(2, history):
+            history.append(Observation(p.params, "complete", (p.params["x"] - 1.5) ** 2 + (p.params["y"] + 2) ** 2,
+                                       proposer="cmaes"))
+    cma.propose(1, history)  # results are told on the next call
+    study = cma._live
+    told = [t for t in study.trials if t.value is not None and "cma:generation" in t.system_attrs]
+    assert len(told) == 20 and len(study.trials) == 22  # its asks, told once each, the hand run, the last ask
+    assert max(t.system_attrs["cma:generation"] for t in told) >= 2

@@ -1,9 +1,13 @@
 """Optuna samplers (TPE, CMA-ES, random) driven ask-and-tell from the experiment's history.
 
-Each call builds a fresh in-memory study and adds every observation with `add_trial`: finished trials of the
-experiment (including runs people submitted by hand), pruned ones with the intermediate values they reached,
-failures, and the session's trials still in flight as RUNNING (TPE's constant liar then keeps parallel asks
-apart). Rebuilding is cheap at these sizes and means nothing about the sampler has to survive a crash.
+TPE and random search build a fresh in-memory study on each call and add every observation with `add_trial`:
+finished trials of the experiment (including runs people submitted by hand), pruned ones with the intermediate
+values they reached, failures, and the session's trials still in flight as RUNNING (TPE's constant liar then
+keeps parallel asks apart). Rebuilding is cheap at these sizes and means nothing has to survive a crash.
+CMA-ES cannot be rebuilt that way: it learns only from trials it asked itself (its generation and search
+distribution live on them), so a study rebuilt from `add_trial`s samples its starting distribution forever.
+It keeps one study for the life of the proposer and `tell`s it the results of its own asks (matched by
+params), adding other trials once; a resumed session rebuilds it from the history and adapts from there.
 
 Starting near the baseline (the session's first runs, the experiment's defaults): the baseline's runs are in
 the history like any trial, and until `n_startup_trials` trials have finished, TPE's asks are `enqueue_trial`s
@@ -51,6 +55,9 @@ class SamplerProposer:
         self.seed = seed
         self.n_startup_trials = n_startup_trials
         self.baseline = spec.space.validate(baseline) if baseline is not None else None
+        self._live: Any = None  # CMA-ES: the study kept across calls
+        self._asked: dict[str, int] = {}  # CMA-ES: params key -> trial number of its asks not yet told
+        self._added: set[tuple] = set()  # CMA-ES: observations already in the live study
 
     def _sampler(self, n_seen: int, incumbent: dict[str, Any] | None = None) -> Any:
         import optuna
@@ -115,7 +122,7 @@ class SamplerProposer:
         """`n` proposals; trials asked earlier in the same call count as pending for the later ones."""
         import random as stdlib_random
 
-        study = self.study(history)
+        study = self._cmaes_study(history) if self.name == "cmaes" else self.study(history)
         finished = sum(1 for o in history if o.state in ("complete", "pruned") and o.proposer != "baseline")
         incumbent = self.incumbent(history)
         rng = stdlib_random.Random(zlib.crc32(f"near:{self.name}:{self.seed}:{len(history)}".encode()))
@@ -136,8 +143,45 @@ class SamplerProposer:
                 study.enqueue_trial(near, skip_if_exists=True)
             trial = study.ask()
             params = self.spec.space.validate(self.spec.space.suggest(trial))
+            if self.name == "cmaes":
+                self._asked[_key(params)] = trial.number
             out.append(Proposal(params=params, proposer=self.name))
         return out
+
+    def _cmaes_study(self, history: Sequence[Observation]) -> Any:
+        """The live CMA-ES study, told what became of its asks; built from `history` on the first call."""
+        from optuna.trial import TrialState, create_trial
+
+        ended = {"complete": TrialState.COMPLETE, "failed": TrialState.FAIL, "pruned": TrialState.PRUNED}
+        if self._live is None:
+            self._live = self.study(history)
+            self._added = {_obs_key(o) for o in history}
+            return self._live
+        for obs in history:
+            state = ended.get(obs.state)
+            if state is None or _obs_key(obs) in self._added or (state == TrialState.COMPLETE and obs.value is None):
+                continue
+            self._added.add(_obs_key(obs))
+            try:
+                params = self.spec.space.validate(obs.params)
+                number = self._asked.pop(_key(params), None)
+                if number is not None:
+                    self._live.tell(number, obs.value if state == TrialState.COMPLETE else None, state=state)
+                else:
+                    self._live.add_trial(create_trial(
+                        state=state, value=obs.value if state == TrialState.COMPLETE else None, params=params,
+                        distributions=self.spec.space.distributions(params)))
+            except Exception as exc:  # from an older space, or told already
+                log.debug("skipping observation %s: %s", obs.params, exc)
+        return self._live
+
+
+def _key(params: dict[str, Any]) -> str:
+    return repr(sorted((k, repr(v)) for k, v in params.items()))
+
+
+def _obs_key(obs: Observation) -> tuple:
+    return (_key(obs.params), obs.state, obs.value, obs.source)
 
 
 def perturb(spec: ExperimentSpec, params: dict[str, Any], rng: Any, scale: float = 0.1) -> dict[str, Any]:
