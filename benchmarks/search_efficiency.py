@@ -3,13 +3,13 @@
     python benchmarks/search_efficiency.py [--seeds 10] [--trials 16] [--proposers random,tpe,cmaes]
                                            [--experiment synthetic|digits] [--slots 2] [--step-seconds 0.3]
     python benchmarks/search_efficiency.py --experiment digits --proposers tpe --trials 14 --minutes 3 \
-        --baseline-seeds 5  # the demo
+        --baseline-seeds 5 --confirm-top 1 --no-queue-section  # the demo
 
 Each (proposer, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its
 own embedded service, real trial processes and a real MLflow store, exactly as `autoresearch start` runs it:
 the baseline (the experiment's defaults) on `--baseline-seeds` seeds (3) first, then `--trials` trials (search,
-ASHA, and the top two candidates re-run on three fresh seeds each), then the noise gate against the baseline
-(Welch's t-test on the fresh re-runs only, Bonferroni-corrected over the candidates gated: 97.5% CIs for two).
+ASHA, and the top `--confirm-top` candidates (2) re-run on three fresh seeds each), then the noise gate against the
+baseline (Welch's t-test on the fresh re-runs only, Bonferroni-corrected over the candidates gated: 97.5% CIs for two).
 Reported: a baseline row (the defaults' mean and seed spread), and per proposer the share of seeds whose
 session found a gated win, the mean improvement, and the device-seconds the winning sessions used (the time
 to get there: the win is only known once its re-runs are done). `llm` and `hybrid` are measured only when an
@@ -120,7 +120,7 @@ EXPERIMENTS = {  # name -> (experiment, params held fixed)
 
 
 def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: int,
-                minutes: float | None = None, baseline_seeds: int = 3) -> dict:
+                minutes: float | None = None, baseline_seeds: int = 3, confirm_top: int = 2) -> dict:
     """One full agent session in a fresh home; its summary plus the device-seconds it used."""
     home = Path(tempfile.mkdtemp(prefix=f"bench-{proposer}-{seed}-"))
     os.environ["AUTORESEARCH_HOME"] = str(home)
@@ -132,7 +132,7 @@ def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: i
     name, fixed = EXPERIMENTS[experiment]
     config = SessionConfig(goal="find a real improvement over the defaults", experiment=name, proposer=proposer,
                            trials=trials, budget_minutes=minutes, parallel=slots, fixed=fixed, seed=seed,
-                           poll=0.25, baseline_seeds=baseline_seeds)
+                           poll=0.25, baseline_seeds=baseline_seeds, confirm_top=confirm_top)
     t0 = time.time()
     summary = runner.start(config, settings=Settings.load(), devices=f"cpu:{slots}")
     summary["wall_s"] = time.time() - t0
@@ -185,8 +185,9 @@ def main() -> int:
     parser.add_argument("--step-seconds", type=float, default=0.3, help="synthetic: seconds per logged step")
     parser.add_argument("--minutes", type=float, default=None,
                         help="a time budget per session too (the demo: --experiment digits --proposers tpe "
-                        "--trials 14 --minutes 3 --baseline-seeds 5)")
+                        "--trials 14 --minutes 3 --baseline-seeds 5 --confirm-top 1)")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="seeds the baseline runs on (the demo: 5)")
+    parser.add_argument("--confirm-top", type=int, default=2, help="candidates re-run on fresh seeds (the demo: 1)")
     parser.add_argument("--no-queue-section", action="store_true", help="skip the proposers-only section")
     args = parser.parse_args()
     os.environ["BENCH_STEP_SECONDS"] = str(args.step_seconds)
@@ -207,7 +208,8 @@ def main() -> int:
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     for seed in range(args.seeds):
         for kind in kinds:
-            s = run_session(args.experiment, kind, seed, args.trials, args.slots, args.minutes, args.baseline_seeds)
+            s = run_session(args.experiment, kind, seed, args.trials, args.slots, args.minutes, args.baseline_seeds,
+                            args.confirm_top)
             results[kind].append(s)
             base = s.get("baseline") or {}
             print(f"seed {seed} {kind:>6}: {s['headline']} | {s['trials']} jobs, {s['device_seconds']:.0f} "
