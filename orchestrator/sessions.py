@@ -82,9 +82,7 @@ def _ready_tracking(settings: Settings) -> None:
 
 def progress(row: dict, store: JobStore, home: Path) -> dict:
     """A session's progress: its trials' jobs by state, and best/baseline where the session records them."""
-    counts: dict[str, int] = {}
-    for job in store.list(owner=row["id"]):
-        counts[job.state] = counts.get(job.state, 0) + 1
+    counts = store.state_counts(finished=True, owner=row["id"])  # one GROUP BY, not a row per trial
     summary = row.get("summary") or {}
     state = _checkpoint_state(home, row["id"]) if not summary else {}
     best = summary.get("winner") or summary.get("best") or state.get("best") or {}
