@@ -32,6 +32,10 @@ def test_preflight_failure_quarantines_the_device_and_the_job_lands_on_a_healthy
     monkeypatch.delenv("AUTORESEARCH_FAULTS")
     service.store.set_device_state(service.host, "cpu:0", "available")
     service.store.set_device_state(service.host, "cpu:1", "disabled", "test")
+    # A pass that read the devices before these changes may still be under way: submit once one that began
+    # after them has ended (its successor cannot have read the old states).
+    passes = service.passes
+    wait_for(lambda: service.passes >= passes + 2, timeout=30)
     job = api.submit(JobSpec(argv=["true"], track=False))[0].id
     wait_for(lambda: service.store.get(job).state == "SUCCEEDED", timeout=30)
     assert service.store.get(job).devices == ["cpu:0"]
