@@ -87,6 +87,10 @@ class Supervisor:
         for job in mine:
             if job.job_state not in (S.PREEMPTING, S.CANCELLING) or job.pid is None:
                 continue
+            if job.stop_sent_at is not None and time.time() - job.stop_sent_at < job.grace:
+                continue  # SIGTERM sent, grace not over: nothing owed yet
+            if not isinstance(job, Job):  # a pass's light row (`Held`): signalling needs the whole job
+                job = self.store.get(job.id)
             if job.stop_sent_at is None:
                 self.send_stop(job)
             else:

@@ -20,6 +20,7 @@ import logging
 import os
 import selectors
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ WRAPPER = ('ef=$' + EXIT_FILE_VAR + '; cg=$' + CGROUP_VAR + '; unset ' + EXIT_FI
            '[ -z "$cg" ] || { echo $$ > "$cg/cgroup.procs"; } 2>/dev/null; '
            'cd -- "$1" || exit 126; shift; trap : TERM INT; "$@"; rc=$?; printf "%s" "$rc" > "$ef"; exit $rc')
 REFRESH_EVERY = 0.5  # seconds between looks at the process trees of attempts without a cgroup
+_LEFT_RUNNING: list[subprocess.Popen] = []  # children still running when their executor closed (see close)
 LEFTOVER_WAIT = 30.0  # seconds to keep killing what an ended attempt left behind before reporting anyway
 
 
@@ -55,7 +57,7 @@ class _Watch:
     attempt: int
     pid: int
     tree: procs.ProcessTree
-    child: bool = False  # False for an adopted process (not our child: no wait status to collect)
+    child: Optional[subprocess.Popen] = None  # None for an adopted process (not our child: no status to collect)
     key: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,8 @@ class LocalExecutor(Executor):
         self._lock = threading.Lock()
         self._pending: list[tuple[int, _Watch]] = []
         self._watches: dict[tuple[int, int], _Watch] = {}
+        self._log_dirs: set[Path] = set()  # folders of job logs made (or found) by this executor
+        self._emptied: list[tuple[int, int]] = []  # attempts forgotten whose cgroups are still to remove
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="local-executor-watch", daemon=True)
         self._thread.start()
@@ -105,7 +109,9 @@ class LocalExecutor(Executor):
         env[EXIT_FILE_VAR] = str(exit_file)
         env[CGROUP_VAR] = str(cgroup or "")
         log_path = Path(job.log_path or self.layout.log_path(job.id))
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if log_path.parent not in self._log_dirs:  # one look per folder (every job's log is in one)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_dirs.add(log_path.parent)
         if job.checkpoint_dir:
             os.makedirs(job.checkpoint_dir, exist_ok=True)
         cwd = job.cwd if job.cwd and os.path.isdir(job.cwd) else str(Path.home())
@@ -117,19 +123,18 @@ class LocalExecutor(Executor):
         with open(log_path, "ab", buffering=0) as out:
             out.write(f"=== autoresearch: attempt {job.attempts} of job {job.id} on "
                       f"{','.join(job.devices) or '-'}: {describe(argv)}\n".encode())
-        # posix_spawn (vfork + exec in libc) costs a fraction of subprocess.Popen; Python's own fds are
-        # close-on-exec, so the job inherits only what the file actions set up.
-        pid = os.posix_spawn(SHELL, [SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], env,
-                             file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                                           (os.POSIX_SPAWN_OPEN, 1, str(log_path),
-                                            os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
-                                           (os.POSIX_SPAWN_DUP2, 1, 2)],
-                             setsid=True)
+            # subprocess, not os.posix_spawn: both vfork and exec, but posix_spawn holds the GIL until the
+            # child has exec'd (1-3 ms a job, every other thread of the service stalled: py-spy --gil put half
+            # the service's GIL time there), while _posixsubprocess releases it around the vfork.
+            popen = subprocess.Popen([SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], executable=SHELL,
+                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        pid = popen.pid
         # One psutil.Process: building it reads /proc/PID/stat for its start time already (a second lookup
         # through procs.start_time doubled the launch's /proc work, measured with py-spy on 600 no-op jobs).
         proc = _process(pid)
         start = procs.start_time_of(proc) if proc is not None else None
-        self._watch(_Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), child=True))
+        self._watch(_Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), child=popen))
         return Launched(pid, start)
 
     # ---- finding attempts ---------------------------------------------------------------------------------
@@ -225,7 +230,15 @@ class LocalExecutor(Executor):
 
     def forget(self, job_id: int, attempt: int) -> None:
         self.layout.exit_file(job_id, attempt).unlink(missing_ok=True)
-        if self.cgroups is not None:
+        if self.cgroups is not None:  # removing a cgroup costs ~1 ms in the kernel: the watcher does it
+            with self._lock:
+                self._emptied.append((job_id, attempt))
+            os.write(self._wake_w, b"x")
+
+    def _remove_emptied(self) -> None:
+        with self._lock:
+            emptied, self._emptied = self._emptied, []
+        for job_id, attempt in emptied:
             self.cgroups.remove(job_id, attempt)
 
     def close(self) -> None:
@@ -239,12 +252,13 @@ class LocalExecutor(Executor):
         os.close(self._wake_r)
         os.close(self._wake_w)
         for watch in list(self._watches.values()):
-            if watch.child:  # collect children that already ended: a zombie keeps its cgroup busy
-                try:
-                    os.waitpid(watch.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+            if watch.child is not None and watch.child.poll() is None:
+                # Still running: left to the next service, which adopts it. Kept referenced so that no
+                # Popen.__del__ hands it to subprocess's own reaping of forgotten children.
+                _LEFT_RUNNING.append(watch.child)
+            # (poll() collected the children that already ended: a zombie keeps its cgroup busy)
         if self.cgroups is not None:
+            self._remove_emptied()
             self.cgroups.prune()
 
     # ---- watching -----------------------------------------------------------------------------------------
@@ -280,6 +294,8 @@ class LocalExecutor(Executor):
                 ended.append((key.data, self._wait(key.data)))
             if ended:
                 self._settle_many(ended)
+            if self._emptied:
+                self._remove_emptied()
             if time.monotonic() - last_refresh >= REFRESH_EVERY:
                 last_refresh = time.monotonic()
                 self._refresh_trees()
@@ -302,13 +318,9 @@ class LocalExecutor(Executor):
     @staticmethod
     def _wait(watch: _Watch) -> Optional[int]:
         """The leader's exit status (None for an adopted process: not our child)."""
-        if not watch.child:
+        if watch.child is None:
             return None
-        try:
-            _, raw = os.waitpid(watch.pid, 0)
-            return os.waitstatus_to_exitcode(raw)
-        except ChildProcessError:
-            return None
+        return watch.child.wait()
 
     def _settle_many(self, ended: list[tuple[_Watch, Optional[int]]]) -> None:
         """Settle the attempts whose leaders ended in one round, with one look for orphans among them."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from sqlalchemy import func, or_
+from sqlalchemy import bindparam, func, or_, select as core_select
 from sqlmodel import Session, select
 
 from orchestrator.errors import JobNotFound
@@ -17,6 +17,31 @@ from orchestrator.queue.models import Job, JobEvent
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
 
 S = JobState
+JOBS = Job.__table__
+
+
+class Held:
+    """A job a host holds devices for, as a dispatch pass reads it (light: no ORM object). The columns the pass
+    plans and enforces stops with; whoever signals the job loads the whole `Job` (`JobQueries.get`)."""
+
+    COLUMNS = ("id", "state", "priority", "devices", "started_at", "preemptible", "pid", "stop_sent_at",
+               "time_limit", "attempts", "grace")
+    __slots__ = COLUMNS
+    job_state = Job.__dict__["job_state"]
+
+    def __init__(self, row: tuple) -> None:
+        for key, value in zip(self.COLUMNS, row):
+            setattr(self, key, value)
+
+
+# A pass's two reads, built once: building a statement cost more than running it.
+_WAITING = (core_select(JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus,
+                        JOBS.c.track & JOBS.c.mlflow_run_id.is_(None))
+            .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"))
+            .order_by(JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id).limit(bindparam("limit")))
+_HELD = (core_select(*(JOBS.c[name] for name in Held.COLUMNS))
+         .where(JOBS.c.state.in_([s.value for s in HOLDING]), JOBS.c.host == bindparam("host")))
+NO_LIMIT = 2 ** 62
 
 
 class JobQueries(HostRecords):
@@ -122,24 +147,18 @@ class JobQueries(HostRecords):
             return list(session.exec(stmt))
 
     def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
-                 skip: Iterable[int] = ()) -> tuple[list[tuple], list[Job]]:
+                 skip: Iterable[int] = ()) -> tuple[list[tuple], list[Held]]:
         """What one dispatch pass needs: QUEUED jobs in line order as light (id, priority, submitted_at, gpus,
-        needs an MLflow run) rows, and the jobs this host holds devices for.
+        needs an MLflow run) rows, and the jobs this host holds devices for (`Held`).
 
         `capacity`: only jobs needing at most this many devices (the others can never run here and must not
-        take places in the window); `limit`: at most this many rows; `skip`: ids left out (held back)."""
-        stmt = (select(Job.id, Job.priority, Job.submitted_at, Job.gpus, Job.track & Job.mlflow_run_id.is_(None))
-                .where(Job.state == S.QUEUED.value))
-        if capacity is not None:
-            stmt = stmt.where(Job.gpus <= capacity)
-        skip = list(skip)
-        if skip:
-            stmt = stmt.where(Job.id.not_in(skip))
-        stmt = stmt.order_by(Job.priority.desc(), Job.submitted_at, Job.id)
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        with self._read() as session:
-            waiting = list(session.exec(stmt))
-            mine = list(session.exec(select(Job).where(Job.state.in_([s.value for s in HOLDING]),
-                                                       Job.host == host)))
-        return waiting, mine
+        take places in the window); `limit`: at most this many rows; `skip`: ids left out (held back).
+        Two statements without a write lock (a pass only reads here; its changes re-read under the lock)."""
+        skip = set(skip)
+        wanted = NO_LIMIT if limit is None else limit + len(skip)
+        with self._lone_read() as conn:
+            waiting = [tuple(row) for row in conn.execute(_WAITING, {"capacity": NO_LIMIT if capacity is None
+                                                                     else capacity, "limit": wanted})
+                       if row[0] not in skip]
+            mine = [Held(row) for row in conn.execute(_HELD, {"host": host})]
+        return waiting[:limit] if limit is not None else waiting, mine

@@ -23,7 +23,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
 from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
-from orchestrator.queue.models import Job, JobEvent, JobSpec, check_priority
+from orchestrator.queue.models import Device, Job, JobEvent, JobSpec, check_priority
 from orchestrator.queue.queries import JobQueries
 from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
@@ -41,6 +41,9 @@ def backoff(failures: int, base: float = DEFAULT_BACKOFF, cap: float = DEFAULT_B
 JOBS = Job.__table__
 EVENTS = JobEvent.__table__
 _INSERT_JOB = insert(JOBS)
+DEVICES = Device.__table__
+_UNAVAILABLE = core_select(DEVICES.c.name).where(DEVICES.c.host == bindparam("host"), DEVICES.c.state != "available")
+_CLAIMABLE = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)), Job.state == S.QUEUED.value)
 _INSERT_EVENT = insert(EVENTS)
 
 
@@ -66,6 +69,10 @@ class _Row:
     def __init__(self, row: Any) -> None:
         for key, value in zip(self.COLUMNS, row):
             setattr(self, key, value)
+
+
+_JOBS_BY_ID = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)))
+_ROWS_BY_ID = core_select(*(JOBS.c[name] for name in _Row.COLUMNS)).where(JOBS.c.id.in_(bindparam("ids", expanding=True)))
 
 
 class _Writes:
@@ -120,17 +127,13 @@ class JobStore(JobQueries):
 
     def _lock_many(self, session: Session, job_ids: Sequence[int]) -> dict[int, Job]:
         """Load (and on PostgreSQL row-lock) several jobs in one query: batches stay one round trip."""
-        stmt = select(Job).where(Job.id.in_(list(job_ids)))
-        if self.is_postgres:
-            stmt = stmt.with_for_update()
-        return {job.id: job for job in session.exec(stmt)}
+        stmt = _JOBS_BY_ID.with_for_update() if self.is_postgres else _JOBS_BY_ID
+        return {job.id: job for job in session.exec(stmt, params={"ids": list(job_ids)})}
 
     def _lock_rows(self, session: Session, job_ids: Sequence[int]) -> dict[int, _Row]:
         """`_lock_many` as light rows (`_Row`): for batch transitions whose callers need no `Job`."""
-        stmt = core_select(*(JOBS.c[name] for name in _Row.COLUMNS)).where(JOBS.c.id.in_(list(job_ids)))
-        if self.is_postgres:
-            stmt = stmt.with_for_update()
-        return {row[0]: _Row(row) for row in session.connection().execute(stmt)}
+        stmt = _ROWS_BY_ID.with_for_update() if self.is_postgres else _ROWS_BY_ID
+        return {row[0]: _Row(row) for row in session.connection().execute(stmt, {"ids": list(job_ids)})}
 
     def _lock(self, session: Session, job_id: int) -> Job:
         stmt = select(Job).where(Job.id == job_id)
@@ -216,14 +219,15 @@ class JobStore(JobQueries):
         if not starts:
             return claimed
         with self._moving() as (session, writes):
-            ids = [job_id for job_id, _ in starts]
-            stmt = select(Job).where(Job.id.in_(ids), Job.state == S.QUEUED.value)
-            if self.is_postgres:
-                stmt = stmt.with_for_update(skip_locked=True)
-            rows = {job.id: job for job in session.exec(stmt)}
+            # A device disabled or quarantined since the pass read the inventory is not used: the job stays in
+            # line for the next pass (PostgreSQL: FOR SHARE holds a concurrent state change until the commit).
+            devices_now = _UNAVAILABLE.with_for_update(read=True) if self.is_postgres else _UNAVAILABLE
+            unusable = set(session.connection().execute(devices_now, {"host": host}).scalars())
+            stmt = _CLAIMABLE.with_for_update(skip_locked=True) if self.is_postgres else _CLAIMABLE
+            rows = {job.id: job for job in session.exec(stmt, params={"ids": [job_id for job_id, _ in starts]})}
             for job_id, devices in starts:
                 job = rows.get(job_id)
-                if job is None:
+                if job is None or unusable.intersection(devices):
                     continue
                 fields: dict[str, Any] = dict(devices=list(devices), host=host, attempts=job.attempts + 1,
                                               exit_code=None, pid=None, proc_start=None, stop_sent_at=None)

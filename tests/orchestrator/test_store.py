@@ -234,6 +234,22 @@ def test_claim_is_all_or_nothing_per_job_and_skips_taken_jobs(store):
     assert store.claim([(a.id, ["cpu:3"])], "h2") == []  # already taken by h1
 
 
+def test_claim_skips_a_device_disabled_or_quarantined_since_the_pass_read_it(store):
+    """A pass plans from the devices it read; a person (or a check) may take one away before the claim
+    commits. The claim re-reads them under its lock: the job stays QUEUED, with no attempt spent."""
+    store.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
+    a, b, c = store.submit(spec()), store.submit(spec()), store.submit(spec(gpus=2))
+    store.set_device_state("h1", "cpu:1", "disabled", "maintenance")
+    store.set_device_state("h1", "cpu:2", "quarantined", "preflight failed")
+    claimed = store.claim([(a.id, ["cpu:0"]), (b.id, ["cpu:1"]), (c.id, ["cpu:0", "cpu:2"])], "h1")
+    assert [j.id for j in claimed] == [a.id]
+    for job_id in (b.id, c.id):
+        job = store.get(job_id)
+        assert (job.state, job.attempts, job.devices) == ("QUEUED", 0, [])
+    store.set_device_state("h1", "cpu:1", "available")
+    assert [j.id for j in store.claim([(b.id, ["cpu:1"])], "h1")] == [b.id]
+
+
 def test_idempotency_key_returns_the_same_job(store):
     a = store.submit(spec(idempotency_key="session-1:0"))
     b = store.submit(spec(idempotency_key="session-1:0", name="other"))
