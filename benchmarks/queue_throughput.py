@@ -92,12 +92,13 @@ from orchestrator import api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.config import Settings
-store = JobStore(Settings.load().db_url)
+settings = Settings.load()  # as the agent holds them: its submits pass settings and store
+store = JobStore.from_settings(settings)
 spec = JobSpec(argv=["true"], track=sys.argv[2] == "1")
 print("ready", flush=True)
 sys.stdin.readline()
 for _ in range(int(sys.argv[1])):
-    api.submit(spec, store=store)
+    api.submit(spec, settings, store)
 """
 
 

@@ -15,6 +15,11 @@ from orchestrator.queue.models import Device, ServiceRecord
 DEVICE_STATES = ("available", "disabled", "quarantined")
 
 
+_LIVE = core_select(ServiceRecord.__table__.c.devices).where(
+    ServiceRecord.__table__.c.heartbeat_at >= bindparam("since"))
+CAPACITIES_TTL = 1.0
+
+
 class HostRecords(Database):
     """Device inventories and service heartbeats, one row each."""
 
@@ -80,11 +85,17 @@ class HostRecords(Database):
 
     def live_capacities(self, max_age: float) -> list[int]:
         """How many devices each service whose heartbeat is `max_age` fresh has (what a submit checks; read
-        without the ORM, which cost a third of a submit)."""
-        table = ServiceRecord.__table__
-        stmt = core_select(table.c.devices).where(table.c.heartbeat_at >= bindparam("since"))
+        without the ORM, which cost a third of a submit). A non-empty answer is reused for CAPACITIES_TTL
+        seconds (a burst of submits asks once; services heartbeat every 2 s and count as gone after 10 s, so
+        the answer is that old anyway); none found is asked again each time (a service may be starting)."""
+        now = time.monotonic()
+        cached = getattr(self, "_capacities", None)
+        if cached is not None and cached[0] == max_age and now - cached[1] < CAPACITIES_TTL:
+            return list(cached[2])
         with self._lone_read() as conn:
-            return [len(devices or []) for (devices,) in conn.execute(stmt, {"since": time.time() - max_age})]
+            found = [len(devices or []) for (devices,) in conn.execute(_LIVE, {"since": time.time() - max_age})]
+        self._capacities = (max_age, now, found) if found else None
+        return found
 
     def available_devices(self, host: str) -> list[str]:
         """Names of this host's devices in the `available` state, in inventory order (each dispatch pass)."""

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from sqlalchemy import bindparam, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.instrumentation import manager_of_class
 from sqlmodel import Session, select
 
 from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
@@ -177,21 +178,20 @@ class JobStore(JobQueries):
             existing = self.find_by_key(spec.idempotency_key)
             if existing is not None:
                 return existing
-        job = Job(argv=list(spec.argv), env=dict(spec.env), cwd=spec.cwd, track=spec.track, name=spec.name or _default_name(spec),
-                  priority=spec.priority, gpus=spec.gpus, max_attempts=spec.max_attempts, grace=float(spec.grace),
-                  preemptible=spec.preemptible, owner=spec.owner, experiment=spec.experiment,
-                  params=spec.params, mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
-                  time_limit=spec.time_limit, image=spec.image, image_id=spec.image_id,
-                  mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
-                  state=S.QUEUED.value, reason="submitted", submitted_at=now,
-                  devices=[])  # given, not defaulted: pydantic inspects a default_factory on each call (30%)
-        values = {column.name: getattr(job, column.name) for column in JOBS.columns if column.name != "id"}
+        values = dict(_job_defaults(), argv=list(spec.argv), env=dict(spec.env), cwd=spec.cwd, track=spec.track,
+                      name=spec.name or _default_name(spec), priority=spec.priority, gpus=spec.gpus,
+                      max_attempts=spec.max_attempts, grace=float(spec.grace), preemptible=spec.preemptible,
+                      owner=spec.owner, experiment=spec.experiment, params=spec.params,
+                      mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
+                      time_limit=spec.time_limit, image=spec.image, image_id=spec.image_id,
+                      mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
+                      state=S.QUEUED.value, reason="submitted", submitted_at=now, devices=[])
         try:
             with self._tx() as session:
                 conn = session.connection()  # Core: the ORM's flush of one new row cost more than the commit
                 # Values as parameters, not in the statement: the statement then compiles once, cached.
-                job.id = conn.execute(_INSERT_JOB, values).inserted_primary_key[0]
-                conn.execute(_INSERT_EVENT, {"job_id": job.id, "at": now, "src": None, "dst": S.QUEUED.value,
+                job_id = conn.execute(_INSERT_JOB, values).inserted_primary_key[0]
+                conn.execute(_INSERT_EVENT, {"job_id": job_id, "at": now, "src": None, "dst": S.QUEUED.value,
                                              "reason": "submitted", "host": None})
                 if self.is_postgres:
                     from sqlalchemy import text
@@ -203,6 +203,9 @@ class JobStore(JobQueries):
                 if existing is not None:
                     return existing
             raise
+        # The Job as the ORM would load it (its __init__ cost more than the insert): the values just written.
+        job = _JOB_MANAGER.new_instance()
+        job.__dict__.update(values, id=job_id)
         return job
 
     # ---- the service's transitions ----------------------------------------------------------------------
@@ -432,6 +435,20 @@ class JobStore(JobQueries):
             if job.job_state is S.RUNNING:
                 return self._move(writes, job, S.PREEMPTING, f"{reason} (priority {priority})", None, now)
             return job
+
+
+_JOB_MANAGER = manager_of_class(Job)
+
+
+@functools.lru_cache(maxsize=None)
+def _column_defaults() -> tuple[tuple[str, Any], ...]:
+    blank = Job(argv=[], devices=[])
+    return tuple((column.name, getattr(blank, column.name)) for column in JOBS.columns if column.name != "id")
+
+
+def _job_defaults() -> dict[str, Any]:
+    """Every column of a new job (but `id`) at its default (mutable ones are given by `submit`)."""
+    return dict(_column_defaults())
 
 
 def _default_name(spec: JobSpec) -> str:
