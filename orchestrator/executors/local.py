@@ -320,7 +320,13 @@ class LocalExecutor(Executor):
         """The leader's exit status (None for an adopted process: not our child)."""
         if watch.child is None:
             return None
-        return watch.child.wait()
+        try:  # not Popen.wait(): it reports a status it could not collect as 0, a success
+            _, raw = os.waitpid(watch.pid, 0)
+            code: Optional[int] = os.waitstatus_to_exitcode(raw)
+        except ChildProcessError:
+            code = None
+        watch.child.returncode = -signal.SIGKILL if code is None else code  # collected: Popen must not wait
+        return code
 
     def _settle_many(self, ended: list[tuple[_Watch, Optional[int]]]) -> None:
         """Settle the attempts whose leaders ended in one round, with one look for orphans among them."""
