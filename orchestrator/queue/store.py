@@ -44,7 +44,7 @@ EVENTS = JobEvent.__table__
 _INSERT_JOB = insert(JOBS)
 DEVICES = Device.__table__
 _UNAVAILABLE = core_select(DEVICES.c.name).where(DEVICES.c.host == bindparam("host"), DEVICES.c.state != "available")
-_CLAIMABLE = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)), Job.state == S.QUEUED.value)
+_CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)), JOBS.c.state == S.QUEUED.value)
 _INSERT_EVENT = insert(EVENTS)
 
 
@@ -87,11 +87,14 @@ class _Writes:
 
     def set(self, job: Any, **values: Any) -> None:
         """Change columns of a loaded job: in the row (at flush) and in the object the caller gets back."""
-        for key, value in values.items():
-            if isinstance(job, _Row):
+        if isinstance(job, _Row):
+            for key, value in values.items():
                 if key in _Row.COLUMNS:
                     setattr(job, key, value)
-            else:
+        elif job._sa_instance_state.session_id is None:  # built by `_jobs`, in no session: plain attributes
+            job.__dict__.update(values)
+        else:
+            for key, value in values.items():
                 set_committed_value(job, key, value)  # not dirty: the ORM writes nothing for it
         self.rows.setdefault(job.id, {}).update(values)
 
@@ -227,7 +230,8 @@ class JobStore(JobQueries):
             devices_now = _UNAVAILABLE.with_for_update(read=True) if self.is_postgres else _UNAVAILABLE
             unusable = set(session.connection().execute(devices_now, {"host": host}).scalars())
             stmt = _CLAIMABLE.with_for_update(skip_locked=True) if self.is_postgres else _CLAIMABLE
-            rows = {job.id: job for job in session.exec(stmt, params={"ids": [job_id for job_id, _ in starts]})}
+            rows = {job.id: job for job in _jobs(session.connection().execute(
+                stmt, {"ids": [job_id for job_id, _ in starts]}))}
             for job_id, devices in starts:
                 job = rows.get(job_id)
                 if job is None or unusable.intersection(devices):
@@ -438,6 +442,17 @@ class JobStore(JobQueries):
 
 
 _JOB_MANAGER = manager_of_class(Job)
+
+
+def _jobs(rows: Iterable[Any]) -> list[Job]:
+    """`Job`s built from Core rows of every column as the ORM loads them (ORM loading cost several times the
+    statement), detached: what a caller reads and the store's transitions update (`_Writes.set`)."""
+    out = []
+    for row in rows:
+        job = _JOB_MANAGER.new_instance()
+        job.__dict__.update(row._mapping)
+        out.append(job)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
