@@ -1,6 +1,6 @@
 """Queue throughput and submit-to-start latency, side by side with Debian's task-spooler (`tsp`).
 
-    python benchmarks/queue_throughput.py [--jobs 500] [--slots 8] [--latency-jobs 40]
+    python benchmarks/queue_throughput.py [--jobs 500] [--slots 8] [--latency-jobs 40] [--rounds 3]
 
 Both queues get the same work in the same run:
 1. throughput: N no-op jobs (`true`) on 8 slots, submitted back to back from another process, timed from the
@@ -211,14 +211,18 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--latency-jobs", type=int, default=40)
     parser.add_argument("--cli-submits", type=int, default=10, help="calls per CLI row")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="throughput rounds, each tsp then autoresearch back to back (ratios per round)")
     args = parser.parse_args()
     if shutil.which("tsp") is None:
         sys.exit("task-spooler is not installed (apt-get install task-spooler)")
     tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     try:
-        t_tsp = tsp_throughput(args.jobs, args.slots, tmp / "tsp1")
-        t_ar = ar_throughput(args.jobs, args.slots, tmp / "ar1", track=False)
-        t_ar_tracked = ar_throughput(args.jobs, args.slots, tmp / "ar2", track=True)
+        rounds = []  # (tsp, untracked, tracked) seconds, one triple per round: the box's load drifts between
+        for r in range(args.rounds):
+            rounds.append((tsp_throughput(args.jobs, args.slots, tmp / f"tsp1-{r}"),
+                           ar_throughput(args.jobs, args.slots, tmp / f"ar1-{r}", track=False),
+                           ar_throughput(args.jobs, args.slots, tmp / f"ar2-{r}", track=True)))
         l_tsp = tsp_latency(args.latency_jobs, tmp / "tsp2")
         l_ar = ar_latency(args.latency_jobs, tmp / "ar3")
         s_tsp = tsp_submit_seconds(args.cli_submits, tmp / "tsp3")
@@ -232,10 +236,21 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     n = args.jobs
-    print(f"throughput, {n} no-op jobs on {args.slots} slots (jobs/s):")
-    print(f"  task-spooler                         {n / t_tsp:8.1f}")
-    print(f"  autoresearch (untracked)             {n / t_ar:8.1f}   ratio vs tsp {t_tsp / t_ar:5.2f}x")
-    print(f"  autoresearch (MLflow run per job)    {n / t_ar_tracked:8.1f}   ratio vs tsp {t_tsp / t_ar_tracked:5.2f}x")
+    print(f"throughput, {n} no-op jobs on {args.slots} slots, {len(rounds)} rounds (jobs/s per round; ratio: "
+          f"median of the rounds' ratios, [min-max]):")
+
+    def row(name: str, col: int) -> None:
+        rates = " ".join(f"{n / r[col]:7.1f}" for r in rounds)
+        if col == 0:
+            print(f"  {name:36s} {rates}")
+            return
+        ratios = sorted(r[0] / r[col] for r in rounds)
+        print(f"  {name:36s} {rates}   ratio vs tsp {statistics.median(ratios):5.2f}x "
+              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+
+    row("task-spooler", 0)
+    row("autoresearch (untracked)", 1)
+    row("autoresearch (MLflow run per job)", 2)
     print(f"submit-to-start on an idle queue, {args.latency_jobs} jobs (ms):")
     print(f"  task-spooler     p50 {1000 * statistics.median(l_tsp):7.1f}  p95 {1000 * pct(l_tsp, 95):7.1f}")
     print(f"  autoresearch     p50 {1000 * statistics.median(l_ar):7.1f}  p95 {1000 * pct(l_ar, 95):7.1f}"
