@@ -36,7 +36,12 @@ def _sqlite_engine(url: str) -> Engine:
         # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade. A lone
         # read (`Database._lone_read`) begins nothing: the driver runs its one SELECT in autocommit, without
         # queueing behind the writers.
-        if not conn.get_execution_options().get("lone_read"):
+        # A read (`Database._read`, `Database._reading`) begins a deferred transaction: in WAL mode it reads one
+        # snapshot and never waits for the write lock nor takes it.
+        options = conn.get_execution_options()
+        if options.get("read"):
+            conn.exec_driver_sql("BEGIN")
+        elif not options.get("lone_read"):
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
@@ -62,6 +67,7 @@ class Database:
         self.is_postgres = url.startswith("postgres")
         try:
             self.engine = make_engine(url)
+            self._read_engine = self.engine.execution_options(read=True)  # same pool, see `_read`
             if create:
                 SQLModel.metadata.create_all(self.engine)
                 add_missing_columns(self.engine)
@@ -96,7 +102,14 @@ class Database:
             yield conn.execution_options(lone_read=True)
 
     def _read(self) -> Session:
-        return Session(self.engine, expire_on_commit=False)
+        """An ORM session for reads only. On SQLite its transaction is deferred (one snapshot of the WAL), so a
+        reader neither takes the write lock nor waits for a writer that holds it: `show`, `queue`, `top` and
+        the MCP reads stay quick while the service commits."""
+        return Session(self._read_engine, expire_on_commit=False)
+
+    def _reading(self) -> Connection:
+        """`_read` as a Core connection (a context manager), for reads of several statements."""
+        return self._read_engine.connect()
 
 
 def add_missing_columns(engine: Engine) -> list[str]:

@@ -90,22 +90,22 @@ class JobQueries(HostRecords):
                 owner: Optional[str] = None) -> listings.Listing:
         """What `autoresearch queue` lists: the first `limit` (None: all) unfinished jobs (every job with
         `finished`) in listing order as dicts, with the counts by state of all of them (orchestrator.queue.listing)."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return listings.listing(conn, finished=finished, limit=limit, owner=owner)
 
     def record(self, job_id: int) -> dict:
         """One job with its events as `show --json` prints it (JobNotFound: exit 2)."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return listings.record(conn, job_id)
 
     def state_counts(self, *, finished: bool = False, owner: Optional[str] = None) -> dict[str, int]:
         """Unfinished jobs (every job with `finished`) by state, counted in SQL."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return listings.counts(conn, finished=finished, owner=owner)
 
     def line(self, limit: int) -> list:
         """The first `limit` QUEUED jobs in line order, as read-only rows with the Job's column attributes."""
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return listings.line(conn, limit)
 
     def events(self, job_id: int) -> list[JobEvent]:
@@ -122,12 +122,12 @@ class JobQueries(HostRecords):
 
     def count(self) -> int:
         """How many jobs exist."""
-        with Session(self.engine) as session:
+        with self._read() as session:
             return session.exec(select(func.count()).select_from(Job)).one()
 
     def count_in(self, state: JobState) -> int:
         """How many jobs are in `state`."""
-        with Session(self.engine) as session:
+        with self._read() as session:
             return session.exec(select(func.count()).select_from(Job).where(Job.state == JobState(state).value)).one()
 
     def waiting_with(self, *, gpus_over: int, reason_prefix: str) -> list[Job]:

@@ -372,3 +372,34 @@ def test_a_batch_of_mixed_ends_gives_each_job_its_own_checked_transition_and_eve
     assert states(store, ids[3]) == head + [("RUNNING", "PREEMPTING"), ("PREEMPTING", "QUEUED")]
     assert states(store, ids[4]) == head + [("RUNNING", "CANCELLING"), ("CANCELLING", "CANCELLED")]
     assert states(store, ids[5]) == head
+
+
+def test_reads_neither_take_nor_wait_for_the_sqlite_write_lock(tmp_path):
+    """`show`, `queue`, `top` and the MCP reads go on while a writer (the service committing a pass, a
+    submit) holds SQLite's write lock: a read never waits for it, nor blocks writers by taking it."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "queue.db"
+    store = JobStore(f"sqlite:///{path}")
+    job = store.submit(spec(name="visible"))
+    store.claim([(job.id, ["cpu:0"])], "h1")
+    writer = sqlite3.connect(path, isolation_level=None, timeout=0.1)
+    writer.execute("BEGIN IMMEDIATE")  # held for the whole read below
+    answers: dict = {}
+
+    def read() -> None:
+        answers["get"] = store.get(job.id).name
+        answers["events"] = len(store.events(job.id))
+        answers["count"] = (store.count(), store.count_in(JobState.STARTING))
+        answers["list"] = [j.id for j in store.list([JobState.STARTING])]
+        answers["listing"] = [row["id"] for row in store.listing().jobs]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)  # the busy timeout is 30 s: a read that waits for the lock is still waiting
+    writer.execute("ROLLBACK")
+    writer.close()
+    assert not reader.is_alive(), "a read waited for the write lock"
+    assert answers == {"get": "visible", "events": 2, "count": (1, 1), "list": [job.id], "listing": [job.id]}
+    store.close()
