@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sqlalchemy import and_, func, literal, not_, or_, select, union_all
+from sqlalchemy import and_, func, literal, not_, or_, select, text, union_all
 from sqlalchemy.engine import Connection, Row
 
 from orchestrator.errors import BadInput, JobNotFound
-from orchestrator.queue.models import Job, JobEvent, event_dict, job_dict
+from orchestrator.queue.models import RETRYING_SQL, Job, JobEvent, event_dict, job_dict
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
 
 DEFAULT_LIMIT = 50  # what `queue` shows a person (and the MCP list tool returns) unless told otherwise
@@ -30,12 +30,16 @@ _jobs = Job.__table__
 _events = JobEvent.__table__
 _c = _jobs.c
 LINE_ORDER = (_c.priority.desc(), _c.submitted_at, _c.id)
-_RETRYING = and_(_c.state == JobState.FAILED.value, _c.failures < _c.max_attempts)
+# Jobs awaiting a retry, through the partial index ix_jobs_retrying (its condition in literals; every such job
+# has a `not_before`, and saying so makes SQLite prefer that index). They are few, so they are sorted after
+# the read: the unary plus keeps SQLite from reading every FAILED job through ix_jobs_line for its order.
+_RETRYING = text(f"{RETRYING_SQL} AND not_before IS NOT NULL")
+_RETRY_ORDER = (text("+jobs.priority DESC"), text("+jobs.submitted_at"), text("+jobs.id"))
 _UNFINISHED = or_(_c.state.in_([s.value for s in ACTIVE]), _RETRYING)
 # The parts of a listing in order, as (condition, order); `finished=True` listings add _HISTORY.
 _PARTS = ((_c.state.in_(sorted(s.value for s in HOLDING)), (_c.id,)),
           (_c.state == JobState.QUEUED.value, LINE_ORDER),
-          (_RETRYING, LINE_ORDER))
+          (_RETRYING, _RETRY_ORDER))
 _HISTORY = (not_(_UNFINISHED), (_c.id.desc(),))
 
 
@@ -106,7 +110,8 @@ def counts(conn: Connection, *, finished: bool = False, owner: Optional[str] = N
     else:  # an OR of both conditions would read every row for `failures`; two index searches do not
         active = (select(_c.state, func.count()).where(_owned(_c.state.in_([s.value for s in ACTIVE]), owner))
                   .group_by(_c.state))
-        stmt = union_all(active, select(literal(JobState.FAILED.value), func.count()).where(_owned(_RETRYING, owner)))
+        stmt = union_all(active, select(literal(JobState.FAILED.value), func.count()).select_from(_jobs)
+                           .where(_owned(_RETRYING, owner)))
     found = {state: n for state, n in conn.execute(stmt).all() if n}
     return {s: found[s] for s in sorted(found, key=_state_rank)}
 

@@ -83,3 +83,42 @@ def test_the_reservation_of_a_blocked_job_still_holds_behind_a_long_line(make_se
     wait_for(lambda: service.store.get(small).state == "SUCCEEDED", timeout=120, what="the line to drain")
     first = service.store.get(big[0])
     assert first.state == "SUCCEEDED" and first.started_at <= service.store.get(small).started_at
+
+
+def test_retries_are_found_without_reading_every_failed_job(tmp_path):
+    """Among thousands of jobs that failed for good, housekeeping's read of the retries that are due (every
+    second) and `queue`'s listing of the jobs awaiting a retry go through the partial index of retrying jobs,
+    and still find exactly those, in line order."""
+    import time
+
+    from sqlalchemy import event
+
+    from orchestrator.queue.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'queue.db'}", retry_backoff=0.01)
+    for _ in range(20):  # 2,000 failed for good (one attempt, spent), in batches as a service records them
+        ids = [store.submit(JobSpec(argv=["false"], track=False)).id for _ in range(100)]
+        store.claim([(job_id, ["cpu:0"]) for job_id in ids], "h")
+        store.mark_running_many([(job_id, 1, None) for job_id in ids], "h")
+        store.finish_many([(job_id, 1, 1, "exit code 1") for job_id in ids], "h")
+    retrying = []
+    for priority in (5, 20, 10):
+        job = store.submit(JobSpec(argv=["false"], track=False, max_attempts=3, priority=priority))
+        store.claim([(job.id, ["cpu:0"])], "h")
+        store.mark_running(job.id, 1, None, "h")
+        retrying.append(store.finish(job.id, 1, "h").id)
+    plans: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
+        if "failures < max_attempts" in statement and statement.lstrip().startswith("SELECT"):
+            raw = conn.connection.driver_connection
+            plans.append(" ".join(str(row) for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)))
+
+    listed = store.listing()
+    assert [row["id"] for row in listed.jobs] == [retrying[1], retrying[2], retrying[0]]  # line order
+    assert listed.counts == {"FAILED": 3}
+    time.sleep(0.05)  # their backoff passes
+    assert sorted(job.id for job in store.requeue_due()) == sorted(retrying)
+    assert plans and all("ix_jobs_retrying" in plan for plan in plans), plans
+    store.close()
