@@ -43,7 +43,7 @@ JOBS = Job.__table__
 EVENTS = JobEvent.__table__
 _INSERT_JOB = insert(JOBS)
 DEVICES = Device.__table__
-_UNAVAILABLE = core_select(DEVICES.c.name).where(DEVICES.c.host == bindparam("host"), DEVICES.c.state != "available")
+_DEVICE_STATES = core_select(DEVICES.c.name, DEVICES.c.state).where(DEVICES.c.host == bindparam("host"))
 _CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)), JOBS.c.state == S.QUEUED.value)
 _INSERT_EVENT = insert(EVENTS)
 
@@ -226,9 +226,11 @@ class JobStore(JobQueries):
             return claimed
         with self._moving() as (session, writes):
             # A device disabled or quarantined since the pass read the inventory is not used: the job stays in
-            # line for the next pass (PostgreSQL: FOR SHARE holds a concurrent state change until the commit).
-            devices_now = _UNAVAILABLE.with_for_update(read=True) if self.is_postgres else _UNAVAILABLE
-            unusable = set(session.connection().execute(devices_now, {"host": host}).scalars())
+            # line for the next pass. The device rows are read under the transaction's lock (SQLite's write lock;
+            # PostgreSQL: FOR SHARE), so a state change lands before this claim or after it, never in between.
+            devices_now = _DEVICE_STATES.with_for_update(read=True) if self.is_postgres else _DEVICE_STATES
+            unusable = {name for name, state in session.connection().execute(devices_now, {"host": host})
+                        if state != "available"}
             stmt = _CLAIMABLE.with_for_update(skip_locked=True) if self.is_postgres else _CLAIMABLE
             rows = {job.id: job for job in _jobs(session.connection().execute(
                 stmt, {"ids": [job_id for job_id, _ in starts]}))}
