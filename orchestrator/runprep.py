@@ -5,7 +5,7 @@ and starting a tracked job, and the service process never imports MLflow.
 line (those this host can run, up to `batch`) to the tracking worker (`orchestrator.trackworker`, a child
 process started on demand), records each run id as it comes back and wakes the dispatcher. The dispatcher
 holds a device for a tracked job without a run rather than making the run itself. The run id is set once
-(`JobStore.set_run_id`) and the loser of a race (another host) has its run deleted.
+(`JobStore.set_run_ids`, a few runs per commit) and the loser of a race (another host) has its run deleted.
 
 A tracking store that fails leaves the jobs QUEUED with the reason (`failure`), no attempt spent, and pauses
 the preparer for `retry_after` seconds (`paused_until`); the dispatcher keeps those jobs out of its plan
@@ -24,6 +24,8 @@ from orchestrator.queue.store import JobStore
 from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
+RECORD_EVERY_RUNS = 4  # runs recorded in one commit once this many are made ...
+RECORD_EVERY_S = 0.02  # ... or once the oldest of them waited this long
 
 
 def waiting_reason(error: str) -> str:
@@ -97,14 +99,26 @@ class RunPreparer:
             return False
         done: set[int] = set()
         losers: list[str] = []
+        made: dict[int, str] = {}  # runs made and not recorded yet
+        first = [0.0]  # when the oldest of them was made
+
+        def record() -> None:
+            ready = self.store.set_run_ids(made)
+            losers.extend(run_id for job_id, run_id in made.items() if job_id not in ready)  # another host won
+            self.prepared += len(ready)
+            made.clear()
+            if ready:
+                self._on_ready()  # they may start now
 
         def on_run(job_id: int, run_id: str) -> None:
             done.add(job_id)
-            if self.store.set_run_id(job_id, run_id):
-                self.prepared += 1
-                self._on_ready()  # it may start now
-            else:  # another host was first
-                losers.append(run_id)
+            if not made:
+                first[0] = time.monotonic()
+            made[job_id] = run_id
+            # Recorded a few at a time, in one commit, with one wake-up of the dispatcher: a commit and a
+            # dispatch pass per run cost the service more than its share of a tracked job.
+            if len(made) >= RECORD_EVERY_RUNS or time.monotonic() - first[0] >= RECORD_EVERY_S:
+                record()
 
         try:
             self.worker.make_runs([run_request(job) for job in jobs], on_run)
@@ -114,7 +128,10 @@ class RunPreparer:
             self._pause(str(exc), [job.id for job in jobs if job.id not in done])
             return False
         finally:
-            self.worker.discard(losers)
+            try:
+                record()  # the runs made before the end of the batch (or before the store failed)
+            finally:
+                self.worker.discard(losers)
         return len(jobs) == self.batch
 
     def _pause(self, error: str, waiting: list[int]) -> None:

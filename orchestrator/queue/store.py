@@ -46,6 +46,8 @@ DEVICES = Device.__table__
 _DEVICE_STATES = core_select(DEVICES.c.name, DEVICES.c.state).where(DEVICES.c.host == bindparam("host"))
 _CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)), JOBS.c.state == S.QUEUED.value)
 _INSERT_EVENT = insert(EVENTS)
+_SET_RUN = (update(JOBS).where(JOBS.c.id == bindparam("job_id"), JOBS.c.mlflow_run_id.is_(None))
+            .values(mlflow_run_id=bindparam("run_id")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,13 +250,19 @@ class JobStore(JobQueries):
                                           **fields))
         return claimed
 
-    def set_run_id(self, job_id: int, run_id: str) -> bool:
-        """Record the MLflow run every attempt of this job logs to (set once, before the first claim).
-        False when the job already had one (another host prepared it first)."""
+    def set_run_ids(self, runs: dict[int, str]) -> set[int]:
+        """Record the MLflow run every attempt of each job logs to (set once, before the first claim), for many
+        jobs in one commit. Returns the ids of the jobs set: a job left out already had a run (another host
+        prepared it first)."""
+        done: set[int] = set()
+        if not runs:
+            return done
         with self._tx() as session:
-            done = session.execute(update(Job).where(Job.id == job_id, Job.mlflow_run_id.is_(None))
-                                   .values(mlflow_run_id=run_id))
-            return bool(done.rowcount)
+            conn = session.connection()
+            for job_id, run_id in runs.items():
+                if conn.execute(_SET_RUN, {"job_id": job_id, "run_id": run_id}).rowcount:
+                    done.add(job_id)
+        return done
 
     def note(self, reasons: dict[int, str]) -> None:
         """Update the state reason of QUEUED jobs (why a job waits) without a transition."""
