@@ -18,6 +18,9 @@ DEVICE_STATES = ("available", "disabled", "quarantined")
 _LIVE = core_select(ServiceRecord.__table__.c.devices).where(
     ServiceRecord.__table__.c.heartbeat_at >= bindparam("since"))
 CAPACITIES_TTL = 1.0
+_DEVICES = Device.__table__
+_AVAILABLE = (core_select(_DEVICES.c.name).where(_DEVICES.c.host == bindparam("host"), _DEVICES.c.state == "available")
+              .order_by(_DEVICES.c.position))  # built once: building a statement cost more than running it
 
 
 class HostRecords(Database):
@@ -99,11 +102,8 @@ class HostRecords(Database):
 
     def available_devices(self, host: str) -> list[str]:
         """Names of this host's devices in the `available` state, in inventory order (each dispatch pass)."""
-        table = Device.__table__
-        stmt = (core_select(table.c.name).where(table.c.host == bindparam("host"), table.c.state == "available")
-                .order_by(table.c.position))
         with self._lone_read() as conn:
-            return [name for (name,) in conn.execute(stmt, {"host": host})]
+            return [name for (name,) in conn.execute(_AVAILABLE, {"host": host})]
 
     def remove_service(self, host: str) -> None:
         """Forget a service that said goodbye."""
