@@ -3,6 +3,10 @@ its checkpoint and ends with bitwise the same metrics as an uninterrupted trial 
 
 The uninterrupted trial is the preemptor itself: it is submitted at a higher priority once the first trial
 has logged progress, takes the only slot, runs start to finish, and then the preempted one resumes.
+
+Each experiment has a home and a one-slot service of its own, exactly as if it ran alone; the three run at
+once (one module-scoped fixture), since a job spends most of its life importing torch and MLflow on one core.
+Each parametrized test then checks its own experiment's outcome.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +59,20 @@ def history(client, run_id: str, key: str) -> dict[int, float]:
     return by_step
 
 
-@pytest.fixture
-def service(home):
+def start_service(root: Path):
+    """A one-slot service on a fresh home of its own (its jobs inherit that home in their environment)."""
     from orchestrator.service import Service
 
-    svc = Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=0.2).start()
-    yield svc
+    root.mkdir()
+    with pytest.MonkeyPatch.context() as mp:  # the service copies os.environ for its jobs when made
+        mp.setenv("AUTORESEARCH_HOME", str(root))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        for var in ("AUTORESEARCH_DB_URL", "AUTORESEARCH_DEVICES", "AUTORESEARCH_FAULTS", "OPENAI_API_KEY"):
+            mp.delenv(var, raising=False)
+        return Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=0.2).start()
+
+
+def stop_service(svc) -> None:
     svc.stop()
     for job in svc.store.unfinished():  # the service leaves jobs running when it stops: end ours
         if job.pid:
@@ -69,27 +82,63 @@ def service(home):
                 pass
 
 
+def preempt_and_resume(svc, name: str) -> dict:
+    """Submit the victim, preempt it with the reference once it has made progress, wait for both to end."""
+    params, progress = CASES[name]
+    store = svc.store
+    victim, _ = api.submit(api.experiment_spec(name, params, priority=0, name=f"{name}-victim"),
+                           settings=svc.settings, store=store)
+    wait_for(lambda: progress.search(log_text(store.get(victim.id))) or store.get(victim.id).state in FINISHED,
+             120, f"{name} victim to report progress")
+    running = store.get(victim.id)
+    if running.state != "RUNNING":
+        return {"victim": running, "reference": None}
+    reference, _ = api.submit(api.experiment_spec(name, params, priority=20, name=f"{name}-reference"),
+                              settings=svc.settings, store=store)
+    wait_for(lambda: all(store.get(j).state in FINISHED for j in (victim.id, reference.id)), 240,
+             f"{name} victim and reference to finish")
+    return {"victim": store.get(victim.id), "reference": store.get(reference.id)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every experiment preempted and resumed, each through its own service, all at once:
+    {name: {"victim": Job, "reference": Job | None, "settings": Settings} or {"error": exception}}."""
+    services = {name: start_service(tmp_path_factory.mktemp(f"resume-{name}") / "home") for name in sorted(CASES)}
+    results: dict[str, dict] = {name: {"settings": svc.settings} for name, svc in services.items()}
+
+    def run(name: str) -> None:
+        try:
+            results[name].update(preempt_and_resume(services[name], name))
+        except BaseException as exc:  # reported by that experiment's test
+            results[name]["error"] = exc
+
+    threads = [threading.Thread(target=run, args=(name,), name=f"resume-{name}") for name in services]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        yield results
+    finally:
+        for svc in services.values():
+            stop_service(svc)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_preempted_trial_resumes_bitwise(service, name):
+def test_preempted_trial_resumes_bitwise(outcomes, name):
     from orchestrator.tracking import import_mlflow
 
     MlflowClient = import_mlflow().MlflowClient  # the service's warm-up may be importing mlflow right now
 
     from experiments import registry
 
-    params, progress = CASES[name]
-    store = service.store
-    victim, _ = api.submit(api.experiment_spec(name, params, priority=0, name=f"{name}-victim"), store=store)
-    wait_for(lambda: progress.search(log_text(store.get(victim.id))) or store.get(victim.id).state in FINISHED,
-             120, f"{name} victim to report progress")
-    assert store.get(victim.id).state == "RUNNING", log_text(store.get(victim.id))
-    reference, _ = api.submit(api.experiment_spec(name, params, priority=20, name=f"{name}-reference"),
-                              store=store)
-    wait_for(lambda: all(store.get(j).state in FINISHED for j in (victim.id, reference.id)), 240,
-             f"{name} victim and reference to finish")
-
-    victim, reference = store.get(victim.id), store.get(reference.id)
+    outcome = outcomes[name]
+    if "error" in outcome:
+        raise outcome["error"]
+    victim, reference = outcome["victim"], outcome["reference"]
+    assert reference is not None, f"the victim was {victim.state} before it reported progress: {log_text(victim)}"
     log = log_text(victim)
     assert (victim.state, reference.state) == ("SUCCEEDED", "SUCCEEDED"), log + log_text(reference)
     assert victim.preemptions == 1 and reference.preemptions == 0
@@ -98,7 +147,7 @@ def test_preempted_trial_resumes_bitwise(service, name):
     assert resumed_at > 0
 
     spec = registry.get(name)
-    client = MlflowClient(tracking_uri=service.settings.tracking_uri)
+    client = MlflowClient(tracking_uri=outcome["settings"].tracking_uri)
     for key in {spec.metric, spec.progress_metric, "train_loss"}:
         got, want = history(client, victim.mlflow_run_id, key), history(client, reference.mlflow_run_id, key)
         assert got == want, f"{key}: preempted {got} != uninterrupted {want}"  # exact float equality
