@@ -14,13 +14,29 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from orchestrator.cli import main; main()", *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=timeout)
+    return finish(spawn(*args), timeout)
 
 
 def test_tpe_session_on_digits_end_to_end(home):
+    # Bad input is refused before anything is made: checked while the session runs (each CLI process mostly
+    # spends its time importing, on a core the session leaves idle at times).
+    bad = spawn("start", "--goal", "g", "--experiment", "digits", "--param", "epochs=lots")
     done = cli("start", "--goal", "maximise validation accuracy", "--experiment", "digits", "--trials", "2",
                "--param", "epochs=1", "--param", "scale=1", "--devices", "cpu:2", "--baseline-seeds", "2", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,12 +66,13 @@ def test_tpe_session_on_digits_end_to_end(home):
     assert sorted(a.path for a in tracker.client.list_artifacts(summary["mlflow_run_id"])) == [
         "best_so_far.png", "report.md"]
 
-    board = cli("leaderboard", "--experiment", "digits", "--json")
+    board, listed = spawn("leaderboard", "--experiment", "digits", "--json"), spawn("sessions", "--json")
+    board, listed = finish(board), finish(listed)
     assert board.returncode == 0, board.stderr
     (digits,) = json.loads(board.stdout)
     assert digits["metric"] == "val_accuracy" and len(digits["entries"]) == 3  # the baseline and two trials
     assert [e["baseline"] for e in digits["entries"]].count(True) == 1 and digits["headline"]
-    sessions = json.loads(cli("sessions", "--json").stdout)
+    sessions = json.loads(listed.stdout)
     assert sessions[0]["id"] == summary["session"] and sessions[0]["status"] == "finished"
-    bad = cli("start", "--goal", "g", "--experiment", "digits", "--param", "epochs=lots")
+    bad = finish(bad)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "epochs" in bad.stderr
