@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pickle
@@ -69,83 +70,130 @@ def losses(out: Path, rank: int = 0) -> dict[int, str]:
     return curve
 
 
-def assert_same_run(tmp: Path, ref: str, other: str, ranks: int = 1) -> None:
-    a = torch.load(tmp / f"out-{ref}" / "final.pt")
+def assert_same_run(ref: Path, tmp: Path, other: str, ranks: int = 1) -> None:
+    """The run in tmp/out-<other> ended bitwise as the uninterrupted reference whose output is in `ref`."""
+    a = torch.load(ref / "final.pt")
     b = torch.load(tmp / f"out-{other}" / "final.pt")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k  # bitwise, not allclose
     for rank in range(ranks):
-        assert losses(tmp / f"out-{ref}", rank) == losses(tmp / f"out-{other}", rank)
-        assert sorted(losses(tmp / f"out-{ref}", rank)) == list(range(STEPS))
+        assert losses(ref, rank) == losses(tmp / f"out-{other}", rank)
+        assert sorted(losses(ref, rank)) == list(range(STEPS))
 
 
-@pytest.mark.slow
-def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
-    ref, run = start(tmp_path, "ref"), start(tmp_path, "run", sleep=0.05)
-    wait_for_step(tmp_path, "run", 13, run)
+# -- real processes: stopped or killed, then resumed --------------------------------------------------------
+# Each scenario is a chain of single-threaded processes (OMP_NUM_THREADS=1) that spend most of their life
+# importing torch, so the scenarios run at once, each in a directory of its own (one module fixture), and
+# each test reports its own scenario's outcome. The single-process scenarios share one uninterrupted
+# reference run: its params are theirs (steps, interval, no sleep, no fault), so its output is theirs too.
+
+
+def reference(tmp: Path, ranks: int = 1) -> Path:
+    """An uninterrupted run; returns its output directory once it has ended well."""
+    ref = start(tmp, "ref", ranks=ranks)
+    assert finish(ref) == 0, ref.output
+    return tmp / "out-ref"
+
+
+def sigterm_then_resume(tmp: Path, ref) -> None:
+    run = start(tmp, "run", sleep=0.05)
+    wait_for_step(tmp, "run", 13, run)
     os.killpg(run.pid, signal.SIGTERM)
     assert finish(run) == EX_TEMPFAIL, run.output
-    stopped = int(read_heartbeat(tmp_path / "ckpt-run" / "heartbeat.json")["step"])
+    stopped = int(read_heartbeat(tmp / "ckpt-run" / "heartbeat.json")["step"])
     assert 13 <= stopped < STEPS
-    assert (tmp_path / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()  # saved where it stopped
-    assert finish(ref) == 0, ref.output
-    resumed = start(tmp_path, "run")
+    assert (tmp / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()  # saved where it stopped
+    resumed = start(tmp, "run")
     assert finish(resumed) == 0, resumed.output
-    assert int((tmp_path / "out-run" / "resumed.txt").read_text()) == stopped
-    assert_same_run(tmp_path, "ref", "run")
+    assert int((tmp / "out-run" / "resumed.txt").read_text()) == stopped
+    assert_same_run(ref(), tmp, "run")
 
 
-@pytest.mark.slow
-def test_two_rank_gloo_stop_is_agreed_and_resume_is_bitwise_identical(tmp_path):
-    ref, run = start(tmp_path, "ref", ranks=2), start(tmp_path, "run", ranks=2, sleep=0.05)
-    wait_for_step(tmp_path, "run", 12, run)
+def two_rank_stop_then_resume(tmp: Path, _ref) -> None:
+    ref, run = start(tmp, "ref", ranks=2), start(tmp, "run", ranks=2, sleep=0.05)
+    wait_for_step(tmp, "run", 12, run)
     # Signal rank 1 only: rank 0 must learn it through the all-reduce and stop at the same step.
-    os.kill(int((tmp_path / "out-run" / "pid-rank1").read_text()), signal.SIGTERM)
+    os.kill(int((tmp / "out-run" / "pid-rank1").read_text()), signal.SIGTERM)
     finish(run)  # torchrun reports a worker exiting 75 as a failure; what matters is the checkpoint
-    curves = [losses(tmp_path / "out-run", r) for r in (0, 1)]
+    curves = [losses(tmp / "out-run", r) for r in (0, 1)]
     assert max(curves[0]) == max(curves[1]), "ranks stopped at different steps"
     stopped = max(curves[0]) + 1
     assert stopped < STEPS
-    assert (tmp_path / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()
+    assert (tmp / "ckpt-run" / f"step_{stopped:010d}" / METADATA).exists()
     assert finish(ref) == 0, ref.output
-    resumed = start(tmp_path, "run", ranks=2)
+    resumed = start(tmp, "run", ranks=2)
     assert finish(resumed) == 0, resumed.output
-    assert int((tmp_path / "out-run" / "resumed.txt").read_text()) == stopped
-    assert_same_run(tmp_path, "ref", "run", ranks=2)
+    assert int((tmp / "out-run" / "resumed.txt").read_text()) == stopped
+    assert_same_run(tmp / "out-ref", tmp, "run", ranks=2)
 
 
-@pytest.mark.slow
-def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path):
-    run, ref = start(tmp_path, "run", faults="checkpoint@20:crash"), start(tmp_path, "ref")
+def sigkill_mid_save(tmp: Path, ref) -> None:
+    run = start(tmp, "run", faults="checkpoint@20:crash")
     assert finish(run) == -signal.SIGKILL, run.output
-    ckpt = tmp_path / "ckpt-run"
+    ckpt = tmp / "ckpt-run"
     assert (ckpt / "step_0000000010" / METADATA).exists()
     assert (ckpt / "step_0000000020").is_dir() and not (ckpt / "step_0000000020" / METADATA).exists()
-    resumed = start(tmp_path, "run")
+    resumed = start(tmp, "run")
     assert finish(resumed) == 0, resumed.output
-    assert (tmp_path / "out-run" / "resumed.txt").read_text() == "10"
-    assert finish(ref) == 0, ref.output
-    assert_same_run(tmp_path, "ref", "run")
+    assert (tmp / "out-run" / "resumed.txt").read_text() == "10"
+    assert_same_run(ref(), tmp, "run")
 
 
-@pytest.mark.slow
-def test_sigkill_during_the_staging_copy_resumes_from_previous_complete(tmp_path):
+def sigkill_during_staging(tmp: Path, ref) -> None:
     # Killed in the async save's background copy of step 20's parameters and optimizer state (half of them
     # copied into the host buffers), while the loop has already moved on: no step 20 may count, and the run
     # resumes from step 10 exactly as if step 20 had never been attempted.
-    run, ref = start(tmp_path, "run", faults="checkpoint@20:crash-staging"), start(tmp_path, "ref")
+    run = start(tmp, "run", faults="checkpoint@20:crash-staging")
     assert finish(run) == -signal.SIGKILL, run.output
-    ckpt = tmp_path / "ckpt-run"
+    ckpt = tmp / "ckpt-run"
     assert (ckpt / "step_0000000010" / METADATA).exists()
     assert not (ckpt / "step_0000000020" / METADATA).exists()
     # Step 21's optimizer.step() waits for the copy (the manager's pre-hook): it never ran.
-    assert max(losses(tmp_path / "out-run")) == 19
-    resumed = start(tmp_path, "run")
+    assert max(losses(tmp / "out-run")) == 19
+    resumed = start(tmp, "run")
     assert finish(resumed) == 0, resumed.output
-    assert (tmp_path / "out-run" / "resumed.txt").read_text() == "10"
-    assert finish(ref) == 0, ref.output
-    assert_same_run(tmp_path, "ref", "run")
+    assert (tmp / "out-run" / "resumed.txt").read_text() == "10"
+    assert_same_run(ref(), tmp, "run")
+
+
+SCENARIOS = {"sigterm": sigterm_then_resume, "two-rank": two_rank_stop_then_resume,
+             "sigkill-mid-save": sigkill_mid_save, "sigkill-staging": sigkill_during_staging}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """Every scenario run at once: {name: None (it passed) or the exception it raised}."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(SCENARIOS)) as pool:
+        shared = pool.submit(reference, tmp_path_factory.mktemp("ref"))
+        futures = {name: pool.submit(scenario, tmp_path_factory.mktemp(name), shared.result)
+                   for name, scenario in SCENARIOS.items()}
+    return {name: future.exception() for name, future in futures.items()}
+
+
+def outcome(scenarios, name: str) -> None:
+    if scenarios[name] is not None:
+        raise scenarios[name]
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bitwise_identical(scenarios):
+    outcome(scenarios, "sigterm")
+
+
+@pytest.mark.slow
+def test_two_rank_gloo_stop_is_agreed_and_resume_is_bitwise_identical(scenarios):
+    outcome(scenarios, "two-rank")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_previous_complete(scenarios):
+    outcome(scenarios, "sigkill-mid-save")
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_staging_copy_resumes_from_previous_complete(scenarios):
+    outcome(scenarios, "sigkill-staging")
 
 
 # -- in-process: corrupt checkpoints, retention, config ---------------------------------------------------
