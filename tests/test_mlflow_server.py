@@ -96,6 +96,16 @@ def test_job_metrics_and_an_agent_session_land_on_the_mlflow_server(mlflow_serve
                 "    for step in range(3):\n"
                 "        ctx.log_metrics({'loss': 1.0 / (step + 1)}, step=step)\n")
         job_id = api.submit(JobSpec(argv=[sys.executable, "-c", code], name="tracked"))[0].id
+
+        # An agent session (Optuna TPE on the synthetic bowl) reads its trials' metrics from the same server;
+        # it starts while the tracked job runs (they share the two slots).
+        from orchestrator.agent import runner
+        from orchestrator.agent.session import SessionConfig
+
+        config = SessionConfig(goal="minimise the synthetic loss", experiment="tests.agent.synthetic:SPEC",
+                               proposer="tpe", trials=2, parallel=2, poll=0.2, confirm_seeds=0, baseline_seeds=1)
+        summary = runner.start(config, settings=settings)
+
         wait_for(lambda: service.store.get(job_id).job_state.finished, timeout=90, what="the tracked job")
         job = service.store.get(job_id)
         assert job.state == "SUCCEEDED", Path(job.log_path).read_text()
@@ -104,13 +114,6 @@ def test_job_metrics_and_an_agent_session_land_on_the_mlflow_server(mlflow_serve
         assert [(m.step, round(m.value, 3)) for m in history] == [(0, 1.0), (1, 0.5), (2, 0.333)]
         assert client.get_run(job.mlflow_run_id).data.tags["autoresearch.job_id"] == str(job_id)
 
-        # An agent session (Optuna TPE on the synthetic bowl) reads its trials' metrics from the same server.
-        from orchestrator.agent import runner
-        from orchestrator.agent.session import SessionConfig
-
-        config = SessionConfig(goal="minimise the synthetic loss", experiment="tests.agent.synthetic:SPEC",
-                               proposer="tpe", trials=2, parallel=2, poll=0.2, confirm_seeds=0, baseline_seeds=1)
-        summary = runner.start(config, settings=settings)
         assert summary["trials"] == 1 + 2 and summary["baseline"] is not None and summary["headline"]
         trials = api.open_store(settings).list(owner=summary["session"])
         assert len(trials) == 3  # the baseline's run, then two proposals
