@@ -23,6 +23,15 @@ def count() -> int:
     return JobStore(Settings.load().db_url).count()
 
 
+def a_queued_job() -> None:
+    """One job in this home's queue, put there through the library (a CLI process spends a second importing):
+    the store the CLI is about to be refused on is not empty."""
+    from orchestrator import api
+    from orchestrator.queue.models import JobSpec
+
+    api.submit(JobSpec(argv=["true"]))
+
+
 def test_submit_json_queue_and_show(home):
     out = cli("submit", "--json", "--name", "hello", "--priority", "3", "--", "echo", "hi")
     assert out.returncode == 0, out.stderr
@@ -66,7 +75,7 @@ def test_submit_experiment_validates_params(home):
     (["queue", "--json", "--limit", "many"], "--limit"),
 ])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(home, args, needle):
-    cli("submit", "--", "true")
+    a_queued_job()
     before = count()
     out = cli(*args)
     assert out.returncode == 2, (out.stdout, out.stderr)
@@ -106,7 +115,7 @@ def test_cancel_finished_job_and_gpus_over_capacity_with_a_service(home, make_se
                                      ["sessions"], ["leaderboard"], ["cache", "stats"],
                                      ["data", "export-delta", "t", "dest"]])
 def test_a_malformed_config_file_is_one_line_exit_2_from_every_command(home, command):
-    cli("submit", "--", "true")
+    a_queued_job()
     (home / "config.toml").write_text('devices = "cpu:2\n')  # unterminated string
     out = cli(*command)
     assert out.returncode == 2, (out.stdout, out.stderr)
