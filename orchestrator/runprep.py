@@ -3,7 +3,7 @@ and starting a tracked job, and the service process never imports MLflow.
 
 `RunPreparer` is a daemon thread that, whenever the service wakes it, sends the next queued tracked jobs in
 line (those this host can run, up to `batch`) to the tracking worker (`orchestrator.trackworker`, a child
-process started on demand), records each run id as it comes back and wakes the dispatcher. The dispatcher
+process started on demand), records the run ids as they come back and wakes the dispatcher. The dispatcher
 holds a device for a tracked job without a run rather than making the run itself. The run id is set once
 (`JobStore.set_run_ids`, a few runs per commit) and the loser of a race (another host) has its run deleted.
 
@@ -25,7 +25,7 @@ from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
 RECORD_EVERY_RUNS = 4  # runs recorded in one commit once this many are made ...
-RECORD_EVERY_S = 0.02  # ... or once the oldest of them waited this long
+RECORD_EVERY_S = 0.02  # ... or when none were recorded for this long
 
 
 def waiting_reason(error: str) -> str:
@@ -100,9 +100,10 @@ class RunPreparer:
         done: set[int] = set()
         losers: list[str] = []
         made: dict[int, str] = {}  # runs made and not recorded yet
-        first = [0.0]  # when the oldest of them was made
+        last = [0.0]  # when runs were last recorded
 
         def record() -> None:
+            last[0] = time.monotonic()
             ready = self.store.set_run_ids(made)
             losers.extend(run_id for job_id, run_id in made.items() if job_id not in ready)  # another host won
             self.prepared += len(ready)
@@ -112,12 +113,11 @@ class RunPreparer:
 
         def on_run(job_id: int, run_id: str) -> None:
             done.add(job_id)
-            if not made:
-                first[0] = time.monotonic()
             made[job_id] = run_id
-            # Recorded a few at a time, in one commit, with one wake-up of the dispatcher: a commit and a
-            # dispatch pass per run cost the service more than its share of a tracked job.
-            if len(made) >= RECORD_EVERY_RUNS or time.monotonic() - first[0] >= RECORD_EVERY_S:
+            # Recorded a few at a time, in one commit, with one wake-up of the dispatcher (a commit and a
+            # dispatch pass per run cost the service more than its share of a tracked job), but at once when
+            # none was recorded for RECORD_EVERY_S: a run from a slow store never waits for the next one.
+            if len(made) >= RECORD_EVERY_RUNS or time.monotonic() - last[0] >= RECORD_EVERY_S:
                 record()
 
         try:
