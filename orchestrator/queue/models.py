@@ -97,7 +97,8 @@ class Job(SQLModel, table=True):
         # Jobs awaiting a retry (housekeeping reads those due every second; `queue` lists them): a partial
         # index, so neither reads every FAILED job, most of which failed for good. Queries spell its condition
         # with literals (`RETRYING_SQL`): a planner can only match a partial index on constants.
-        Index("ix_jobs_retrying", "state", "not_before", sqlite_where=text(RETRYING_SQL), postgresql_where=text(RETRYING_SQL)),
+        Index("ix_jobs_retrying", "state", "not_before", sqlite_where=text(RETRYING_SQL),
+              postgresql_where=text(RETRYING_SQL)),
         UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
     )
 

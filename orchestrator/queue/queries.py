@@ -14,24 +14,11 @@ from orchestrator.errors import JobNotFound
 from orchestrator.queue import listing as listings
 from orchestrator.queue.inventory import HostRecords
 from orchestrator.queue.models import Job, JobEvent
+from orchestrator.queue.rows import Held
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
 
 S = JobState
 JOBS = Job.__table__
-
-
-class Held:
-    """A job a host holds devices for, as a dispatch pass reads it (light: no ORM object). The columns the pass
-    plans and enforces stops with; whoever signals the job loads the whole `Job` (`JobQueries.get`)."""
-
-    COLUMNS = ("id", "state", "priority", "devices", "started_at", "preemptible", "pid", "stop_sent_at",
-               "time_limit", "attempts", "grace")
-    __slots__ = COLUMNS
-    job_state = Job.__dict__["job_state"]
-
-    def __init__(self, row: tuple) -> None:
-        for key, value in zip(self.COLUMNS, row):
-            setattr(self, key, value)
 
 
 # A pass's two reads, built once: building a statement cost more than running it.

@@ -4,14 +4,13 @@ Every transition runs in one transaction that re-reads the row under a write loc
 PostgreSQL `SELECT ... FOR UPDATE`), checks Contract 2 allows it, updates the job and appends one event row.
 Methods that act on many jobs (the dispatcher's starts, the reaper's finishes) take a batch and still give each
 job its own checked transition and event, but share one commit, and their rows are written with SQLAlchemy Core
-in a few executemany statements (`_Writes`) rather than by the ORM's unit of work. Whether a job is final or
+in a few executemany statements (`rows.Writes`) rather than by the ORM's unit of work. Whether a job is final or
 will be retried is the job's rule (`Job.final`, `Job.retrying`).
 Devices and service heartbeats are kept by the base class (`orchestrator.queue.hosts`).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from contextlib import contextmanager
@@ -19,13 +18,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from sqlalchemy import bindparam, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm.attributes import set_committed_value
-from sqlalchemy.orm.instrumentation import manager_of_class
 from sqlmodel import Session, select
 
 from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
-from orchestrator.queue.models import Device, Job, JobEvent, JobSpec, check_priority
+from orchestrator.queue.models import Device, Job, JobSpec, check_priority
 from orchestrator.queue.queries import JobQueries
+from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values
 from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
 
@@ -40,77 +38,16 @@ def backoff(failures: int, base: float = DEFAULT_BACKOFF, cap: float = DEFAULT_B
 
 
 JOBS = Job.__table__
-EVENTS = JobEvent.__table__
 _INSERT_JOB = insert(JOBS)
 DEVICES = Device.__table__
 _DEVICE_STATES = core_select(DEVICES.c.name, DEVICES.c.state).where(DEVICES.c.host == bindparam("host"))
-_CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)), JOBS.c.state == S.QUEUED.value)
-_INSERT_EVENT = insert(EVENTS)
+_CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)),
+                                    JOBS.c.state == S.QUEUED.value)
 _SET_RUN = (update(JOBS).where(JOBS.c.id == bindparam("job_id"), JOBS.c.mlflow_run_id.is_(None))
             .values(mlflow_run_id=bindparam("run_id")))
-
-
-@functools.lru_cache(maxsize=None)
-def _update_of(keys: tuple[str, ...]) -> Any:
-    """The UPDATE of these columns of one job (by `_id`), made once per set of columns: building a statement
-    costs more than executing it."""
-    return update(JOBS).where(JOBS.c.id == bindparam("_id")).values({k: bindparam(f"v_{k}") for k in keys})
-
-
-class _Row:
-    """The columns a transition reads, loaded with SQLAlchemy Core for the batch transitions (building ORM
-    objects cost more than the statements). The rules are the job's own: `Job`'s properties, shared."""
-
-    COLUMNS = ("id", "state", "reason", "host", "attempts", "failures", "max_attempts", "preemptions",
-               "checkpoint_dir")
-    __slots__ = COLUMNS
-    job_state = Job.__dict__["job_state"]
-    final = Job.__dict__["final"]
-    retrying = Job.__dict__["retrying"]
-    retries_after_failure = Job.__dict__["retries_after_failure"]
-
-    def __init__(self, row: Any) -> None:
-        for key, value in zip(self.COLUMNS, row):
-            setattr(self, key, value)
-
-
 _JOBS_BY_ID = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)))
-_ROWS_BY_ID = core_select(*(JOBS.c[name] for name in _Row.COLUMNS)).where(JOBS.c.id.in_(bindparam("ids", expanding=True)))
-
-
-class _Writes:
-    """The row changes of one transaction's transitions, written just before it commits in as few statements
-    as the batch allows (SQLAlchemy Core, no ORM unit of work): one executemany UPDATE per set of changed
-    columns and one INSERT of every event row. The ORM flush cost ~3x these statements per transition."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, Any]] = {}  # job id -> its new column values (later changes win)
-        self.events: list[dict[str, Any]] = []
-
-    def set(self, job: Any, **values: Any) -> None:
-        """Change columns of a loaded job: in the row (at flush) and in the object the caller gets back."""
-        if isinstance(job, _Row):
-            for key, value in values.items():
-                if key in _Row.COLUMNS:
-                    setattr(job, key, value)
-        elif job._sa_instance_state.session_id is None:  # built by `_jobs`, in no session: plain attributes
-            job.__dict__.update(values)
-        else:
-            for key, value in values.items():
-                set_committed_value(job, key, value)  # not dirty: the ORM writes nothing for it
-        self.rows.setdefault(job.id, {}).update(values)
-
-    def flush(self, session: Session) -> None:
-        conn = session.connection()
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for job_id, values in self.rows.items():
-            groups.setdefault(tuple(sorted(values)), []).append(
-                {"_id": job_id, **{f"v_{k}": v for k, v in values.items()}})
-        for keys, params in groups.items():
-            conn.execute(_update_of(keys), params)
-        if self.events:
-            conn.execute(_INSERT_EVENT, self.events)
-        self.rows, self.events = {}, []
+_ROWS_BY_ID = (core_select(*(JOBS.c[name] for name in Moving.COLUMNS))
+               .where(JOBS.c.id.in_(bindparam("ids", expanding=True))))
 
 
 class JobStore(JobQueries):
@@ -136,10 +73,10 @@ class JobStore(JobQueries):
         stmt = _JOBS_BY_ID.with_for_update() if self.is_postgres else _JOBS_BY_ID
         return {job.id: job for job in session.exec(stmt, params={"ids": list(job_ids)})}
 
-    def _lock_rows(self, session: Session, job_ids: Sequence[int]) -> dict[int, _Row]:
-        """`_lock_many` as light rows (`_Row`): for batch transitions whose callers need no `Job`."""
+    def _lock_rows(self, session: Session, job_ids: Sequence[int]) -> dict[int, Moving]:
+        """`_lock_many` as light rows (`Moving`): for batch transitions whose callers need no `Job`."""
         stmt = _ROWS_BY_ID.with_for_update() if self.is_postgres else _ROWS_BY_ID
-        return {row[0]: _Row(row) for row in session.connection().execute(stmt, {"ids": list(job_ids)})}
+        return {row[0]: Moving(row) for row in session.connection().execute(stmt, {"ids": list(job_ids)})}
 
     def _lock(self, session: Session, job_id: int) -> Job:
         stmt = select(Job).where(Job.id == job_id)
@@ -151,16 +88,16 @@ class JobStore(JobQueries):
         return job
 
     @contextmanager
-    def _moving(self) -> Iterator[tuple[Session, _Writes]]:
+    def _moving(self) -> Iterator[tuple[Session, Writes]]:
         """A transaction for transitions: the session (to read and lock rows) and the writes, flushed in
         batches before the commit (nothing is written when the block raises)."""
         with self._tx() as session:
-            writes = _Writes()
+            writes = Writes()
             yield session, writes
             writes.flush(session)
 
     @staticmethod
-    def _move(writes: _Writes, job: Any, dst: JobState, reason: str, by: Optional[str], now: float,
+    def _move(writes: Writes, job: Any, dst: JobState, reason: str, by: Optional[str], now: float,
               **fields: Any) -> Any:
         src = job.job_state
         if not allowed(src, dst):
@@ -183,7 +120,7 @@ class JobStore(JobQueries):
             existing = self.find_by_key(spec.idempotency_key)
             if existing is not None:
                 return existing
-        values = dict(_job_defaults(), argv=list(spec.argv), env=dict(spec.env), cwd=spec.cwd, track=spec.track,
+        values = dict(new_job_values(), argv=list(spec.argv), env=dict(spec.env), cwd=spec.cwd, track=spec.track,
                       name=spec.name or _default_name(spec), priority=spec.priority, gpus=spec.gpus,
                       max_attempts=spec.max_attempts, grace=float(spec.grace), preemptible=spec.preemptible,
                       owner=spec.owner, experiment=spec.experiment, params=spec.params,
@@ -196,7 +133,7 @@ class JobStore(JobQueries):
                 conn = session.connection()  # Core: the ORM's flush of one new row cost more than the commit
                 # Values as parameters, not in the statement: the statement then compiles once, cached.
                 job_id = conn.execute(_INSERT_JOB, values).inserted_primary_key[0]
-                conn.execute(_INSERT_EVENT, {"job_id": job_id, "at": now, "src": None, "dst": S.QUEUED.value,
+                conn.execute(INSERT_EVENT, {"job_id": job_id, "at": now, "src": None, "dst": S.QUEUED.value,
                                              "reason": "submitted", "host": None})
                 if self.is_postgres:
                     from sqlalchemy import text
@@ -209,9 +146,7 @@ class JobStore(JobQueries):
                     return existing
             raise
         # The Job as the ORM would load it (its __init__ cost more than the insert): the values just written.
-        job = _JOB_MANAGER.new_instance()
-        job.__dict__.update(values, id=job_id)
-        return job
+        return detached_job({**values, "id": job_id})
 
     # ---- the service's transitions ----------------------------------------------------------------------
 
@@ -234,7 +169,7 @@ class JobStore(JobQueries):
             unusable = {name for name, state in session.connection().execute(devices_now, {"host": host})
                         if state != "available"}
             stmt = _CLAIMABLE.with_for_update(skip_locked=True) if self.is_postgres else _CLAIMABLE
-            rows = {job.id: job for job in _jobs(session.connection().execute(
+            rows = {job.id: job for job in detached_jobs(session.connection().execute(
                 stmt, {"ids": [job_id for job_id, _ in starts]}))}
             for job_id, devices in starts:
                 job = rows.get(job_id)
@@ -307,7 +242,7 @@ class JobStore(JobQueries):
             job = self._lock(session, job_id)
             return self._finish(writes, job, exit_code, host, now, detail)
 
-    def _finish(self, writes: _Writes, job: Any, code: int, host: Optional[str], now: float,
+    def _finish(self, writes: Writes, job: Any, code: int, host: Optional[str], now: float,
                 detail: str) -> Job:
         state = job.job_state
         how = detail or f"exit code {code}"
@@ -449,31 +384,6 @@ class JobStore(JobQueries):
             if job.job_state is S.RUNNING:
                 return self._move(writes, job, S.PREEMPTING, f"{reason} (priority {priority})", None, now)
             return job
-
-
-_JOB_MANAGER = manager_of_class(Job)
-
-
-def _jobs(rows: Iterable[Any]) -> list[Job]:
-    """`Job`s built from Core rows of every column as the ORM loads them (ORM loading cost several times the
-    statement), detached: what a caller reads and the store's transitions update (`_Writes.set`)."""
-    out = []
-    for row in rows:
-        job = _JOB_MANAGER.new_instance()
-        job.__dict__.update(row._mapping)
-        out.append(job)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _column_defaults() -> tuple[tuple[str, Any], ...]:
-    blank = Job(argv=[], devices=[])
-    return tuple((column.name, getattr(blank, column.name)) for column in JOBS.columns if column.name != "id")
-
-
-def _job_defaults() -> dict[str, Any]:
-    """Every column of a new job (but `id`) at its default (mutable ones are given by `submit`)."""
-    return dict(_column_defaults())
 
 
 def _default_name(spec: JobSpec) -> str:
