@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from orchestrator.cluster import reap_dead_hosts
-from orchestrator.executors.base import Executor, Exit
+from orchestrator.executors.base import Executor, Exit, owed_signal
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.queue.store import JobStore
@@ -87,8 +87,8 @@ class Supervisor:
         for job in mine:
             if job.job_state not in (S.PREEMPTING, S.CANCELLING) or job.pid is None:
                 continue
-            if job.stop_sent_at is not None and time.time() - job.stop_sent_at < job.grace:
-                continue  # SIGTERM sent, grace not over: nothing owed yet
+            if owed_signal(job.stop_sent_at, job.grace) is None:
+                continue  # SIGTERM sent, grace not over
             if not isinstance(job, Job):  # a pass's light row (`Held`): signalling needs the whole job
                 job = self.store.get(job.id)
             if job.stop_sent_at is None:

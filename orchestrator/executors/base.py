@@ -107,13 +107,9 @@ class Executor(ABC):
              layout: Optional[Layout] = None) -> Optional[signal.Signals]:
         """Stop the attempt: SIGTERM when no stop was sent yet (`since` None), SIGKILL once `job.grace` has
         passed since `since`; nothing in between. Returns the signal sent, if any."""
-        if since is None:
-            sig = signal.SIGTERM
-        elif time.time() - since >= job.grace:
-            sig = signal.SIGKILL
-        else:
-            return None
-        self.signal(job, sig, layout)
+        sig = owed_signal(since, job.grace)
+        if sig is not None:
+            self.signal(job, sig, layout)
         return sig
 
     @abstractmethod
@@ -152,6 +148,14 @@ def executor_class(name: str) -> type[Executor]:
     from orchestrator.errors import BadInput
 
     raise BadInput(f"unknown executor {name!r}; expected local or ray")
+
+
+def owed_signal(since: Optional[float], grace: float) -> Optional[signal.Signals]:
+    """What a stopping attempt is owed now: SIGTERM when no stop was sent yet (`since` None), SIGKILL once
+    `grace` seconds have passed since the SIGTERM, nothing in between."""
+    if since is None:
+        return signal.SIGTERM
+    return signal.SIGKILL if time.time() - since >= grace else None
 
 
 def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str) -> dict[str, str]:
