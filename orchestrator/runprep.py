@@ -100,10 +100,11 @@ class RunPreparer:
         done: set[int] = set()
         losers: list[str] = []
         made: dict[int, str] = {}  # runs made and not recorded yet
-        last = [0.0]  # when runs were last recorded
+        last = 0.0  # when runs were last recorded
 
         def record() -> None:
-            last[0] = time.monotonic()
+            nonlocal last
+            last = time.monotonic()
             ready = self.store.set_run_ids(made)
             losers.extend(run_id for job_id, run_id in made.items() if job_id not in ready)  # another host won
             self.prepared += len(ready)
@@ -117,7 +118,7 @@ class RunPreparer:
             # Recorded a few at a time, in one commit, with one wake-up of the dispatcher (a commit and a
             # dispatch pass per run cost the service more than its share of a tracked job), but at once when
             # none was recorded for RECORD_EVERY_S: a run from a slow store never waits for the next one.
-            if len(made) >= RECORD_EVERY_RUNS or time.monotonic() - last[0] >= RECORD_EVERY_S:
+            if len(made) >= RECORD_EVERY_RUNS or time.monotonic() - last >= RECORD_EVERY_S:
                 record()
 
         try:
