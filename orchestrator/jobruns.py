@@ -3,17 +3,29 @@
 A run is described by a plain request (`run_request`: what the service knows about the job, JSON-ready) and
 made from it by `create_run` in the process that holds the MLflow client (the tracking worker,
 `orchestrator.trackworker`), so the service itself never imports MLflow.
+
+`create_runs` makes a batch. On a database-backed store (SQLite, PostgreSQL, MySQL: MLflow's
+`SqlAlchemyStore`) it writes up to `RUNS_PER_COMMIT` runs in one transaction of MLflow's own session, with
+MLflow's own table models and validation, the same rows `MlflowClient.create_run` and `log_batch` write (a test
+compares them): `create_run` re-reads the experiment, commits and builds the returned run's inputs for every
+run, 3-4 ms of CPU a run against about 0.5 ms here. Anything else (an MLflow server over HTTP, a store whose
+models no longer take these columns, an inactive experiment) takes the client's path, one run at a time, with
+MLflow's own errors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import uuid
+from typing import Any, Iterator, Optional, Sequence
 
 from orchestrator.jobenv import image_tags
 from orchestrator.queue.models import Job
 from orchestrator.tracking import TAG_EXPERIMENT, TAG_JOB, Tracker
 
 DEFAULT_EXPERIMENT = "jobs"
+RUNS_PER_COMMIT = 8  # runs written in one transaction: the first job of a chunk waits for the others (~0.5 ms each)
+log = logging.getLogger(__name__)
 
 
 def run_request(job: Job) -> dict[str, Any]:
@@ -30,7 +42,9 @@ def run_request(job: Job) -> dict[str, Any]:
 
 
 def create_run(tracker: Tracker, request: dict[str, Any]) -> str:
-    """Make the run a `run_request` describes, its params logged; returns the run id."""
+    """Make the run a `run_request` describes, its params logged; returns the run id. Params MLflow would
+    refuse fail before the run is made (no empty run is left behind)."""
+    _checked_params(request)
     run = tracker.client.create_run(tracker.experiment_id(request["experiment"]), tags=request["tags"],
                                     run_name=request["name"])
     if request["params"]:
@@ -38,6 +52,85 @@ def create_run(tracker: Tracker, request: dict[str, Any]) -> str:
 
         tracker.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in request["params"].items()])
     return run.info.run_id
+
+
+def create_runs(tracker: Tracker, requests: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str]]:
+    """Make the runs of `requests` in order, yielding `(job id, run id)` as each is committed. Raises at the
+    first run that cannot be made (MLflow's error); the runs before it are made, those after it are not."""
+    store = _sql_store(tracker)
+    size = RUNS_PER_COMMIT if store is not None else 1
+    for start in range(0, len(requests), size):
+        chunk = requests[start:start + size]
+        run_ids = None
+        if store is not None:
+            try:
+                run_ids = _insert_runs(tracker, store, chunk)
+            except Exception as exc:  # nothing of the chunk was committed: the client's path says why, or makes them
+                log.debug("batched runs fell back to MlflowClient.create_run: %s", exc)
+        if run_ids is None:
+            run_ids = (create_run(tracker, request) for request in chunk)  # made one by one as they are taken
+        yield from zip((request["id"] for request in chunk), run_ids)
+
+
+def _checked_params(request: dict[str, Any]) -> list[Any]:
+    """The request's params as MLflow's `log_batch` takes them (values clipped to its limit); raises MLflow's
+    error for a key it refuses."""
+    from mlflow.entities import Param
+
+    params = [Param(k, v) for k, v in request["params"].items()]
+    try:
+        from mlflow.utils.validation import _validate_batch_log_data, _validate_param_keys_unique
+    except ImportError:  # another MLflow: its log_batch still checks them
+        return params
+    checked = _validate_batch_log_data([], params, [])  # older MLflow returns nothing (and clips nothing)
+    params = checked[1] if checked is not None else params
+    _validate_param_keys_unique(params)
+    return params
+
+
+def _sql_store(tracker: Tracker) -> Optional[Any]:
+    """The tracker's MLflow store when it is a database (`SqlAlchemyStore`), else None."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = getattr(getattr(tracker.client, "_tracking_client", None), "store", None)
+    return store if isinstance(store, SqlAlchemyStore) else None
+
+
+def _insert_runs(tracker: Tracker, store: Any, requests: Sequence[dict[str, Any]]) -> list[str]:
+    """Write the runs of `requests` in one transaction, as `create_run` plus `log_batch` of the params would
+    (status RUNNING, user `unknown`, artifacts under the experiment's location); returns their ids."""
+    from mlflow.entities import LifecycleStage, RunStatus, SourceType
+    from mlflow.store.tracking.dbmodels.models import SqlParam, SqlRun, SqlTag
+    from mlflow.utils.time import get_current_time_millis
+    from mlflow.utils.uri import append_to_uri_path
+
+    checked = [(request, _checked_params(request), tracker.experiment_id(request["experiment"]))
+               for request in requests]
+    run_ids = []
+    with store.ManagedSessionMaker() as session:
+        experiments = {}
+        for request, params, experiment_id in checked:
+            if experiment_id not in experiments:
+                experiment = experiments[experiment_id] = store.get_experiment(experiment_id)
+                if experiment.lifecycle_stage != LifecycleStage.ACTIVE:
+                    raise ValueError(f"experiment {experiment_id} is not active")  # the client's path says so
+            if request["tags"].get("mlflow.runName", request["name"]) != request["name"]:
+                raise ValueError("the run name and the mlflow.runName tag differ")  # the client's path says so
+            run_id = uuid.uuid4().hex
+            run = SqlRun(
+                name=request["name"], run_uuid=run_id, experiment_id=experiment_id,
+                artifact_uri=append_to_uri_path(experiments[experiment_id].artifact_location, run_id,
+                                                store.ARTIFACTS_FOLDER_NAME),
+                source_type=SourceType.to_string(SourceType.UNKNOWN), source_name="", entry_point_name="",
+                user_id=request["tags"].get("mlflow.user", "unknown"), status=RunStatus.to_string(RunStatus.RUNNING),
+                start_time=get_current_time_millis(), end_time=None, deleted_time=None, source_version="",
+                lifecycle_stage=LifecycleStage.ACTIVE)
+            tags = {"mlflow.runName": request["name"], **request["tags"]}
+            run.tags = [SqlTag(key=key, value=value) for key, value in tags.items()]
+            run.params = [SqlParam(key=param.key, value=param.value) for param in params]
+            session.add(run)
+            run_ids.append(run_id)
+    return run_ids
 
 
 def ensure_job_run(tracker: Tracker, job: Job) -> str:

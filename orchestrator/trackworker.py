@@ -198,19 +198,21 @@ def tune_sqlite_tracking(tracking_uri: str) -> None:
 
 
 def _answer(out, request: dict, tracker) -> None:
-    from orchestrator.jobruns import create_run, discard_run
+    from orchestrator.jobruns import create_runs, discard_run
 
     if request.get("op") == "discard":
         for run_id in request.get("runs", []):
             discard_run(tracker, run_id)
     else:
-        for job in request.get("jobs", []):
-            try:
-                run_id = create_run(tracker, job)
-            except Exception as exc:
-                out.write(json.dumps({"id": job["id"], "error": first_line(exc)}) + "\n")
-                return
-            out.write(json.dumps({"id": job["id"], "run": run_id}) + "\n")
+        jobs = request.get("jobs", [])
+        made = 0
+        try:
+            for job_id, run_id in create_runs(tracker, jobs):
+                out.write(json.dumps({"id": job_id, "run": run_id}) + "\n")
+                made += 1
+        except Exception as exc:
+            out.write(json.dumps({"id": jobs[made]["id"], "error": first_line(exc)}) + "\n")
+            return
     out.write('{"done": true}\n')
 
 

@@ -1,0 +1,75 @@
+"""The runs of queued jobs, made a batch per transaction (`orchestrator.jobruns.create_runs`), are the runs
+`MlflowClient.create_run` and `log_batch` make: same fields, tags and params, found by the same searches,
+resumable by the job's runtime; a run that cannot be made fails at that job with MLflow's own error."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import jobruns
+from orchestrator.tracking import Tracker
+
+
+def request(job_id: int, experiment: str = "jobs", **params) -> dict:
+    name = f"noop-{job_id}"
+    return {"id": job_id, "experiment": experiment, "name": name,
+            "tags": {"autoresearch.job_id": str(job_id), "autoresearch.owner": "ana", "mlflow.runName": name},
+            "params": {k: str(v) for k, v in params.items()}}
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    return Tracker(f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "artifacts")
+
+
+def comparable(tracker: Tracker, run_id: str) -> dict:
+    run = tracker.client.get_run(run_id)
+    info = dict(vars(run.info))
+    info = {k.lstrip("_"): v for k, v in info.items() if k.lstrip("_") not in ("run_id", "run_uuid", "start_time")}
+    info["artifact_uri"] = info["artifact_uri"].replace(run_id, "<id>")
+    return {"info": info, "tags": run.data.tags, "params": run.data.params, "metrics": run.data.metrics,
+            "inputs": run.inputs.dataset_inputs}
+
+
+def test_batched_runs_are_the_runs_the_client_makes(tracker):
+    requests = [request(i, "jobs" if i % 3 else "other", lr=0.1 * i, note="a b/c") for i in range(1, 12)]
+    made = list(jobruns.create_runs(tracker, requests))
+    assert [job_id for job_id, _ in made] == [r["id"] for r in requests]  # in order, every one
+    assert len({run_id for _, run_id in made}) == len(requests)
+    assert jobruns._sql_store(tracker) is not None  # the batched path was the one taken
+    found = tracker.client.search_runs([tracker.experiment_id("jobs")], "tags.`autoresearch.job_id` = '4'")
+    assert [r.info.run_id for r in found] == [dict(made)[4]]
+    for (job_id, run_id), req in zip(made, requests):
+        by_client = jobruns.create_run(tracker, req)
+        assert comparable(tracker, run_id) == comparable(tracker, by_client)
+        assert tracker.client.get_run(run_id).info.experiment_id == tracker.experiment_id(req["experiment"])
+    # The job's side of Contract 3: it logs into its run and ends it.
+    run_id = dict(made)[2]
+    tracker.client.log_metric(run_id, "loss", 0.5, step=1)
+    tracker.client.set_terminated(run_id, "FINISHED")
+    run = tracker.client.get_run(run_id)
+    assert (run.info.status, run.data.metrics) == ("FINISHED", {"loss": 0.5})
+
+
+def test_a_run_that_cannot_be_made_fails_at_its_job_and_keeps_the_runs_before_it(tracker):
+    requests = [request(i) for i in range(1, 6)] + [{**request(6), "params": {"bad*key": "1"}}, request(7)]
+    made = []
+    with pytest.raises(Exception, match="bad\\*key"):
+        for job_id, run_id in jobruns.create_runs(tracker, requests):
+            made.append(job_id)
+    assert made == [1, 2, 3, 4, 5]
+    runs = tracker.client.search_runs([tracker.experiment_id("jobs")])
+    assert sorted(int(r.data.tags["autoresearch.job_id"]) for r in runs) == [1, 2, 3, 4, 5]
+
+
+def test_a_deleted_experiment_gets_mlflows_own_error(tracker):
+    experiment_id = tracker.experiment_id("gone")
+    tracker.client.delete_experiment(experiment_id)
+    with pytest.raises(Exception, match="(?i)active|deleted"):
+        list(jobruns.create_runs(tracker, [request(1, "gone")]))
+    assert tracker.client.search_runs([experiment_id], run_view_type=3) == []
+
+
+def test_long_param_values_are_clipped_as_mlflow_clips_them(tracker):
+    [(_, run_id)] = jobruns.create_runs(tracker, [request(1, long="x" * 5999 + "yz")])
+    assert tracker.client.get_run(run_id).data.params["long"] == "x" * 5999 + "y"
