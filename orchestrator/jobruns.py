@@ -24,6 +24,7 @@ from orchestrator.queue.models import Job
 from orchestrator.tracking import TAG_EXPERIMENT, TAG_JOB, Tracker
 
 DEFAULT_EXPERIMENT = "jobs"
+RUN_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELLED": "KILLED"}  # a job's end -> its run's
 RUNS_PER_COMMIT = 8  # runs written in one transaction: the first job of a chunk waits for the others (~0.5 ms each)
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,41 @@ def _insert_runs(tracker: Tracker, store: Any, requests: Sequence[dict[str, Any]
             session.add(run)
             run_ids.append(run_id)
     return run_ids
+
+
+def end_runs(tracker: Tracker, ends: Sequence[dict[str, Any]]) -> None:
+    """End the runs of jobs that ended for good: each `{"run": run id, "status": FINISHED | FAILED | KILLED,
+    "end": end time in ms}`. A run no longer RUNNING (its job or its submitter ended it) is left as it is. On a
+    database store, one transaction of MLflow's own models; elsewhere, `get_run` and `set_terminated` each."""
+    store = _sql_store(tracker)
+    if store is not None:
+        try:
+            _update_runs(store, ends)
+            return
+        except Exception as exc:  # nothing was committed: the client's path says why, or ends them
+            log.debug("batched run ends fell back to MlflowClient.set_terminated: %s", exc)
+    for end in ends:
+        try:
+            run = tracker.client.get_run(end["run"])
+        except Exception as exc:  # deleted or never made: nothing to end
+            log.debug("run %s not ended: %s", end["run"], exc)
+            continue
+        if run.info.status == "RUNNING":
+            tracker.client.set_terminated(end["run"], status=end["status"], end_time=end["end"])
+
+
+def _update_runs(store: Any, ends: Sequence[dict[str, Any]]) -> None:
+    from mlflow.entities import RunStatus
+    from mlflow.store.tracking.dbmodels.models import SqlRun
+
+    by_id = {end["run"]: end for end in ends}
+    for status in {end["status"] for end in ends}:
+        RunStatus.from_string(status)  # MLflow's own check of the name
+    with store.ManagedSessionMaker() as session:
+        running = RunStatus.to_string(RunStatus.RUNNING)
+        for run in session.query(SqlRun).filter(SqlRun.run_uuid.in_(list(by_id)), SqlRun.status == running):
+            run.status = by_id[run.run_uuid]["status"]
+            run.end_time = by_id[run.run_uuid]["end"]
 
 
 def ensure_job_run(tracker: Tracker, job: Job) -> str:

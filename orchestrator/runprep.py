@@ -10,6 +10,11 @@ holds a device for a tracked job without a run rather than making the run itself
 A tracking store that fails leaves the jobs QUEUED with the reason (`failure`), no attempt spent, and pauses
 the preparer for `retry_after` seconds (`paused_until`); the dispatcher keeps those jobs out of its plan
 meanwhile, so others may start. The worker is stopped after its idle time and started again when needed.
+
+The same thread ends the runs it made once their jobs end for good (`close_ended`, at most once a second, and
+within about two seconds of the job's end): FINISHED, FAILED or KILLED with the job's end time, unless the job
+ended its run itself. What the queue records (`orchestrator.queue.runs`) survives a restart: a run left open
+by a service that died is ended by the next one.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import threading
 import time
 from typing import Callable
 
-from orchestrator.jobruns import run_request
+from orchestrator.jobruns import RUN_STATUS, run_request
 from orchestrator.queue.store import JobStore
 from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
 RECORD_EVERY_RUNS = 4  # runs recorded in one commit once this many are made ...
 RECORD_EVERY_S = 0.02  # ... or when none were recorded for this long
+CLOSE_EVERY = 1.0  # seconds between looks for runs to end
 
 
 def waiting_reason(error: str) -> str:
@@ -45,6 +51,8 @@ class RunPreparer:
         self.batch = batch
         self.retry_after = retry_after
         self.prepared = 0  # runs this preparer set (a test can tell the work moved here)
+        self.closed = 0  # runs this preparer ended
+        self._closed_at = 0.0  # monotonic time of the last look for runs to end
         self.failure = ""  # the reason given to waiting jobs while the tracking store fails
         self.paused_until = 0.0  # monotonic time the preparer asks the failing store again
         self._paused = threading.Event()  # set while the tracking store is failing
@@ -87,6 +95,10 @@ class RunPreparer:
             try:
                 while self.prepare_once() and not self._stop.is_set():
                     pass  # a full batch: there may be more
+                if time.monotonic() - self._closed_at >= CLOSE_EVERY and not self._paused.is_set():
+                    self._closed_at = time.monotonic()
+                    while self.close_ended() and not self._stop.is_set():
+                        pass
                 self.worker.close_if_idle()
             except Exception:
                 log.exception("preparing MLflow runs failed")
@@ -134,6 +146,22 @@ class RunPreparer:
             finally:
                 self.worker.discard(losers)
         return len(jobs) == self.batch
+
+    def close_ended(self, limit: int = 256) -> bool:
+        """End in MLflow the runs the service made for jobs that have ended for good; True when there may
+        be more. A tracking store that fails keeps them listed for the next look."""
+        ended = self.store.runs_to_close(limit)
+        if not ended:
+            return False
+        try:
+            self.worker.end_runs([{"run": run_id, "status": RUN_STATUS[state], "end": int(finished_at * 1000)}
+                                  for _, run_id, state, finished_at in ended])
+        except TrackingUnavailable as exc:
+            log.warning("could not end the MLflow runs of %d finished jobs: %s", len(ended), exc)
+            return False
+        self.store.runs_closed([job_id for job_id, *_ in ended])
+        self.closed += len(ended)
+        return len(ended) == limit
 
     def _pause(self, error: str, waiting: list[int]) -> None:
         log.warning("MLflow tracking store %s is not usable: %s", self.worker.tracking_uri, error)

@@ -7,10 +7,11 @@ hands it batches of run requests (`orchestrator.jobruns.run_request`, in line or
 one run id per job as each is made, and stops it after `idle_exit` seconds without work. The worker also
 exits when the service goes (its stdin closes).
 
-Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}` and
+Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}`,
+`{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}` and
 `{"op": "discard", "runs": [run_id, ...]}`; answers `{"id": job_id, "run": run_id}` per run made, then
 `{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not tried:
-a store that is down fails them all). The protocol has a descriptor of its own (the worker's original
+a store that is down fails them all); `end` answers `{"done": true}` or `{"error": "first line"}`. The protocol has a descriptor of its own (the worker's original
 stdout); library chatter on stdout goes to stderr.
 """
 
@@ -72,6 +73,15 @@ class TrackingWorker:
                     raise TrackingUnavailable(answer["error"])
                 else:
                     return
+
+    def end_runs(self, ends: Sequence[dict[str, Any]]) -> None:
+        """End the runs of jobs that ended for good (`jobruns.end_runs`); raises TrackingUnavailable."""
+        if not ends:
+            return
+        with self._lock:
+            answer = self._read(self._talk({"op": "end", "runs": list(ends)}))
+            if "error" in answer:
+                raise TrackingUnavailable(answer["error"])
 
     def discard(self, run_ids: Sequence[str]) -> None:
         """Delete runs that lost the race for their job (best effort)."""
@@ -198,11 +208,17 @@ def tune_sqlite_tracking(tracking_uri: str) -> None:
 
 
 def _answer(out, request: dict, tracker) -> None:
-    from orchestrator.jobruns import create_runs, discard_run
+    from orchestrator.jobruns import create_runs, discard_run, end_runs
 
     if request.get("op") == "discard":
         for run_id in request.get("runs", []):
             discard_run(tracker, run_id)
+    elif request.get("op") == "end":
+        try:
+            end_runs(tracker, request.get("runs", []))
+        except Exception as exc:
+            out.write(json.dumps({"error": first_line(exc)}) + "\n")
+            return
     else:
         jobs = request.get("jobs", [])
         made = 0

@@ -113,6 +113,10 @@ def test_job_metrics_and_an_agent_session_land_on_the_mlflow_server(mlflow_serve
         history = client.get_metric_history(job.mlflow_run_id, "loss")
         assert [(m.step, round(m.value, 3)) for m in history] == [(0, 1.0), (1, 0.5), (2, 0.333)]
         assert client.get_run(job.mlflow_run_id).data.tags["autoresearch.job_id"] == str(job_id)
+        # The service ends the run it made with its job, over the server's REST API too.
+        wait_for(lambda: client.get_run(job.mlflow_run_id).info.status == "FINISHED", timeout=30,
+                 what="the job's run to end")
+        assert client.get_run(job.mlflow_run_id).info.end_time == int(job.finished_at * 1000)
 
         assert summary["trials"] == 1 + 2 and summary["baseline"] is not None and summary["headline"]
         trials = api.open_store(settings).list(owner=summary["session"])

@@ -99,6 +99,9 @@ class Job(SQLModel, table=True):
         # with literals (`RETRYING_SQL`): a planner can only match a partial index on constants.
         Index("ix_jobs_retrying", "state", "not_before", sqlite_where=text(RETRYING_SQL),
               postgresql_where=text(RETRYING_SQL)),
+        # Jobs whose MLflow run the service made and has not ended (orchestrator.queue.runs): a few at any time.
+        Index("ix_jobs_runs_open", "finished_at", sqlite_where=text("run_open_at IS NOT NULL"),
+              postgresql_where=text("run_open_at IS NOT NULL")),
         UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
     )
 
@@ -142,6 +145,7 @@ class Job(SQLModel, table=True):
     finished_at: Optional[float] = None
     not_before: Optional[float] = None  # retry backoff: not requeued before this time
     stop_sent_at: Optional[float] = None  # SIGTERM sent for PREEMPTING/CANCELLING; SIGKILL after grace
+    run_open_at: Optional[float] = None  # the service made this job's MLflow run then, and has not ended it
 
     @property
     def job_state(self) -> JobState:

@@ -124,15 +124,6 @@ class JobQueries(HostRecords):
                                      or_(Job.gpus > gpus_over, Job.reason.startswith(reason_prefix)))
             return list(session.exec(stmt.order_by(Job.id)))
 
-    def needing_runs(self, *, capacity: int, limit: int) -> list[Job]:
-        """The first `limit` QUEUED jobs in line order that need at most `capacity` devices, are tracked and
-        have no MLflow run yet (the service makes their runs ahead of time)."""
-        with self._read() as session:
-            stmt = (select(Job).where(Job.state == S.QUEUED.value, Job.gpus <= capacity, Job.track,
-                                      Job.mlflow_run_id.is_(None))
-                    .order_by(Job.priority.desc(), Job.submitted_at, Job.id).limit(limit))
-            return list(session.exec(stmt))
-
     def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
                  skip: Iterable[int] = ()) -> tuple[list[tuple], list[Held]]:
         """What one dispatch pass needs: QUEUED jobs in line order as light (id, priority, submitted_at, gpus,

@@ -22,7 +22,7 @@ from sqlmodel import Session, select
 
 from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
-from orchestrator.queue.queries import JobQueries
+from orchestrator.queue.runs import RunRecords
 from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values
 from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
@@ -43,14 +43,12 @@ DEVICES = Device.__table__
 _DEVICE_STATES = core_select(DEVICES.c.name, DEVICES.c.state).where(DEVICES.c.host == bindparam("host"))
 _CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)),
                                     JOBS.c.state == S.QUEUED.value)
-_SET_RUN = (update(JOBS).where(JOBS.c.id == bindparam("job_id"), JOBS.c.mlflow_run_id.is_(None))
-            .values(mlflow_run_id=bindparam("run_id")))
 _JOBS_BY_ID = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)))
 _ROWS_BY_ID = (core_select(*(JOBS.c[name] for name in Moving.COLUMNS))
                .where(JOBS.c.id.in_(bindparam("ids", expanding=True))))
 
 
-class JobStore(JobQueries):
+class JobStore(RunRecords):
     """Jobs, their events, devices and service heartbeats in one SQL database (SQLite or PostgreSQL).
 
     `retry_backoff` and `retry_backoff_cap` (settings of the same names) are read each time a job fails, so
@@ -184,20 +182,6 @@ class JobStore(JobQueries):
                 claimed.append(self._move(writes, job, S.STARTING, f"placed on {','.join(devices)}", host, now,
                                           **fields))
         return claimed
-
-    def set_run_ids(self, runs: dict[int, str]) -> set[int]:
-        """Record the MLflow run every attempt of each job logs to (set once, before the first claim), for many
-        jobs in one commit. Returns the ids of the jobs set: a job left out already had a run (another host
-        prepared it first)."""
-        done: set[int] = set()
-        if not runs:
-            return done
-        with self._tx() as session:
-            conn = session.connection()
-            for job_id, run_id in runs.items():
-                if conn.execute(_SET_RUN, {"job_id": job_id, "run_id": run_id}).rowcount:
-                    done.add(job_id)
-        return done
 
     def note(self, reasons: dict[int, str]) -> None:
         """Update the state reason of QUEUED jobs (why a job waits) without a transition."""

@@ -73,3 +73,14 @@ def test_a_deleted_experiment_gets_mlflows_own_error(tracker):
 def test_long_param_values_are_clipped_as_mlflow_clips_them(tracker):
     [(_, run_id)] = jobruns.create_runs(tracker, [request(1, long="x" * 5999 + "yz")])
     assert tracker.client.get_run(run_id).data.params["long"] == "x" * 5999 + "y"
+
+
+def test_ending_runs_sets_the_jobs_outcome_and_leaves_runs_already_ended(tracker):
+    made = dict(jobruns.create_runs(tracker, [request(i) for i in range(1, 5)]))
+    tracker.client.set_terminated(made[3], "FAILED", end_time=123)  # the job ended its run itself
+    ends = [{"run": made[1], "status": "FINISHED", "end": 1_000}, {"run": made[2], "status": "KILLED", "end": 2_000},
+            {"run": made[3], "status": "FINISHED", "end": 3_000}, {"run": "0" * 32, "status": "FAILED", "end": 1}]
+    jobruns.end_runs(tracker, ends)
+    got = {job_id: (tracker.client.get_run(run_id).info.status, tracker.client.get_run(run_id).info.end_time)
+           for job_id, run_id in made.items()}
+    assert got == {1: ("FINISHED", 1_000), 2: ("KILLED", 2_000), 3: ("FAILED", 123), 4: ("RUNNING", None)}

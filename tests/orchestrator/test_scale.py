@@ -122,3 +122,32 @@ def test_retries_are_found_without_reading_every_failed_job(tmp_path):
     assert sorted(job.id for job in store.requeue_due()) == sorted(retrying)
     assert plans and all("ix_jobs_retrying" in plan for plan in plans), plans
     store.close()
+
+
+def test_runs_to_end_are_found_without_reading_every_finished_job(tmp_path):
+    """The service looks for runs to end every second: among thousands of finished jobs whose runs it already
+    ended, the look goes through the partial index of open runs and finds exactly the ones still open."""
+    from sqlalchemy import event
+
+    from orchestrator.queue.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'queue.db'}")
+    for batch in range(10):  # 1,000 finished jobs with runs made and ended, as a service records them
+        ids = [store.submit(JobSpec(argv=["true"])).id for _ in range(100)]
+        store.set_run_ids({job_id: f"run-{job_id}" for job_id in ids})
+        store.claim([(job_id, ["cpu:0"]) for job_id in ids], "h")
+        store.mark_running_many([(job_id, 1, None) for job_id in ids], "h")
+        store.finish_many([(job_id, 1, 0, "exit code 0") for job_id in ids], "h")
+        if batch < 9:
+            store.runs_closed(ids)
+    plans: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
+        if "run_open_at IS NOT NULL" in statement and statement.lstrip().startswith("SELECT"):
+            raw = conn.connection.driver_connection
+            plans.append(" ".join(str(row) for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)))
+
+    assert sorted(job_id for job_id, *_ in store.runs_to_close(limit=1000)) == ids
+    assert plans and all("ix_jobs_runs_open" in plan for plan in plans), plans
+    store.close()

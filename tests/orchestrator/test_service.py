@@ -223,3 +223,44 @@ def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tic
             wait_for(lambda: state(service, job.id) == "SUCCEEDED", timeout=60, what="the job to run")
     finally:
         service.stop()
+
+
+def test_the_mlflow_runs_the_service_made_end_with_their_jobs(make_service, home):
+    """A tracked job's run ends with the job (FINISHED, FAILED, KILLED, at the job's end time), even when the
+    job never ran or ended while no service watched; a run the submitter brought is the submitter's to end."""
+    from orchestrator.config import Settings
+    from orchestrator.jobruns import run_request
+    from orchestrator.tracking import Tracker
+
+    tracker = Tracker.from_settings(Settings.load())
+    store = api.open_store()
+    # Left open by a service that died: the run was made and recorded, then the job was cancelled unseen.
+    orphan = api.submit(JobSpec(argv=["true"]), store=store)[0]
+    store.set_run_ids({orphan.id: tracker.client.create_run(tracker.experiment_id("jobs")).info.run_id})
+    store.cancel(orphan.id)
+    brought = tracker.client.create_run(tracker.experiment_id("jobs")).info.run_id
+
+    service = make_service("cpu:1")
+    ok = api.submit(JobSpec(argv=["true"]))[0].id
+    bad = api.submit(JobSpec(argv=["false"], max_attempts=1))[0].id
+    theirs = api.submit(JobSpec(argv=["true"], mlflow_run_id=brought))[0].id
+    for job_id in (ok, bad, theirs):
+        wait_for(lambda: service.store.get(job_id).final, timeout=60, what=f"job {job_id}")
+    blocker = api.submit(JobSpec(argv=["sleep", "30"], grace=1))[0].id
+    waiting = api.submit(JobSpec(argv=["true"]))[0].id  # its run is made ahead while the blocker runs
+    wait_for(lambda: state(service, blocker) == "RUNNING" and service.store.get(waiting).mlflow_run_id,
+             timeout=30, what="the waiting job's run")
+    api.cancel(waiting)
+    api.cancel(blocker)
+
+    def status(job_id):
+        run = tracker.client.get_run(service.store.get(job_id).mlflow_run_id).info
+        return run.status, run.end_time
+
+    expected = {orphan.id: "KILLED", ok: "FINISHED", bad: "FAILED", waiting: "KILLED", blocker: "KILLED"}
+    wait_for(lambda: all(status(j)[0] == s for j, s in expected.items()), timeout=30,
+             what="the runs' ends", interval=0.2)
+    for job_id in expected:
+        assert status(job_id)[1] == int(service.store.get(job_id).finished_at * 1000)
+    assert status(theirs) == ("RUNNING", None)
+    assert service.store.runs_to_close() == []
