@@ -37,6 +37,16 @@ _MAX_TAG = 5000  # MLflow allows 8000; rationales longer than this are truncated
 _IMPORT_LOCK = threading.Lock()
 
 
+def runs_page(base_url: str, experiment_id: str, search: str | None = None) -> str:
+    """The MLflow UI address of an experiment's runs table, optionally filtered by a search. It names MLflow 3's
+    model-training view (`workflowType=machine_learning`): without it the UI opens on its GenAI pages whatever
+    the experiment's `mlflow.experimentKind` tag says (seen in headless Chromium)."""
+    from urllib.parse import quote
+
+    page = f"{base_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return page + (f"&searchFilter={quote(search)}" if search else "")
+
+
 def import_mlflow():
     """The `mlflow` module, imported once per process under a lock. Two threads importing mlflow at once (the
     service's warm-up and the agent, in `autoresearch start`) can meet its package half-initialised and fail
@@ -189,6 +199,11 @@ class Tracker:
         """The latest value of `metric` in `run_id`, or None when it was never logged."""
         value = self.client.get_run(run_id).data.metrics.get(metric)
         return None if value is None or not math.isfinite(value) else float(value)
+
+    def experiments(self) -> list[Any]:
+        """The store's active experiments that hold runs, newest first (MLflow's `Default` only when used)."""
+        return [exp for exp in self.client.search_experiments(order_by=["creation_time DESC"])
+                if self.client.search_runs([exp.experiment_id], max_results=1)]
 
     def session_runs(self) -> list[Any]:
         """Every session parent run in the store, newest first."""

@@ -69,25 +69,18 @@ def _resumable(registry: Registry, session_id: str) -> dict[str, Any]:
 
 
 def session_links(url: str, settings: Settings | None = None, limit: int = 5) -> list[str]:
-    """Lines with the MLflow UI addresses of the latest sessions' runs (their experiment's runs table,
-    filtered to the session, and the session run with its report).
-
-    `workflowType=machine_learning` opens MLflow 3's model-training view: without it the UI starts on its
-    GenAI overview whatever the experiment's `mlflow.experimentKind` tag says (seen in headless Chromium).
-    """
-    from urllib.parse import quote
-
-    from orchestrator.tracking import TAG_SESSION, Tracker
+    """Lines with the MLflow UI addresses of the store's experiments (their runs tables: hand-submitted jobs
+    are in `jobs` or their own experiment) and of the latest sessions' runs (their experiment's runs table,
+    filtered to the session, and the session run with its report), in MLflow 3's model-training view."""
+    from orchestrator.tracking import TAG_SESSION, Tracker, runs_page
 
     tracker = Tracker.from_settings(settings or Settings.load())
-    out = []
+    out = [f"experiment {exp.name}: {runs_page(url, exp.experiment_id)}" for exp in tracker.experiments()[:limit]]
     for run in tracker.session_runs()[:limit]:
         session = run.data.tags.get(TAG_SESSION, "?")
         exp = run.info.experiment_id
-        search = quote(f"tags.`{TAG_SESSION}` = '{session}'")
-        out.append(f"session {session}: {url}/#/experiments/{exp}/runs?workflowType=machine_learning"
-                   f"&searchFilter={search}  (report: {url}/#/experiments/{exp}/runs/{run.info.run_id}/artifacts"
-                   "?workflowType=machine_learning)")
+        out.append(f"session {session}: {runs_page(url, exp, f'tags.`{TAG_SESSION}` = {session!r}')}  (report: "
+                   f"{url}/#/experiments/{exp}/runs/{run.info.run_id}/artifacts?workflowType=machine_learning)")
     return out
 
 

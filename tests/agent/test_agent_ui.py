@@ -70,5 +70,7 @@ def test_ui_serves_this_homes_runs_and_artifacts(home):
     said = said_path.read_text()
     assert f"session s-0000ui00: {base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" \
         "&searchFilter=" in said
+    assert f"experiment digits: {base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning\n" \
+        in said
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     assert bad.wait(timeout=60) == 2 and "--port" in bad.stderr.read()
