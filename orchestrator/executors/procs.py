@@ -200,14 +200,24 @@ class ProcessTree:
         for proc in found:
             self._known.setdefault(proc.pid, proc)
 
+    def reaped(self) -> None:
+        """The leader has ended and its parent collected it: its pid is no longer looked at (it may be reused)."""
+        if self.leader is not None:
+            self._known.pop(self.leader.pid, None)
+            self.leader = None
+
     def exact(self) -> bool:
         """Whether the cgroup holds the attempt (the wrapper joined it), so no psutil tracking is needed."""
+        return self._exact_pids() is not None
+
+    def _exact_pids(self) -> Optional[list[int]]:
+        """The cgroup's processes when the cgroup holds the attempt, else None (one read of cgroup.procs)."""
         if self.cgroup is None:
-            return False
+            return None
         pids = cgroup_pids(self.cgroup)
         if self.leader is not None and alive(self.leader):
-            return self.leader.pid in pids
-        return bool(pids) or not any(alive(p) for p in self._known.values())
+            return pids if self.leader.pid in pids else None
+        return pids if pids or not any(alive(p) for p in self._known.values()) else None
 
     def refresh(self, children: Optional[dict[int, list[int]]] = None) -> None:
         """Remember the current descendants of known processes (`children`: a ppid map shared by several
@@ -222,8 +232,9 @@ class ProcessTree:
         """The live processes of the attempt (`refresh` False: without looking for new descendants of the
         known ones, which costs a scan of the process table when there is no cgroup)."""
         found: dict[int, psutil.Process] = {}
-        if self.exact():
-            for pid in cgroup_pids(self.cgroup):
+        pids = self._exact_pids()
+        if pids is not None:
+            for pid in pids:
                 proc = self._known.get(pid)
                 try:
                     found[pid] = proc if proc is not None else psutil.Process(pid)

@@ -194,6 +194,8 @@ class ExitWatcher:
             code: Optional[int] = os.waitstatus_to_exitcode(raw)
         except ChildProcessError:
             code = None
+        else:
+            watch.tree.reaped()  # its pid is free for reuse: no more looks at it
         watch.child.returncode = -signal.SIGKILL if code is None else code  # collected: Popen must not wait
         return code
 
