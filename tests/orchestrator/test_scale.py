@@ -85,13 +85,26 @@ def test_the_reservation_of_a_blocked_job_still_holds_behind_a_long_line(make_se
     assert first.state == "SUCCEEDED" and first.started_at <= service.store.get(small).started_at
 
 
+def query_plans(store, marker: str) -> list[str]:
+    """SQLite's plans of the SELECTs `store` runs from now on whose text contains `marker` (filled as they run)."""
+    from sqlalchemy import event
+
+    plans: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
+        if marker in statement and statement.lstrip().startswith("SELECT"):
+            raw = conn.connection.driver_connection
+            plans.append(" ".join(str(row) for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)))
+
+    return plans
+
+
 def test_retries_are_found_without_reading_every_failed_job(tmp_path):
     """Among thousands of jobs that failed for good, housekeeping's read of the retries that are due (every
     second) and `queue`'s listing of the jobs awaiting a retry go through the partial index of retrying jobs,
     and still find exactly those, in line order."""
     import time
-
-    from sqlalchemy import event
 
     from orchestrator.queue.store import JobStore
 
@@ -107,14 +120,7 @@ def test_retries_are_found_without_reading_every_failed_job(tmp_path):
         store.claim([(job.id, ["cpu:0"])], "h")
         store.mark_running(job.id, 1, None, "h")
         retrying.append(store.finish(job.id, 1, "h").id)
-    plans: list[str] = []
-
-    @event.listens_for(store.engine, "before_cursor_execute")
-    def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
-        if "failures < max_attempts" in statement and statement.lstrip().startswith("SELECT"):
-            raw = conn.connection.driver_connection
-            plans.append(" ".join(str(row) for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)))
-
+    plans = query_plans(store, "failures < max_attempts")
     listed = store.listing()
     assert [row["id"] for row in listed.jobs] == [retrying[1], retrying[2], retrying[0]]  # line order
     assert listed.counts == {"FAILED": 3}
@@ -127,8 +133,6 @@ def test_retries_are_found_without_reading_every_failed_job(tmp_path):
 def test_runs_to_end_are_found_without_reading_every_finished_job(tmp_path):
     """The service looks for runs to end every second: among thousands of finished jobs whose runs it already
     ended, the look goes through the partial index of open runs and finds exactly the ones still open."""
-    from sqlalchemy import event
-
     from orchestrator.queue.store import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path / 'queue.db'}")
@@ -140,14 +144,7 @@ def test_runs_to_end_are_found_without_reading_every_finished_job(tmp_path):
         store.finish_many([(job_id, 1, 0, "exit code 0") for job_id in ids], "h")
         if batch < 9:
             store.runs_closed(ids)
-    plans: list[str] = []
-
-    @event.listens_for(store.engine, "before_cursor_execute")
-    def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
-        if "run_open_at IS NOT NULL" in statement and statement.lstrip().startswith("SELECT"):
-            raw = conn.connection.driver_connection
-            plans.append(" ".join(str(row) for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)))
-
+    plans = query_plans(store, "run_open_at IS NOT NULL")
     assert sorted(job_id for job_id, *_ in store.runs_to_close(limit=1000)) == ids
     assert plans and all("ix_jobs_runs_open" in plan for plan in plans), plans
     store.close()
