@@ -148,8 +148,10 @@ def end_runs(tracker: Tracker, ends: Sequence[dict[str, Any]]) -> None:
     for end in ends:
         try:
             run = tracker.client.get_run(end["run"])
-        except Exception as exc:  # deleted or never made: nothing to end
-            log.debug("run %s not ended: %s", end["run"], exc)
+        except Exception as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise  # a store that is down: the ends are asked for again
+            log.debug("run %s not ended: it does not exist", end["run"])  # deleted: nothing to end
             continue
         if run.info.status == "RUNNING":
             tracker.client.set_terminated(end["run"], status=end["status"], end_time=end["end"])

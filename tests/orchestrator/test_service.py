@@ -115,10 +115,14 @@ def test_a_runtime_job_that_finished_during_its_grace_succeeds_and_is_not_run_ag
 
 
 def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an_attempt(make_service,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # nothing listens there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    store = api.open_store()
+    ended = api.submit(JobSpec(argv=["true"]), store=store)[0].id  # its run was made before the store went down
+    store.set_run_ids({ended: "0" * 32})
+    store.cancel(ended)
     service = make_service("cpu:1")
     tracked = api.submit(JobSpec(argv=["true"]))[0].id
     job = wait_for(lambda: (j := service.store.get(tracked)).reason.startswith("waiting: MLflow") and j,
@@ -129,6 +133,10 @@ def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an
     job = service.store.get(tracked)
     assert (job.state, job.attempts, job.failures, job.mlflow_run_id) == ("QUEUED", 0, 0, None)
     assert [(e.src, e.dst) for e in service.store.events(tracked)] == [(None, "QUEUED")]
+    # The cancelled job's run could not be ended either: it stays listed, to be ended when the store is back.
+    wait_for(lambda: "could not end the MLflow runs of 1 finished jobs" in caplog.text, timeout=30,
+             what="a try to end the run")
+    assert [row[0] for row in service.store.runs_to_close()] == [ended]
 
 
 def test_retries_with_backoff_and_exit_75(make_service, monkeypatch):
