@@ -17,9 +17,11 @@ def request(job_id: int, experiment: str = "jobs", **params) -> dict:
             "params": {k: str(v) for k, v in params.items()}}
 
 
-@pytest.fixture
-def tracker(tmp_path):
-    return Tracker(f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "artifacts")
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory):
+    """One store for the module (making one costs a second of migrations); each test has its experiments."""
+    root = tmp_path_factory.mktemp("jobruns")
+    return Tracker(f"sqlite:///{root}/mlflow.db", root / "artifacts")
 
 
 def comparable(tracker: Tracker, run_id: str) -> dict:
@@ -32,12 +34,12 @@ def comparable(tracker: Tracker, run_id: str) -> dict:
 
 
 def test_batched_runs_are_the_runs_the_client_makes(tracker):
-    requests = [request(i, "jobs" if i % 3 else "other", lr=0.1 * i, note="a b/c") for i in range(1, 12)]
+    requests = [request(i, "same" if i % 3 else "other", lr=0.1 * i, note="a b/c") for i in range(1, 12)]
     made = list(jobruns.create_runs(tracker, requests))
     assert [job_id for job_id, _ in made] == [r["id"] for r in requests]  # in order, every one
     assert len({run_id for _, run_id in made}) == len(requests)
     assert jobruns._sql_store(tracker) is not None  # the batched path was the one taken
-    found = tracker.client.search_runs([tracker.experiment_id("jobs")], "tags.`autoresearch.job_id` = '4'")
+    found = tracker.client.search_runs([tracker.experiment_id("same")], "tags.`autoresearch.job_id` = '4'")
     assert [r.info.run_id for r in found] == [dict(made)[4]]
     for (job_id, run_id), req in zip(made, requests):
         by_client = jobruns.create_run(tracker, req)
@@ -52,13 +54,14 @@ def test_batched_runs_are_the_runs_the_client_makes(tracker):
 
 
 def test_a_run_that_cannot_be_made_fails_at_its_job_and_keeps_the_runs_before_it(tracker):
-    requests = [request(i) for i in range(1, 6)] + [{**request(6), "params": {"bad*key": "1"}}, request(7)]
+    requests = [request(i, "partial") for i in range(1, 6)] + [{**request(6, "partial"), "params": {"bad*key": "1"}},
+                                                              request(7, "partial")]
     made = []
     with pytest.raises(Exception, match="bad\\*key"):
         for job_id, run_id in jobruns.create_runs(tracker, requests):
             made.append(job_id)
     assert made == [1, 2, 3, 4, 5]
-    runs = tracker.client.search_runs([tracker.experiment_id("jobs")])
+    runs = tracker.client.search_runs([tracker.experiment_id("partial")])
     assert sorted(int(r.data.tags["autoresearch.job_id"]) for r in runs) == [1, 2, 3, 4, 5]
 
 
@@ -71,12 +74,12 @@ def test_a_deleted_experiment_gets_mlflows_own_error(tracker):
 
 
 def test_long_param_values_are_clipped_as_mlflow_clips_them(tracker):
-    [(_, run_id)] = jobruns.create_runs(tracker, [request(1, long="x" * 5999 + "yz")])
+    [(_, run_id)] = jobruns.create_runs(tracker, [request(1, "clipped", long="x" * 5999 + "yz")])
     assert tracker.client.get_run(run_id).data.params["long"] == "x" * 5999 + "y"
 
 
 def test_ending_runs_sets_the_jobs_outcome_and_leaves_runs_already_ended(tracker):
-    made = dict(jobruns.create_runs(tracker, [request(i) for i in range(1, 5)]))
+    made = dict(jobruns.create_runs(tracker, [request(i, "ends") for i in range(1, 5)]))
     tracker.client.set_terminated(made[3], "FAILED", end_time=123)  # the job ended its run itself
     ends = [{"run": made[1], "status": "FINISHED", "end": 1_000}, {"run": made[2], "status": "KILLED", "end": 2_000},
             {"run": made[3], "status": "FINISHED", "end": 3_000}, {"run": "0" * 32, "status": "FAILED", "end": 1}]
