@@ -9,10 +9,10 @@ exits when the service goes (its stdin closes).
 
 Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}`,
 `{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}` and
-`{"op": "discard", "runs": [run_id, ...]}`; answers `{"id": job_id, "run": run_id}` per run made, then
+`{"op": "discard", "runs": [run_id, ...]}`. `runs` answers `{"id": job_id, "run": run_id}` per run made, then
 `{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not tried:
-a store that is down fails them all); `end` answers `{"done": true}` or `{"error": "first line"}`. The protocol has a descriptor of its own (the worker's original
-stdout); library chatter on stdout goes to stderr.
+a store that is down fails them all); `end` answers `{"done": true}` or `{"error": "first line"}`. The
+protocol has a descriptor of its own (the worker's original stdout); library chatter on stdout goes to stderr.
 """
 
 from __future__ import annotations

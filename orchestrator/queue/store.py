@@ -6,7 +6,8 @@ Methods that act on many jobs (the dispatcher's starts, the reaper's finishes) t
 job its own checked transition and event, but share one commit, and their rows are written with SQLAlchemy Core
 in a few executemany statements (`rows.Writes`) rather than by the ORM's unit of work. Whether a job is final or
 will be retried is the job's rule (`Job.final`, `Job.retrying`).
-Devices and service heartbeats are kept by the base class (`orchestrator.queue.hosts`).
+The jobs' MLflow runs (`orchestrator.queue.runs`), the reads (`orchestrator.queue.queries`) and devices and
+service heartbeats (`orchestrator.queue.inventory`) are its base classes.
 """
 
 from __future__ import annotations
