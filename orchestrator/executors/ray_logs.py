@@ -6,7 +6,7 @@ import asyncio
 from typing import IO
 
 from orchestrator.errors import BadInput
-from orchestrator.executors.ray import client_for, parse_handle, submission_id
+from orchestrator.executors.ray_jobs import client_for, parse_handle, submission_id
 from orchestrator.queue.models import Job
 
 
