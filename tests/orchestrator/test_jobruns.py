@@ -1,12 +1,15 @@
 """The runs of queued jobs, made a batch per transaction (`orchestrator.jobruns.create_runs`), are the runs
 `MlflowClient.create_run` and `log_batch` make: same fields, tags and params, found by the same searches,
-resumable by the job's runtime; a run that cannot be made fails at that job with MLflow's own error."""
+resumable by the job's runtime; a run that cannot be made fails at that job with MLflow's own error. Runs end
+with their jobs, and the queue (SQLite and PostgreSQL) lists exactly the runs still to end."""
 
 from __future__ import annotations
 
 import pytest
 
 from orchestrator import jobruns
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.store import JobStore
 from orchestrator.tracking import Tracker
 
 
@@ -87,3 +90,39 @@ def test_ending_runs_sets_the_jobs_outcome_and_leaves_runs_already_ended(tracker
     got = {job_id: (tracker.client.get_run(run_id).info.status, tracker.client.get_run(run_id).info.end_time)
            for job_id, run_id in made.items()}
     assert got == {1: ("FINISHED", 1_000), 2: ("KILLED", 2_000), 3: ("FAILED", 123), 4: ("RUNNING", None)}
+
+
+def start(store: JobStore, job_id: int) -> None:
+    store.claim([(job_id, ["cpu:0"])], "h1")
+    store.mark_running(job_id, 4242, None, "h1")
+
+
+def test_runs_the_service_made_are_listed_to_end_once_their_jobs_end_for_good(db_url):
+    """`runs_to_close` lists the jobs finished for good whose run the service made (set_run_ids), and only
+    until `runs_closed`: not a job still running, nor one awaiting a retry, nor a run its submitter brought."""
+    store = JobStore(db_url)
+    done, retrying, running, cancelled = (store.submit(JobSpec(argv=["true"], max_attempts=2 if i == 1 else 1))
+                                          for i in range(4))
+    brought = store.submit(JobSpec(argv=["true"], mlflow_run_id="r-brought"))
+    assert store.set_run_ids({j.id: f"r{j.id}" for j in (done, retrying, running, cancelled)}) == \
+        {done.id, retrying.id, running.id, cancelled.id}
+    assert store.set_run_ids({done.id: "another host's"}) == set()  # set once
+    for job in (done, retrying, running, brought):
+        start(store, job.id)
+    store.finish(done.id, 0, "h1")
+    store.finish(brought.id, 0, "h1")
+    assert store.finish(retrying.id, 1, "h1").retrying
+    store.cancel(cancelled.id)
+    listed = store.runs_to_close()
+    assert [(job_id, run_id, state) for job_id, run_id, state, _ in listed] == \
+        [(done.id, f"r{done.id}", "SUCCEEDED"), (cancelled.id, f"r{cancelled.id}", "CANCELLED")]
+    assert [at for *_, at in listed] == [store.get(done.id).finished_at, store.get(cancelled.id).finished_at]
+    assert store.runs_to_close(limit=1) == listed[:1]
+    store.runs_closed([done.id])
+    assert [row[0] for row in store.runs_to_close()] == [cancelled.id]
+    store.requeue_due(now=10 ** 12)  # the retry fails too: now the job has ended for good
+    start(store, retrying.id)
+    assert store.finish(retrying.id, 1, "h1").final
+    assert [row[:3] for row in store.runs_to_close()] == [(cancelled.id, f"r{cancelled.id}", "CANCELLED"),
+                                                         (retrying.id, f"r{retrying.id}", "FAILED")]
+    store.close()

@@ -403,31 +403,3 @@ def test_reads_neither_take_nor_wait_for_the_sqlite_write_lock(tmp_path):
     assert not reader.is_alive(), "a read waited for the write lock"
     assert answers == {"get": "visible", "events": 2, "count": (1, 1), "list": [job.id], "listing": [job.id]}
     store.close()
-
-
-def test_runs_the_service_made_are_listed_to_end_once_their_jobs_end_for_good(store):
-    """`runs_to_close` lists the jobs finished for good whose run the service made (set_run_ids), and only
-    until `runs_closed`: not a job still running, nor one awaiting a retry, nor a run its submitter brought."""
-    done, retrying, running, cancelled = (store.submit(spec(max_attempts=2 if i == 1 else 1)) for i in range(4))
-    brought = store.submit(spec(mlflow_run_id="r-brought"))
-    assert store.set_run_ids({j.id: f"r{j.id}" for j in (done, retrying, running, cancelled)}) == \
-        {done.id, retrying.id, running.id, cancelled.id}
-    assert store.set_run_ids({done.id: "another host's"}) == set()  # set once
-    for job in (done, retrying, running, brought):
-        run(store, job.id)
-    store.finish(done.id, 0, "h1")
-    store.finish(brought.id, 0, "h1")
-    assert store.finish(retrying.id, 1, "h1").retrying
-    store.cancel(cancelled.id)
-    listed = store.runs_to_close()
-    assert [(job_id, run_id, state) for job_id, run_id, state, _ in listed] == \
-        [(done.id, f"r{done.id}", "SUCCEEDED"), (cancelled.id, f"r{cancelled.id}", "CANCELLED")]
-    assert [at for *_, at in listed] == [store.get(done.id).finished_at, store.get(cancelled.id).finished_at]
-    assert store.runs_to_close(limit=1) == listed[:1]
-    store.runs_closed([done.id])
-    assert [row[0] for row in store.runs_to_close()] == [cancelled.id]
-    store.requeue_due(now=10 ** 12)  # the retry fails too: now the job has ended for good
-    run(store, retrying.id)
-    assert store.finish(retrying.id, 1, "h1").final
-    assert [row[:3] for row in store.runs_to_close()] == [(cancelled.id, f"r{cancelled.id}", "CANCELLED"),
-                                                         (retrying.id, f"r{retrying.id}", "FAILED")]
