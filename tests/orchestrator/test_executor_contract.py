@@ -21,6 +21,7 @@ import pytest
 
 from orchestrator import api
 from orchestrator.config import Settings
+from orchestrator.executors.base import Liveness
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from tests.orchestrator.helpers import ckpt_job, kill_leftovers, wait_for
@@ -208,13 +209,20 @@ def test_adoption_after_service_restart(start_service, tmp_path):
     # Its words are split in its command line (which heads the log), so only its output contains them.
     script = f"printf 'wait%s\\n' ing; while [ ! -e {gate} ]; do sleep 0.05; done; printf 'fin%s\\n' ished"
     long_id = submit(JobSpec(argv=["sh", "-c", script], track=False))
-    # Ends while no service runs; prints a word found neither in its command line nor in a path (the log's
-    # header shows both).
-    short_id = submit(JobSpec(argv=["sh", "-c", "printf 'q7z%s\\n' x4k; sleep 2; exit 4"], track=False))
+    # Ends while no service runs (once the test opens its own gate, after the service stopped); prints a word
+    # found neither in its command line nor in a path (the log's header shows both).
+    short_gate = tmp_path / "short-gate"
+    short = f"printf 'q7z%s\\n' x4k; while [ ! -e {short_gate} ]; do sleep 0.05; done; exit 4"
+    short_id = submit(JobSpec(argv=["sh", "-c", short], track=False))
     wait_for(lambda: "q7zx4k" in log_of(service, short_id) and "waiting" in log_of(service, long_id),
              timeout=90, what="both jobs to start")
     service.stop()  # running jobs keep running
-    time.sleep(3.0)
+    short_gate.touch()
+    # The executor (its probe needs no running service) can tell the short job ended, and how: only then
+    # does the next service start, so it finds an ended job rather than adopting a running one.
+    wait_for(lambda: service.executor.probe(service.store.get(short_id)).state is Liveness.ENDED,
+             timeout=30, what="the short job to end while no service runs")
+    assert state(service, short_id) == "RUNNING"  # nobody recorded its end yet
     again = start_service("cpu:2")
     wait_for(lambda: state(again, short_id) == "FAILED", timeout=30, what="the ended job to be recorded")
     assert again.store.get(short_id).exit_code == 4
