@@ -32,6 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 INJECT = ["$(touch /tmp/pwned-by-llm)", "1; rm -rf ~", "`id`"]
 
 
+@pytest.fixture(autouse=True)
+def _quick_steps(monkeypatch):
+    """The synthetic job's pace (STEP_SECONDS, inherited by jobs from the embedded service) at 0.05 s a step:
+    these sessions depend on how many trials run and in what order, not on how long one lasts. A test that
+    needs slow trials sets its own."""
+    monkeypatch.setenv("STEP_SECONDS", "0.05")
+
+
 def config(**kw) -> SessionConfig:
     base = dict(goal="minimise the synthetic loss", experiment=EXP, proposer="tpe", trials=6, parallel=2, poll=0.2,
                 baseline_seeds=2)
@@ -177,7 +185,7 @@ def test_target_stops_the_search_then_confirms_on_fresh_seeds(home):
 def test_time_budget_is_honoured(home):
     """The budget logic, not wall-clock tightness: the session ends for the budget, submits nothing after it
     ran out, and leaves no job behind."""
-    budget = 0.15 * 60
+    budget = 0.1 * 60
     t0 = time.time()
     summary = runner.start(config(trials=None, budget_minutes=budget / 60, confirm_seeds=0), devices="cpu:2")
     assert summary["stop_reason"] == "time budget reached"
