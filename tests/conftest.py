@@ -26,6 +26,18 @@ def home(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory) -> Path:
+    """One migrated, empty MLflow SQLite store, made once per run, for tests to copy into a fresh home: creating
+    one runs MLflow's schema migrations (seconds on a busy 2-core machine), and two processes creating the same
+    fresh store at once fail in them. A copy is still a real, fresh store."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
 PG_DSN = os.environ.get("AUTORESEARCH_TEST_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 
 

@@ -1,7 +1,8 @@
 """Agent-test fixtures: every test's MLflow store starts as a copy of one already-migrated empty database.
 
 Creating an MLflow SQLite store runs its schema migrations (seconds on a busy 2-core machine); the tests here
-make one per test, so they copy a template made once per run instead. The store is still a real, fresh one.
+make one per test, so they copy a template made once per run instead (`mlflow_template`, tests/conftest.py).
+The store is still a real, fresh one.
 """
 
 from __future__ import annotations
@@ -9,15 +10,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def mlflow_template(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    from mlflow import MlflowClient
-
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
 
 
 @pytest.fixture(autouse=True)

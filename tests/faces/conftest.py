@@ -12,20 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-@pytest.fixture(scope="session")
-def mlflow_template(tmp_path_factory):
-    """One migrated, empty MLflow store, copied into each test's home (as tests/agent does): creating one takes
-    seconds here, and two processes creating the same fresh SQLite store at once fail in MLflow's migrations."""
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    from mlflow import MlflowClient
-
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
 @pytest.fixture
 def tracked_home(home, mlflow_template):
-    """`home` with its MLflow store already created."""
+    """`home` with its MLflow store already created (a copy of the run's migrated empty store: see
+    tests/conftest.py)."""
     shutil.copy(mlflow_template, home / "mlflow.db")
     return home
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.conftest import _fresh_mlflow_from_template, mlflow_template  # noqa: F401  (fixtures)
+from tests.agent.conftest import _fresh_mlflow_from_template  # noqa: F401  (a fixture)
 
 PREPARE = '''"""Data and evaluation: protected."""
 
