@@ -142,7 +142,7 @@ def drafts(body: dict):
 
 def test_four_variants_run_at_once_on_four_slots(home, tmp_path, monkeypatch):
     slow = ("import os, random, time\nfrom prepare import evaluate\nLR = 1.0\n"
-            "time.sleep(0 if LR == 1.0 else 4)\nrandom.seed(int(os.environ.get('AUTORESEARCH_SEED', '0')))\n"
+            "time.sleep(0 if LR == 1.0 else 2.5)\nrandom.seed(int(os.environ.get('AUTORESEARCH_SEED', '0')))\n"
             "print(f'score: {evaluate(LR) + random.gauss(0, 0.01):.6f}', flush=True)\n")
     program = make_program(tmp_path / "proj", repeats=2, train=slow)
     drafts.count = 0
@@ -162,7 +162,7 @@ def test_kill_9_mid_run_and_resume_loses_no_trial_and_no_commit(home, tmp_path, 
     from orchestrator.programs import session as program_session
     from orchestrator.programs.tree import TreeStore
 
-    program = make_program(tmp_path / "proj", sleep=2.0, repeats=2)
+    program = make_program(tmp_path / "proj", sleep=1.0, repeats=2)
     drafts.count = 0
     with FakeLLM(default=drafts) as fake:
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
