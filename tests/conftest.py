@@ -7,10 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Property tests draw the same examples on every run, so the suite passes or fails the same way everywhere (CI
+# included); no example database either, so a machine's earlier failures do not change what runs. To search
+# further by hand: pytest --hypothesis-profile=default (random examples, as Hypothesis draws them by default).
+hypothesis_settings.register_profile("suite", derandomize=True, database=None)
+hypothesis_settings.load_profile("suite")
 
 
 @pytest.fixture
