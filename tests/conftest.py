@@ -21,10 +21,14 @@ hypothesis_settings.load_profile("suite")
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """A fresh AUTORESEARCH_HOME with SQLite queue and MLflow stores inside it."""
+def home(tmp_path, monkeypatch, mlflow_template) -> Path:
+    """A fresh AUTORESEARCH_HOME with SQLite queue and MLflow stores inside it (the MLflow store a copy of the
+    run's migrated empty one: still a real, fresh store, without seconds of migrations per test)."""
+    import shutil
+
     root = tmp_path / "home"
     root.mkdir()
+    shutil.copy(mlflow_template, root / "mlflow.db")
     monkeypatch.setenv("AUTORESEARCH_HOME", str(root))
     monkeypatch.delenv("AUTORESEARCH_DB_URL", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.fixture
-def tracked_home(home, mlflow_template):
-    """`home` with its MLflow store already created (a copy of the run's migrated empty store: see
-    tests/conftest.py)."""
-    shutil.copy(mlflow_template, home / "mlflow.db")
+def tracked_home(home):
+    """`home`, whose MLflow store is already created (every home's is: see tests/conftest.py)."""
     return home
 
 

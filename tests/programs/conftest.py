@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.conftest import _fresh_mlflow_from_template  # noqa: F401  (a fixture)
 
 PREPARE = '''"""Data and evaluation: protected."""
 
