@@ -200,10 +200,15 @@ class Tracker:
         value = self.client.get_run(run_id).data.metrics.get(metric)
         return None if value is None or not math.isfinite(value) else float(value)
 
-    def experiments(self) -> list[Any]:
-        """The store's active experiments that hold runs, newest first (MLflow's `Default` only when used)."""
-        return [exp for exp in self.client.search_experiments(order_by=["creation_time DESC"])
-                if self.client.search_runs([exp.experiment_id], max_results=1)]
+    def experiments(self, limit: int) -> list[Any]:
+        """The store's `limit` newest active experiments that hold runs (MLflow's `Default` only when used)."""
+        found = []
+        for exp in self.client.search_experiments(order_by=["creation_time DESC"]):
+            if len(found) == limit:
+                break
+            if self.client.search_runs([exp.experiment_id], max_results=1):
+                found.append(exp)
+        return found
 
     def session_runs(self) -> list[Any]:
         """Every session parent run in the store, newest first."""

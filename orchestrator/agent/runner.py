@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any, Callable
 
 from orchestrator.agent.session import Registry, SessionConfig, connect, new_id
@@ -75,7 +74,7 @@ def session_links(url: str, settings: Settings | None = None, limit: int = 5) ->
     from orchestrator.tracking import TAG_SESSION, Tracker, runs_page
 
     tracker = Tracker.from_settings(settings or Settings.load())
-    out = [f"experiment {exp.name}: {runs_page(url, exp.experiment_id)}" for exp in tracker.experiments()[:limit]]
+    out = [f"experiment {exp.name}: {runs_page(url, exp.experiment_id)}" for exp in tracker.experiments(limit)]
     for run in tracker.session_runs()[:limit]:
         session = run.data.tags.get(TAG_SESSION, "?")
         exp = run.info.experiment_id

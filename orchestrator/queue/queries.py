@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from sqlalchemy import bindparam, func, or_, select as core_select
-from sqlmodel import Session, select
+from sqlmodel import select
 
 from orchestrator.errors import JobNotFound
 from orchestrator.queue import listing as listings

@@ -4,7 +4,7 @@ of time, the run each job got, and the runs the service made that are still open
 A run the service made (`set_run_ids`) is open (`run_open_at`, the time it was recorded) until the service has
 ended it in MLflow with its job's outcome (`runs_to_close`, `runs_closed`): a job that ends for good leaves no
 run "running" in the MLflow UI, and neither does a job cancelled while it waited with its run made. A run the
-submitter brought (`--run-id`, the agent's trials) is the submitter's to end and is never listed here.
+submitter brought (`JobSpec.mlflow_run_id`: the agent's trials) is the submitter's to end and is never listed here.
 """
 
 from __future__ import annotations
