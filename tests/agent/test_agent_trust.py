@@ -14,7 +14,6 @@ from orchestrator.agent.graph import Agent
 from orchestrator.agent.report import markdown, session_board
 from orchestrator.agent.session import SessionConfig
 from orchestrator.config import Settings
-from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.tracking import NO_IMPROVEMENT, Tracker, leaderboard
 from tests.agent.synthetic import SPEC
