@@ -1,0 +1,96 @@
+"""Where a dispatch pass's time goes: an in-process service on cpu:8 runs N untracked no-op jobs submitted from
+another process (the throughput benchmark's submitter), and each phase of the dispatcher thread is timed.
+
+    python benchmarks/dispatch_profile.py [--jobs 2000]
+
+Prints jobs/s, passes and jobs per pass, the service's CPU per job, and per phase (the pass, its start of jobs,
+the claim, the RUNNING records, recording exits, the reads) the dispatcher's milliseconds per job and its share
+of the wall time. A profile, not a comparison: it shows whether the dispatcher thread is the bottleneck (its
+passes take nearly all of the wall time) and which part of a pass to work on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def timed(counters: tuple[collections.Counter, collections.Counter], thread: list, obj, name: str) -> None:
+    """Wrap `obj.name` so its calls from the dispatcher thread are timed under `name`."""
+    seconds, calls = counters
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        if threading.get_ident() != thread[0]:
+            return inner(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+            calls[name] += 1
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    jobs = parser.parse_args().jobs
+    home = Path(tempfile.mkdtemp(prefix="dispatch-profile-"))
+    os.environ.update(AUTORESEARCH_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
+    os.environ.pop("AUTORESEARCH_DB_URL", None)
+    from benchmarks.queue_throughput import SUBMITTER
+    from orchestrator.config import Settings
+    from orchestrator.queue.states import JobState
+    from orchestrator.service import Service
+
+    service = Service(Settings.load(), devices="cpu:8", preempt_after=0).start()
+    while not all(d.checked_at for d in service.store.devices()):  # the start-up device check
+        time.sleep(0.05)
+    time.sleep(0.5)
+    counters = (collections.Counter(), collections.Counter())
+    thread = [None]
+    one_pass = service.dispatch_once
+
+    def dispatch_once() -> None:
+        thread[0] = threading.get_ident()
+        one_pass()
+
+    service.dispatch_once = dispatch_once
+    timed(counters, thread, service, "dispatch_once")
+    for obj, name in ((service, "_record_exits"), (service, "_start_jobs"), (service.store, "available_devices"),
+                      (service.store, "snapshot"), (service.store, "claim"), (service.store, "mark_running_many"),
+                      (service.store, "finish_many")):
+        timed(counters, thread, obj, name)
+    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "0"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    assert submitter.stdout.readline().strip() == "ready"
+    passes, start, cpu = service.passes, time.perf_counter(), time.process_time()
+    submitter.stdin.write("go\n")
+    submitter.stdin.flush()
+    while service.store.count_in(JobState.SUCCEEDED) < jobs:
+        time.sleep(0.01)
+    wall, cpu, passes = time.perf_counter() - start, time.process_time() - cpu, service.passes - passes
+    submitter.wait(timeout=60)
+    service.stop()
+    print(f"{jobs / wall:.0f} jobs/s; {passes} passes, {jobs / passes:.2f} jobs a pass; the service's CPU "
+          f"{cpu * 1e3 / jobs:.2f} ms a job (this process: the service and this script's polling)")
+    seconds, calls = counters
+    for name, total in seconds.most_common():
+        print(f"  {name:18s} {total * 1e3 / jobs:6.3f} ms a job  {total / wall * 100:5.1f}% of the wall time  "
+              f"{total / calls[name] * 1e3:6.2f} ms a call ({calls[name]} calls)")
+
+
+if __name__ == "__main__":
+    main()
