@@ -21,10 +21,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 from orchestrator.jobenv import image_tags
 from orchestrator.queue.models import Job
-from orchestrator.tracking import TAG_EXPERIMENT, TAG_JOB, Tracker
+from orchestrator.tracking import OPEN, TAG_EXPERIMENT, TAG_JOB, Tracker
 
 DEFAULT_EXPERIMENT = "jobs"
-RUN_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELLED": "KILLED"}  # a job's end -> its run's
 RUNS_PER_COMMIT = 8  # runs written in one transaction: the first job of a chunk waits for the others (~0.5 ms each)
 log = logging.getLogger(__name__)
 
@@ -136,8 +135,8 @@ def _insert_runs(tracker: Tracker, store: Any, requests: Sequence[dict[str, Any]
 
 def end_runs(tracker: Tracker, ends: Sequence[dict[str, Any]]) -> None:
     """End the runs of jobs that ended for good: each `{"run": run id, "status": FINISHED | FAILED | KILLED,
-    "end": end time in ms}`. A run no longer RUNNING (its job or its submitter ended it) is left as it is. On a
-    database store, one transaction of MLflow's own models; elsewhere, `get_run` and `set_terminated` each."""
+    "end": end time in ms}`. A run already ended (by its job or its submitter) is left as it is. On a database
+    store, one transaction of MLflow's own models; elsewhere, `Tracker.finish` each."""
     store = _sql_store(tracker)
     if store is not None:
         try:
@@ -147,14 +146,11 @@ def end_runs(tracker: Tracker, ends: Sequence[dict[str, Any]]) -> None:
             log.debug("batched run ends fell back to MlflowClient.set_terminated: %s", exc)
     for end in ends:
         try:
-            run = tracker.client.get_run(end["run"])
+            tracker.finish(end["run"], end["status"], end["end"])
         except Exception as exc:
             if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
                 raise  # a store that is down: the ends are asked for again
             log.debug("run %s not ended: it does not exist", end["run"])  # deleted: nothing to end
-            continue
-        if run.info.status == "RUNNING":
-            tracker.client.set_terminated(end["run"], status=end["status"], end_time=end["end"])
 
 
 def _update_runs(store: Any, ends: Sequence[dict[str, Any]]) -> None:
@@ -165,8 +161,7 @@ def _update_runs(store: Any, ends: Sequence[dict[str, Any]]) -> None:
     for status in {end["status"] for end in ends}:
         RunStatus.from_string(status)  # MLflow's own check of the name
     with store.ManagedSessionMaker() as session:
-        running = RunStatus.to_string(RunStatus.RUNNING)
-        for run in session.query(SqlRun).filter(SqlRun.run_uuid.in_(list(by_id)), SqlRun.status == running):
+        for run in session.query(SqlRun).filter(SqlRun.run_uuid.in_(list(by_id)), SqlRun.status.in_(OPEN)):
             run.status = by_id[run.run_uuid]["status"]
             run.end_time = by_id[run.run_uuid]["end"]
 

@@ -24,8 +24,9 @@ import threading
 import time
 from typing import Callable
 
-from orchestrator.jobruns import RUN_STATUS, run_request
+from orchestrator.jobruns import run_request
 from orchestrator.queue.store import JobStore
+from orchestrator.tracking import run_status
 from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class RunPreparer:
         if not ended:
             return False
         try:
-            self.worker.end_runs([{"run": run_id, "status": RUN_STATUS[state], "end": int(finished_at * 1000)}
+            self.worker.end_runs([{"run": run_id, "status": run_status(state), "end": int(finished_at * 1000)}
                                   for _, run_id, state, finished_at in ended])
         except TrackingUnavailable as exc:
             log.warning("could not end the MLflow runs of %d finished jobs: %s", len(ended), exc)

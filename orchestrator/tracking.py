@@ -35,6 +35,13 @@ _MAX_TAG = 5000  # MLflow allows 8000; rationales longer than this are truncated
 
 
 _IMPORT_LOCK = threading.Lock()
+OPEN = ("RUNNING", "SCHEDULED")  # a run in these states has not ended
+
+
+def run_status(outcome: str) -> str:
+    """The status a run ends with for a job's or a trial's outcome (either case): FINISHED for succeeded,
+    FAILED for failed, KILLED for anything else (cancelled, stopped)."""
+    return {"SUCCEEDED": "FINISHED", "FAILED": "FAILED"}.get(outcome.upper(), "KILLED")
 
 
 def runs_page(base_url: str, experiment_id: str, search: str | None = None) -> str:
@@ -182,11 +189,11 @@ class Tracker:
         if items:
             self.client.log_batch(run_id, metrics=items)
 
-    def finish(self, run_id: str, status: str = "FINISHED") -> None:
-        """Mark a run finished (FINISHED, FAILED or KILLED) unless it already is."""
+    def finish(self, run_id: str, status: str = "FINISHED", end_time: int | None = None) -> None:
+        """Mark a run finished (FINISHED, FAILED or KILLED; at `end_time` ms, else now) unless it already is."""
         run = self.client.get_run(run_id)
-        if run.info.status in ("RUNNING", "SCHEDULED"):
-            self.client.set_terminated(run_id, status=status)
+        if run.info.status in OPEN:
+            self.client.set_terminated(run_id, status=status, end_time=end_time)
 
     # -- reads -----------------------------------------------------------------------------------------------------
 

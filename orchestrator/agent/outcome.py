@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from orchestrator.agent.history import completed_value, device_seconds
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
+from orchestrator.tracking import run_status
 
 if TYPE_CHECKING:
     from experiments.registry import ExperimentSpec
@@ -68,7 +69,7 @@ class Outcomes:
             t.status = S.STOPPED if t.stopped_at is not None else S.CANCELLED
         t.ended = True
         if t.run_id:
-            self.tracker.finish(t.run_id, {S.SUCCEEDED: "FINISHED", S.FAILED: "FAILED"}.get(t.status, "KILLED"))
+            self.tracker.finish(t.run_id, run_status(t.status))
 
     def still_a_loser(self, t: Trial, rung: int, peers: list[Trial]) -> bool:
         """Re-read the trial's history just before demoting it (ASHA judged it a loser at `rung`).

@@ -25,6 +25,7 @@ from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.wrap import log_tail, read_values
 from orchestrator.queue.states import TIME_LIMIT
+from orchestrator.tracking import run_status
 
 TAIL = 3000
 
@@ -230,7 +231,7 @@ class Loop(Judge):
         if t["status"] == "failed":
             t["log_tail"] = tail
         t["device_s"] = device_seconds(self.store, job)
-        self.tracker.finish(t["run_id"], {"succeeded": "FINISHED", "failed": "FAILED"}.get(t["status"], "KILLED"))
+        self.tracker.finish(t["run_id"], run_status(t["status"]))
         self._cleanup.append(self._worktree(t))  # removed after this pass's submissions: devices first
         self._save(t)
         if t["kind"] != "rerun":
