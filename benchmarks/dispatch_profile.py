@@ -3,9 +3,10 @@ another process (the throughput benchmark's submitter), and each phase of the di
 
     python benchmarks/dispatch_profile.py [--jobs 2000]
 
-Prints jobs/s, passes and jobs per pass, the service's CPU per job, and per phase (the pass, its start of jobs,
-the claim, the RUNNING records, recording exits, the reads) the dispatcher's milliseconds per job and its share
-of the wall time. A profile, not a comparison: it shows whether the dispatcher thread is the bottleneck (its
+Prints jobs/s, passes and jobs per pass, the service's CPU per job (and per thread), the CPU per job outside
+the service (the submitter, the spawner processes and the jobs themselves), and per phase (the pass, its
+records, its plan and claim, its starts, the reads) the dispatcher's milliseconds per job and its share of the
+wall time. A profile, not a comparison: it shows whether the dispatcher thread is the bottleneck (its
 passes take nearly all of the wall time) and which part of a pass to work on.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import os
 import subprocess
 import sys
@@ -43,6 +45,21 @@ def timed(counters: tuple[collections.Counter, collections.Counter], thread: lis
     setattr(obj, name, wrapper)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each of this process's threads, by thread name (spawn threads summed)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: collections.Counter = collections.Counter()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(task.name), "other")
+        name = re.sub(r"_\d+$", " (all)", name)  # a pool's threads together
+        out[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
@@ -69,23 +86,35 @@ def main() -> None:
 
     service.dispatch_once = dispatch_once
     timed(counters, thread, service, "dispatch_once")
-    for obj, name in ((service, "_record_exits"), (service, "_start_jobs"), (service.store, "available_devices"),
+    for obj, name in ((service, "_record"), (service, "_plan_and_claim"), (service, "_start_claimed"),
+                      (service.store, "available_devices"),
                       (service.store, "snapshot"), (service.store, "claim"), (service.store, "mark_running_many"),
-                      (service.store, "finish_many")):
+                      (service.store, "finish_many"), (service.executor, "launch_many")):
         timed(counters, thread, obj, name)
     submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "0"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     assert submitter.stdout.readline().strip() == "ready"
-    passes, start, cpu = service.passes, time.perf_counter(), time.process_time()
+    passes, start, cpu, threads = service.passes, time.perf_counter(), time.process_time(), thread_cpu()
+    before = os.times()
     submitter.stdin.write("go\n")
     submitter.stdin.flush()
-    while service.store.count_in(JobState.SUCCEEDED) < jobs:
-        time.sleep(0.01)
+    last = int(submitter.stdout.readline())  # as the throughput benchmark: no look at the queue before the end
+    while not (service.store.get(last).job_state is JobState.SUCCEEDED
+               and service.store.count_in(JobState.SUCCEEDED) >= jobs):
+        time.sleep(0.02)  # (this process is the service's: its looks take the service's GIL)
     wall, cpu, passes = time.perf_counter() - start, time.process_time() - cpu, service.passes - passes
+    threads = {name: seconds - threads.get(name, 0.0) for name, seconds in thread_cpu().items()}
     submitter.wait(timeout=60)
     service.stop()
+    after = os.times()  # (the spawners were waited for by the stop: their CPU, and their jobs', is in)
+    children = after.children_user + after.children_system - before.children_user - before.children_system
     print(f"{jobs / wall:.0f} jobs/s; {passes} passes, {jobs / passes:.2f} jobs a pass; the service's CPU "
           f"{cpu * 1e3 / jobs:.2f} ms a job (this process: the service and this script's polling)")
+    print("  the CPU by thread: " + ", ".join(f"{name} {seconds * 1e3 / jobs:.2f} ms"
+                                              for name, seconds in sorted(threads.items(), key=lambda kv: -kv[1])
+                                              if seconds * 1e3 / jobs >= 0.005))
+    print(f"  outside the service: {children * 1e3 / jobs:.2f} ms of CPU a job (the submitter, the spawner processes "
+          "and the jobs they reaped)")
     seconds, calls = counters
     for name, total in seconds.most_common():
         print(f"  {name:18s} {total * 1e3 / jobs:6.3f} ms a job  {total / wall * 100:5.1f}% of the wall time  "

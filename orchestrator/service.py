@@ -2,8 +2,10 @@
 
 Threads:
 - the dispatcher: woken by a submit/cancel datagram, by a job's exit, or by APScheduler's tick; each pass
-  records finished attempts, enforces stops (SIGTERM, then SIGKILL after the grace), asks the pure policy
-  (`orchestrator.scheduling.plan`) for starts and preemptions, and carries them out;
+  records, in one transaction, the last pass's starts and the exits since, asks the pure policy
+  (`orchestrator.scheduling.plan`) for starts and preemptions and claims them; then it enforces stops
+  (SIGTERM, then SIGKILL after the grace) and has the executor start the claimed attempts (the local
+  executor's spawner processes start them, `orchestrator.executors.spawner`);
 - APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, reaping), and the
   device guard's run-time monitor and periodic re-check of idle devices (`orchestrator.guard`);
 - the executor's watcher, which reports exits.
@@ -15,7 +17,6 @@ code their wrapper wrote. No job is lost, none runs twice, every job ends in the
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -30,10 +31,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from orchestrator import devices as devspec
+from orchestrator import homelock
 from orchestrator import scheduling
 from orchestrator.api import SERVICE_STALE_AFTER, largest_capacity, live_services
 from orchestrator.config import Settings
-from orchestrator.errors import ServiceAlreadyRunning
 from orchestrator.executors.base import Exit, Executor, executor_class, job_env
 from orchestrator.guard import DeviceGuard
 from orchestrator.health import Health, HealthConfig
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 S = JobState
 HEARTBEAT_EVERY = 2.0
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
+# Seconds a started attempt may wait for a pass to record it RUNNING: soon, not at once (a pass right away
+# takes the CPU from the jobs starting up; any wake-up meanwhile, an exit or a submit, records it sooner).
+RECORD_STARTS_WITHIN = 0.02
 TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 
 
@@ -97,7 +101,7 @@ class Service:
         self.device_names: list[str] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock_fh = None
+        self._home_lock = homelock.HomeLock(self.home)
         self._listeners: list = []
         self._scheduler = None
         self._dispatcher: Optional[threading.Thread] = None
@@ -106,7 +110,8 @@ class Service:
         # it rather than sleeping and hoping a pass ran).
         self.passes = 0
         self._base_env = dict(os.environ)
-        self._spawner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="spawn")
+        # For executors whose starts block on something else (Ray's job submission): several at once.
+        self._launchers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="launch")
         config = health or settings.health
         if not self._local_devices:
             # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
@@ -119,6 +124,7 @@ class Service:
         self.tracking = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
+        self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
 
@@ -127,38 +133,12 @@ class Service:
     @staticmethod
     def running(settings: Settings) -> bool:
         """Whether a service holds this home's lock right now."""
-        path = Path(settings.home) / "service.lock"
-        if not path.exists():
-            return False
-        with open(path, "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fh, fcntl.LOCK_UN)
-            return False
-
-    def _take_lock(self) -> None:
-        path = self.home / "service.lock"
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            pid = fh.read().strip() or "?"
-            fh.close()
-            raise ServiceAlreadyRunning(f"a service is already running for {self.home} (pid {pid}); "
-                                        "stop it first or use another AUTORESEARCH_HOME") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        self._lock_fh = fh
+        return homelock.held(Path(settings.home))
 
     def start(self) -> "Service":
         """Take the home, reconcile what the last service left, and start the threads."""
         self.device_names = devspec.parse(self.device_spec) if self._local_devices else []
-        self._take_lock()
+        self._home_lock.take()
         try:
             self.layout.ensure()
             self.executor = self.supervisor.executor = self._make_executor()
@@ -180,7 +160,7 @@ class Service:
             self._dispatcher.start()
             self.wake()
         except BaseException:
-            self._release()
+            self._home_lock.release()
             raise
         log.info("service %s on %s: devices %s", self.host, self.home, ",".join(self.device_names))
         return self
@@ -217,23 +197,22 @@ class Service:
             self._dispatcher.join(timeout=10)
         for listener in self._listeners:
             listener.close()
-        self._spawner.shutdown(wait=True)
+        self._launchers.shutdown(wait=True)
         if self.run_preparer is not None:
             self.run_preparer.close()
         if self.executor is not None:
             self.executor.close()
+        if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
+            try:
+                self._record(self._launched, [])
+            except Exception:  # the next service finds them by their wrappers' environment
+                log.exception("could not record the last starts")
         self.guard.close()
         try:
             self.store.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
             log.exception("could not remove the service record")
-        self._release()
-
-    def _release(self) -> None:
-        if self._lock_fh is not None:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+        self._home_lock.release()
 
     def serve_forever(self) -> None:
         """Run until SIGINT or SIGTERM."""
@@ -261,14 +240,19 @@ class Service:
     def _on_exit(self, exit_: Exit) -> None:
         self.supervisor.on_exit(exit_)
 
-    def _record_exits(self) -> None:
-        self.supervisor.record_exits()
+    def _record(self, launched: list, exits: list[Exit]) -> None:
+        """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
+        self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
+                                      if not isinstance(out, Exception)], self.host)
+        self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}") for job, out in launched
+                                if isinstance(out, Exception)], self.host)
+        self.supervisor.record(exits)
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
     def _dispatch_loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(timeout=self.tick * 4)
+            self._wake.wait(timeout=RECORD_STARTS_WITHIN if self._launched else self.tick * 4)
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -280,8 +264,29 @@ class Service:
                 time.sleep(0.2)
 
     def dispatch_once(self) -> None:
-        """One pass: record exits, enforce stops, plan, preempt, start (under `guard.placing()`)."""
-        self._record_exits()
+        """One pass (under `guard.placing()`). In one transaction: record the last pass's starts and the exits
+        since, read the queue, plan, preempt and claim. Then signal stops and start the claimed attempts,
+        whose outcomes the next pass records."""
+        launched, self._launched = self._launched, []
+        exits = self.supervisor.take_exits()
+        try:
+            with self.store.transaction():
+                self._record(launched, exits)
+                mine, preempted, claimed = self._plan_and_claim()
+        except Exception:
+            self._launched[:0] = launched
+            self.supervisor.put_back(exits)
+            raise
+        self.supervisor.settled(exits)
+        self.supervisor.enforce_stops(mine)
+        for job in preempted:
+            self._send_stop(job)
+        self._start_claimed(claimed)
+        self.passes += 1
+
+    def _plan_and_claim(self) -> tuple[list, list[Job], list[Job]]:
+        """Read the queue, plan, and write the plan's preemptions and claims (in the pass's transaction).
+        Returns the jobs this host holds (as read), those preempted and those claimed."""
         usable = self.guard.schedulable(self.store.available_devices(self.host))
         if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
@@ -295,48 +300,48 @@ class Service:
         if self.run_preparer is not None and any(row[4] for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
-        self.supervisor.enforce_stops(mine)
         now = time.time()
         waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
-        if plan.preempt:
-            for job in self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host):
-                self._send_stop(job)
-        if plan.starts:
-            self._start_jobs(plan.starts, {row[0] for row in queued if row[4]})
-        self.passes += 1
+        preempted = (self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host)
+                     if plan.preempt else [])
+        claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
+        return mine, preempted, claimed
 
-    def _start_jobs(self, starts, need_runs: set[int]) -> None:
-        """Prepare what the starts need, claim them (each claim is an attempt), check devices, spawn.
-        `need_runs`: ids of jobs that are tracked and have no MLflow run yet."""
+    def _claim(self, starts, need_runs: set[int]) -> list[Job]:
+        """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
+        and have no MLflow run yet."""
         if need_runs and self.run_preparer is not None and self.run_preparer.healthy:
             # The preparer makes these runs (in line order) and wakes us: their devices stay free this pass.
             starts = [start for start in starts if start[0] not in need_runs]
             self.run_preparer.wake()
         else:
             starts = self._prepare_runs(list(starts), need_runs)
-        claimed = self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
-                                   log_root=str(self.layout.logs_dir))
-        ready = []
+        return self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
+                                log_root=str(self.layout.logs_dir))
+
+    def _start_claimed(self, claimed: list[Job]) -> None:
+        """Check the claimed attempts' devices and start them (the spawns waited for: several at once). The
+        outcomes are recorded by the next pass, in its transaction (within RECORD_STARTS_WITHIN)."""
+        batch = []
         for job in claimed:
             try:
                 if self.guard.preflight_ok(job):
-                    ready.append(job)
+                    batch.append((job, job_env(job, base=self._base_env, layout=self.layout,
+                                               tracking_uri=self.settings.tracking_uri)))
             except Exception as exc:
                 log.exception("could not prepare job %s", job.id)
                 self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")
-        # Spawning waits on the kernel (vfork + exec) with the GIL released: several at once overlap.
-        outcomes = list(self._spawner.map(self._launch, ready)) if len(ready) > 1 else [self._launch(j) for j in ready]
-        launched = []
-        for job, outcome in zip(ready, outcomes):
+        if not batch:
+            return
+        outcomes = self.executor.launch_many(batch, pool=self._launchers)
+        for (job, _), outcome in zip(batch, outcomes):
             if isinstance(outcome, Exception):
-                self.store.finish(job.id, 127, self.host, detail=f"could not start: {outcome}")
-            else:
-                launched.append((job.id, outcome.pid, outcome.proc_start))
-        self.store.mark_running_many(launched, self.host)
+                log.error("could not start job %s: %s", job.id, outcome)
+        self._launched.extend((job, outcome) for (job, _), outcome in zip(batch, outcomes))
 
     def _prepare_runs(self, starts: list, need_runs: set[int]) -> list:
         """The starts that may be claimed now: not the tracked jobs without an MLflow run (the run preparer
@@ -363,14 +368,6 @@ class Service:
         for job in self.store.waiting_with(gpus_over=largest, reason_prefix=scheduling.UNPLACEABLE):
             notes[job.id] = scheduling.unplaceable_reason(job.gpus, largest) or "waiting: a live service can place it"
         self.store.note(notes)
-
-    def _launch(self, job: Job):
-        try:
-            env = job_env(job, base=self._base_env, layout=self.layout, tracking_uri=self.settings.tracking_uri)
-            return self.executor.launch(job, env)
-        except Exception as exc:  # reported by the caller as a failed start
-            log.exception("could not start job %s", job.id)
-            return exc
 
     def _warm_up(self) -> None:
         """Start-up costs paid off the dispatch path: a first preflight of every device (passes are trusted

@@ -44,24 +44,30 @@ class Supervisor:
             self._exits.append(exit_)
         self.wake()
 
-    def record_exits(self) -> list[Job]:
-        """Record every buffered exit in one batch, then let the executor drop their records."""
+    def take_exits(self) -> list[Exit]:
+        """The buffered exits, to record (`record`); then `settled` once committed, else `put_back`."""
         with self._lock:
             exits, self._exits = self._exits, []
+        return exits
+
+    def record(self, exits: list[Exit]) -> list:
+        """Record these exits in one batch (in the caller's transaction when it holds one)."""
         if not exits:
             return []
-        results = [(ex.job_id, ex.attempt, ex.code, ex.detail) for ex in exits]
-        try:
-            finished = self.store.finish_many(results, self.host)
-        except Exception:
-            with self._lock:  # keep them for the next pass (the database may be back by then)
-                self._exits[:0] = exits
-            raise
+        finished = self.store.finish_many([(ex.job_id, ex.attempt, ex.code, ex.detail) for ex in exits], self.host)
         for job in finished:
             log.info("job %s -> %s (%s)", job.id, job.state, job.reason)
+        return finished
+
+    def put_back(self, exits: list[Exit]) -> None:
+        """Exits the store could not take: kept for the next pass (the database may be back by then)."""
+        with self._lock:
+            self._exits[:0] = exits
+
+    def settled(self, exits: list[Exit]) -> None:
+        """The store has these exits: the executor drops what it kept of their attempts."""
         for ex in exits:
             self.executor.forget(ex.job_id, ex.attempt)
-        return finished
 
     def send_stop(self, job: Job) -> None:
         """SIGTERM a job just marked PREEMPTING/CANCELLING (a job not spawned yet is stopped as soon as

@@ -23,7 +23,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Optional, Sequence, Union
 
 from orchestrator.devices import cuda_visible
 from orchestrator.layout import Layout
@@ -93,6 +93,17 @@ class Executor(ABC):
     @abstractmethod
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
         """Start an attempt of `job` (already STARTING with devices) with the Contract 3 `env`."""
+
+    def launch_many(self, batch: Sequence[tuple[Job, dict[str, str]]], pool=None) -> list[Union[Launched, Exception]]:
+        """Start several attempts; each outcome is the attempt's handle or the exception that stopped it, in
+        order. By default one `launch` each, side by side on `pool` (a `concurrent.futures` executor) if given."""
+        def one(item: tuple[Job, dict[str, str]]) -> Union[Launched, Exception]:
+            try:
+                return self.launch(*item)
+            except Exception as exc:  # reported by the caller as a failed start
+                return exc
+
+        return list(pool.map(one, batch)) if pool is not None and len(batch) > 1 else [one(i) for i in batch]
 
     @abstractmethod
     def probe(self, job: Job, layout: Optional[Layout] = None) -> Probe:

@@ -12,27 +12,30 @@ An attempt is its whole process tree (`procs.ProcessTree`: a cgroup v2 where wri
 psutil saw), not its process group: torchrun puts each worker in a session of its own. Stops reach every
 process of the tree, and a device is handed back only once none is left. Exits are watched with pidfds by
 one selector thread (`executors.watch.ExitWatcher`) so a finished job frees its device at once.
+
+The wrappers are started by small spawner processes (`executors.spawner`), not by the service's threads:
+a start from the service cost it a third of its CPU a job, under the GIL its other threads wait for.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Optional
-
-import psutil
+from typing import Optional, Sequence, Union
 
 from orchestrator.executors import container, procs
 from orchestrator.executors.base import Executor, Launched, Liveness, OnExit, Probe, describe, job_argv
+from orchestrator.executors.spawner import Spawner
+from orchestrator.executors.spawner import Spawner, SpawnerGone
 from orchestrator.executors.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
 from orchestrator.layout import Layout
 from orchestrator.queue.models import Job
 
 CGROUP_VAR = "AUTORESEARCH_CGROUP"
+Outcome = Union[Launched, Exception]
 SHELL = "/bin/sh"
 # `trap :` makes the shell outlive a SIGTERM long enough to record the job's exit code; a trap with a
 # command is reset to the default in the child, so the job itself still gets the signal.
@@ -56,6 +59,8 @@ class LocalExecutor(Executor):
             self.cgroups.prune(keep_base=True)  # emptied attempt cgroups an earlier service could not remove
         self._log_dirs: set[Path] = set()  # folders of job logs made (or found) by this executor
         self._watcher = ExitWatcher(self.layout, self.cgroups, on_exit)
+        self._spawner = Spawner()
+        self._spawner.start()  # the first one: its start-up (an interpreter and psutil) overlaps the service's
 
     @classmethod
     def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
@@ -68,6 +73,56 @@ class LocalExecutor(Executor):
         return "cgroup" if self.cgroups is not None else "psutil"
 
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
+        outcome = self.launch_many([(job, env)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def launch_many(self, batch: Sequence[tuple[Job, dict[str, str]]], pool=None) -> list[Outcome]:
+        """Start attempts: each is prepared here, the spawner processes start them all (one write of requests
+        each), and each started one is watched. Outcomes in order: a handle, or why it did not start."""
+        outcomes: list[Optional[Outcome]] = [None] * len(batch)
+        prepared, requests = [], []
+        for i, (job, env) in enumerate(batch):
+            try:
+                request, cgroup = self._request(job, env)
+            except Exception as exc:  # reported as a failed start
+                outcomes[i] = exc
+                continue
+            prepared.append((i, job, cgroup))
+            requests.append(request)
+        for (i, job, cgroup), answer in zip(prepared, self._spawner.spawn_many(requests)):
+            try:
+                outcomes[i] = self._started(job, cgroup, answer)
+            except Exception as exc:  # (the watch could not be set up: out of file descriptors)
+                outcomes[i] = exc
+        return outcomes  # type: ignore[return-value]
+
+    def _started(self, job: Job, cgroup: Optional[Path], answer) -> Outcome:
+        """Watch an attempt the spawner answered for; its handle, or why it did not start."""
+        if isinstance(answer, SpawnerGone):  # it may have started before the spawner stopped
+            return self._found_after_loss(job) or answer
+        if isinstance(answer, Exception):
+            return answer
+        pid, start = answer
+        try:  # first: the spawner may reap it any time, and then its pid may be reused
+            fd: Optional[int] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = None
+        # After the pidfd: if the process at `pid` still is the one the spawner started, so is the pidfd's.
+        proc = procs.same_process(pid, start)
+        watch = Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), spawned=True)
+        if proc is None:  # it has ended already
+            if fd is not None:
+                os.close(fd)
+            self._watcher.settle(watch, None)
+        else:
+            self._watcher.watch(watch, fd)
+        return Launched(pid, start)
+
+    def _request(self, job: Job, env: dict[str, str]) -> tuple[dict, Optional[Path]]:
+        """What the spawner needs to start the attempt (its exit file, cgroup, log and checkpoint folders
+        made ready here), and the attempt's cgroup."""
         exit_file = self.layout.exit_file(job.id, job.attempts)
         exit_file.unlink(missing_ok=True)
         cgroup = self.cgroups.create(job.id, job.attempts) if self.cgroups is not None else None
@@ -86,22 +141,20 @@ class LocalExecutor(Executor):
             argv = container.run_argv(job, env, self.layout, container.engine_name(self.container_engine))
         else:
             argv = job_argv(job)
-        with open(log_path, "ab", buffering=0) as out:
-            out.write(f"=== autoresearch: attempt {job.attempts} of job {job.id} on "
-                      f"{','.join(job.devices) or '-'}: {describe(argv)}\n".encode())
-            # subprocess, not os.posix_spawn: both vfork and exec, but posix_spawn holds the GIL until the
-            # child has exec'd (1-3 ms a job, every other thread of the service stalled: py-spy --gil put half
-            # the service's GIL time there), while _posixsubprocess releases it around the vfork.
-            popen = subprocess.Popen([SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], executable=SHELL,
-                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        pid = popen.pid
-        # One psutil.Process: building it reads /proc/PID/stat for its start time already (a second lookup
-        # through procs.start_time doubled the launch's /proc work, measured with py-spy on 600 no-op jobs).
-        proc = _process(pid)
-        start = procs.start_time_of(proc) if proc is not None else None
-        self._watcher.watch(Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), child=popen))
-        return Launched(pid, start)
+        header = (f"=== autoresearch: attempt {job.attempts} of job {job.id} on "
+                  f"{','.join(job.devices) or '-'}: {describe(argv)}\n")
+        return {"argv": [SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], "env": env,
+                "log": str(log_path), "header": header}, cgroup
+
+    def _found_after_loss(self, job: Job) -> Optional[Launched]:
+        """The attempt's handle when it started before the spawner stopped without answering (it is then
+        watched like an adopted attempt), else None."""
+        found = self.find_attempt(job)
+        if found is None:
+            return None
+        job.pid, job.proc_start = found.pid or None, found.proc_start
+        self.adopt(job)
+        return found
 
     # ---- finding attempts ---------------------------------------------------------------------------------
 
@@ -199,14 +252,8 @@ class LocalExecutor(Executor):
         self._watcher.remove_cgroup(job_id, attempt)  # ~1 ms in the kernel: off the dispatch pass
 
     def close(self) -> None:
+        self._spawner.close()  # first: the answers still due are watched
         self._watcher.close()
-
-def _process(pid: int) -> Optional[psutil.Process]:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
 
 def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
     deadline = time.monotonic() + grace

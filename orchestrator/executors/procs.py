@@ -55,7 +55,7 @@ def same_process(pid: Optional[int], start: Optional[str]) -> Optional[psutil.Pr
         proc = psutil.Process(pid)
     except (psutil.Error, ValueError):
         return None
-    if not alive(proc) or (start is not None and start_time(pid) != start):
+    if not alive(proc) or (start is not None and start_time_of(proc) != start):
         return None
     return proc
 

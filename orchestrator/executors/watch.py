@@ -46,6 +46,7 @@ class Watch:
     pid: int
     tree: procs.ProcessTree
     child: Optional[subprocess.Popen] = None  # None for an adopted process (not our child: no status to collect)
+    spawned: bool = False  # started (and reaped) by the spawner process: its pid is free once it has ended
     key: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,13 +83,15 @@ class ExitWatcher:
         """The watch of attempt `key` = (job id, attempt), while it is watched."""
         return self._watches.get(key)
 
-    def watch(self, watch: Watch) -> None:
-        """Watch an attempt whose leader runs (settled at once when it is already gone)."""
-        try:
-            fd = os.pidfd_open(watch.pid)
-        except ProcessLookupError:
-            self.settle(watch, None)
-            return
+    def watch(self, watch: Watch, fd: Optional[int] = None) -> None:
+        """Watch an attempt whose leader runs (settled at once when it is already gone). `fd`: the leader's
+        pidfd when the caller has opened it (the watcher closes it)."""
+        if fd is None:
+            try:
+                fd = os.pidfd_open(watch.pid)
+            except ProcessLookupError:
+                self.settle(watch, None)
+                return
         with self._lock:
             self._pending.append((fd, watch))
             self._watches[watch.key] = watch
@@ -188,6 +191,8 @@ class ExitWatcher:
     def _wait(watch: Watch) -> Optional[int]:
         """The leader's exit status (None for an adopted process: not our child)."""
         if watch.child is None:
+            if watch.spawned:
+                watch.tree.reaped()  # the spawner reaps it: its pid may be reused from now on
             return None
         try:  # not Popen.wait(): it reports a status it could not collect as 0, a success
             _, raw = os.waitpid(watch.pid, 0)

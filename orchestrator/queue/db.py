@@ -7,6 +7,7 @@ service heartbeats); it knows connections and transactions, nothing about jobs.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -68,6 +69,7 @@ class Database:
         try:
             self.engine = make_engine(url)
             self._read_engine = self.engine.execution_options(read=True)  # same pool, see `_read`
+            self._open = threading.local()  # this thread's session while it holds `transaction()`
             if create:
                 SQLModel.metadata.create_all(self.engine)
                 add_missing_columns(self.engine)
@@ -88,7 +90,27 @@ class Database:
         self.engine.dispose()
 
     @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Make this thread's store calls in the block one transaction: they commit together at its end, or
+        none does when it raises; reads inside see the block's writes. (The dispatcher's pass: its records, its
+        reads and its claim in one commit.) A call that raises inside leaves nothing of its own written
+        (transitions are written at the end of each call), so the block may go on."""
+        if getattr(self._open, "session", None) is not None:
+            yield
+            return
+        with self._tx() as session:
+            self._open.session = session
+            try:
+                yield
+            finally:
+                self._open.session = None
+
+    @contextmanager
     def _tx(self) -> Iterator[Session]:
+        session = getattr(self._open, "session", None)
+        if session is not None:  # inside `transaction()`: its session
+            yield session
+            return
         with Session(self.engine, expire_on_commit=False) as session:
             with session.begin():
                 yield session
@@ -98,6 +120,10 @@ class Database:
         """A Core connection for one read statement: on SQLite no transaction and no write lock (the hot
         paths' small reads: a submit's check of the live services, a pass's devices). Not an isolation level
         change: the pool's reset of one would turn the driver's implicit transactions back on."""
+        session = getattr(self._open, "session", None)
+        if session is not None:  # inside `transaction()`: read what it has written
+            yield session.connection()
+            return
         with self.engine.connect() as conn:
             yield conn.execution_options(lone_read=True)
 

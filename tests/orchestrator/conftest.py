@@ -23,5 +23,5 @@ def make_service(home):
     yield make
     for service in started:
         kill_leftovers(service.store)
-        if service._lock_fh is not None:
+        if service._home_lock.fh is not None:
             service.stop()

@@ -107,7 +107,7 @@ def start_service(home, kind, request, monkeypatch):
 
     yield start
     for service in started:
-        if service._lock_fh is None:
+        if service._home_lock.fh is None:
             continue
         if kind == "ray":  # stop what the test left running on the cluster
             for job in service.store.list(HOLDING):

@@ -218,7 +218,8 @@ def test_disabled_device_gets_no_new_jobs(make_service):
 
 def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tick(home, monkeypatch):
     """With the timer tick an hour long, only the submit's wake-up (and the exit's) can start and record the
-    jobs: each one submitted to the idle service runs, one after the other."""
+    jobs: each one submitted to the idle service runs, one after the other, and a long one is recorded RUNNING
+    without any other wake-up."""
     from orchestrator.config import Settings
     from orchestrator.service import Service
 
@@ -229,6 +230,13 @@ def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tic
             job, served = api.submit(JobSpec(argv=["true"], track=False))
             assert served
             wait_for(lambda: state(service, job.id) == "SUCCEEDED", timeout=60, what="the job to run")
+        # A long job: nothing wakes the service after its start, yet the store soon has it RUNNING, pid and all.
+        job, _ = api.submit(JobSpec(argv=["sleep", "30"], track=False))
+        wait_for(lambda: state(service, job.id) == "RUNNING", timeout=10, what="the long job recorded RUNNING")
+        running = service.store.get(job.id)
+        assert running.pid and running.proc_start
+        api.cancel(job.id)
+        wait_for(lambda: state(service, job.id) == "CANCELLED", timeout=30, what="the long job cancelled")
     finally:
         service.stop()
 

@@ -1,0 +1,140 @@
+"""The spawner processes start attempts as the service used to start them itself: in a session of their own,
+stdin from /dev/null, output appended to the log after its header, the environment given and signals at their
+defaults. Answers come back in order; a spawner that dies costs no job and is replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from orchestrator import api
+from orchestrator.executors import procs
+from orchestrator.executors.spawner import SPAWNERS, Spawner, SpawnerGone
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import JobState
+from tests.orchestrator.helpers import wait_for
+
+# Reports what a started process sees of itself, then stays a moment so its start time can be compared.
+REPORT = r"""
+import json, os, sys
+print(json.dumps({"index": int(sys.argv[1]), "pid": os.getpid(), "sid": os.getsid(0),
+                  "stdin": os.readlink("/proc/self/fd/0"), "var": os.environ.get("SPAWN_TEST_VAR")}), flush=True)
+"""
+
+
+def spawner_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children()
+            if "orchestrator.executors.spawner" in " ".join(p.cmdline())]
+
+
+@pytest.fixture
+def spawner():
+    spawner = Spawner()
+    yield spawner
+    spawner.close()
+
+
+def request(tmp_path, argv: list[str], index: int = 0) -> dict:
+    return {"argv": argv, "env": {**os.environ, "SPAWN_TEST_VAR": f"value {index}"},
+            "log": str(tmp_path / f"{index}.log"), "header": f"=== header {index}\n"}
+
+
+def test_each_request_starts_as_asked_and_answers_come_in_order(spawner, tmp_path):
+    n = 2 * SPAWNERS + 1  # every spawner process gets a share, in turn
+    answers = spawner.spawn_many([request(tmp_path, [sys.executable, "-c", REPORT, str(i)], i) for i in range(n)])
+    assert len(answers) == n
+    for i, (pid, start) in enumerate(answers):
+        log = tmp_path / f"{i}.log"
+        wait_for(lambda: log.read_text().count("\n") >= 2, what=f"the report of request {i}")
+        header, line = log.read_text().splitlines()[:2]
+        seen = json.loads(line)
+        assert header == f"=== header {i}"
+        assert seen["index"] == i and seen["pid"] == pid  # the i-th answer is the i-th request's process
+        assert seen["sid"] == pid  # a session of its own
+        assert seen["stdin"] == os.devnull
+        assert seen["var"] == f"value {i}"
+        assert start is not None and isinstance(start, str)
+    # Signals at their defaults, as Popen left them (the spawner, like any Python, ignores SIGPIPE and SIGXFSZ,
+    # and it ignores SIGINT): a job's pipes and file size limits behave as in a shell.
+    spawner.spawn_many([request(tmp_path, ["/bin/cat", "/proc/self/status"], 98)])
+    status = tmp_path / "98.log"
+    wait_for(lambda: "SigIgn" in status.read_text(), what="cat's status")
+    ignored = int(next(line for line in status.read_text().splitlines() if line.startswith("SigIgn")).split()[1], 16)
+    assert [n for n in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ) if ignored & (1 << (n - 1))] == []
+    pid, start = spawner.spawn_many([request(tmp_path, ["/bin/sleep", "5"], 99)])[0]
+    try:
+        assert procs.start_time(pid) == start  # the same start time the service records and compares
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_request_that_cannot_start_gets_its_error_and_the_others_start(spawner, tmp_path):
+    answers = spawner.spawn_many([request(tmp_path, ["/bin/true"], 0),
+                                  request(tmp_path, [str(tmp_path / "no-such-program")], 1),
+                                  request(tmp_path, ["/bin/true"], 2)])
+    assert isinstance(answers[1], OSError) and "no-such-program" in str(answers[1])
+    assert all(isinstance(a, tuple) and a[0] > 0 for a in (answers[0], answers[2]))
+
+
+def test_a_spawner_killed_before_it_answers_is_reported_and_replaced(spawner, tmp_path):
+    fifo = tmp_path / "0.log"
+    os.mkfifo(fifo)  # opening it for writing blocks the spawner until someone reads: it cannot answer
+    spawner.start()
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.extend(spawner.spawn_many([request(tmp_path, ["/bin/true"])])))
+    waiting.start()
+    time.sleep(0.3)
+    assert not answers
+    killed = {proc.pid for proc in spawner_processes()}
+    for proc in spawner_processes():
+        proc.kill()
+    waiting.join(timeout=10)
+    assert len(answers) == 1 and isinstance(answers[0], SpawnerGone)
+    fifo.unlink()
+    pid, _ = spawner.spawn_many([request(tmp_path, ["/bin/true"])])[0]  # new processes, and it starts
+    assert pid > 0 and spawner_processes() and not killed & {p.pid for p in spawner_processes()}
+
+
+def test_what_a_spawner_started_outlives_it(spawner, tmp_path):
+    pid, start = spawner.spawn_many([request(tmp_path, ["/bin/sleep", "30"])])[0]
+    try:
+        spawner.close()
+        assert not spawner_processes()
+        assert procs.same_process(pid, start) is not None
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_the_service_starts_jobs_after_its_spawners_were_killed(make_service, home, monkeypatch):
+    """kill -9 of every spawner: a job whose start was lost with them is not lost and runs once; later jobs
+    start on new spawners."""
+    monkeypatch.setenv("AUTORESEARCH_RETRY_BACKOFF", "0")
+    service = make_service(devices="cpu:2")
+    marks = home / "marks"
+    logs = service.layout.logs_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(logs / "1.log")  # job 1's log: its spawner blocks opening it
+    first, _ = api.submit(JobSpec(argv=["sh", "-c", f"echo ran >> {marks}"], track=False, max_attempts=3),
+                          store=service.store)
+    assert first.id == 1
+    wait_for(lambda: service.store.get(1).job_state is JobState.STARTING, what="job 1 claimed")
+    time.sleep(0.3)  # its spawner is in the open(): nothing answered
+    for proc in spawner_processes():
+        proc.kill()
+    wait_for(lambda: service.store.get(1).attempts >= 1 and service.store.get(1).job_state is not JobState.STARTING,
+             what="the lost start recorded")
+    (logs / "1.log").unlink()
+    later = [api.submit(JobSpec(argv=["sh", "-c", f"echo ran >> {marks}"], track=False), store=service.store)[0]
+             for _ in range(3)]
+    for job in [first, *later]:
+        wait_for(lambda: service.store.get(job.id).job_state is JobState.SUCCEEDED, what=f"job {job.id} succeeded")
+    assert marks.read_text().count("ran") == 4  # each job ran once
+    events = [e.reason for e in service.store.events(1)]
+    assert any("could not start" in reason and "spawner stopped" in reason for reason in events), events
