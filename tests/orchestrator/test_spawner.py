@@ -138,3 +138,44 @@ def test_the_service_starts_jobs_after_its_spawners_were_killed(make_service, ho
     assert marks.read_text().count("ran") == 4  # each job ran once
     events = [e.reason for e in service.store.events(1)]
     assert any("could not start" in reason and "spawner stopped" in reason for reason in events), events
+
+
+@pytest.mark.parametrize("ends", [False, True], ids=["still-running", "ended"])
+def test_a_start_whose_answer_was_lost_is_found_and_watched(home, tmp_path, ends):
+    """The spawner started the attempt and stopped before it answered: the executor finds the attempt by its
+    wrapper's environment (or, when it has ended, by its exit record) and reports its end exactly once."""
+    import queue
+
+    from orchestrator.config import Settings
+    from orchestrator.executors.base import job_env
+    from orchestrator.executors.local import LocalExecutor
+    from orchestrator.layout import Layout
+    from orchestrator.queue.store import JobStore
+
+    store = JobStore(Settings.load().db_url)
+    argv = ["sh", "-c", "exit 3"] if ends else ["sh", "-c", "sleep 1; exit 3"]
+    job = api.submit(JobSpec(argv=argv, track=False), store=store)[0]
+    [job] = store.claim([(job.id, ["cpu:0"])], "h", log_root=str(tmp_path), checkpoint_root=str(tmp_path))
+    seen: queue.Queue = queue.Queue()
+    executor = LocalExecutor(Layout(tmp_path), seen.put)
+    real, spawned = executor._spawner.spawn_many, []
+
+    def answer_lost(requests):
+        started = real(requests)
+        spawned.extend(started)
+        if ends:  # it has ended (and been reaped) before anyone looks for it
+            wait_for(lambda: procs.same_process(*started[0]) is None, what="the attempt to end")
+        return [SpawnerGone("the spawner stopped: killed") for _ in started]
+
+    executor._spawner.spawn_many = answer_lost
+    try:
+        [outcome] = executor.launch_many([(job, job_env(job, base=dict(os.environ), layout=Layout(tmp_path),
+                                                       tracking_uri=""))])
+        assert not isinstance(outcome, Exception), outcome
+        assert outcome.pid == (0 if ends else spawned[0][0])  # a running one is watched by its own pid
+        ended = seen.get(timeout=30)
+        assert (ended.job_id, ended.attempt, ended.code) == (job.id, job.attempts, 3)
+        time.sleep(0.5)
+        assert seen.empty()  # once
+    finally:
+        executor.close()
