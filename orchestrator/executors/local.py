@@ -28,7 +28,6 @@ from typing import Optional, Sequence, Union
 
 from orchestrator.executors import container, procs
 from orchestrator.executors.base import Executor, Launched, Liveness, OnExit, Probe, describe, job_argv
-from orchestrator.executors.spawner import Spawner
 from orchestrator.executors.spawner import Spawner, SpawnerGone
 from orchestrator.executors.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
 from orchestrator.layout import Layout
@@ -91,7 +90,11 @@ class LocalExecutor(Executor):
                 continue
             prepared.append((i, job, cgroup))
             requests.append(request)
-        for (i, job, cgroup), answer in zip(prepared, self._spawner.spawn_many(requests)):
+        try:
+            answers = self._spawner.spawn_many(requests)
+        except Exception as exc:  # nothing was sent (a request it could not encode): none started
+            answers = [exc] * len(requests)
+        for (i, job, cgroup), answer in zip(prepared, answers):
             try:
                 outcomes[i] = self._started(job, cgroup, answer)
             except Exception as exc:  # (the watch could not be set up: out of file descriptors)

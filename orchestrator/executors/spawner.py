@@ -167,16 +167,17 @@ class Spawner:
                 merged[j::ways] = share
             done(merged)
 
-        for i in range(ways):
-            self._send(i, requests[i::ways], functools.partial(share_done, i))
+        # Encoded first: a request that cannot be (TypeError) raises here, before anything is sent.
+        shares = [b"".join(json.dumps(r).encode() + b"\n" for r in requests[i::ways]) for i in range(ways)]
+        for i, data in enumerate(shares):
+            self._send(i, data, len(requests[i::ways]), functools.partial(share_done, i))
 
-    def _send(self, i: int, requests: list[dict], done: Done) -> None:
+    def _send(self, i: int, data: bytes, count: int, done: Done) -> None:
         with self._lock:
             channel = self._live(i)
-            channel.batches.append((len(requests), [], done))
+            channel.batches.append((count, [], done))
             try:
-                _write_all(channel.proc.stdin.fileno(),
-                           b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+                _write_all(channel.proc.stdin.fileno(), data)
             except OSError as exc:
                 failed = self._lost(channel, exc)
             else:

@@ -93,8 +93,8 @@ class Database:
     def transaction(self) -> Iterator[None]:
         """Make this thread's store calls in the block one transaction: they commit together at its end, or
         none does when it raises; reads inside see the block's writes. (The dispatcher's pass: its records, its
-        reads and its claim in one commit.) A call that raises inside leaves nothing of its own written
-        (transitions are written at the end of each call), so the block may go on."""
+        reads and its claim in one commit.) A transition that raises inside leaves nothing of its own written
+        (`JobStore` writes each call's transitions at its end), so the block may go on after it."""
         if getattr(self._open, "session", None) is not None:
             yield
             return

@@ -83,6 +83,20 @@ def test_a_request_that_cannot_start_gets_its_error_and_the_others_start(spawner
     assert all(isinstance(a, tuple) and a[0] > 0 for a in (answers[0], answers[2]))
 
 
+def test_a_batch_that_cannot_be_sent_starts_nothing_and_the_next_one_is_answered_right(spawner, tmp_path):
+    bad = dict(request(tmp_path, ["/bin/true"], 1), env={"NOT_TEXT": object()})
+    marks = [tmp_path / f"mark{i}" for i in range(4)]
+    with pytest.raises(TypeError):
+        spawner.spawn_many([request(tmp_path, ["/bin/sh", "-c", f"touch {marks[0]}"], 0), bad,
+                            request(tmp_path, ["/bin/sh", "-c", f"touch {marks[1]}"], 2)])
+    answers = spawner.spawn_many([request(tmp_path, ["/bin/sh", "-c", f"touch {marks[i]}; sleep 1"], i)
+                                  for i in (2, 3)])
+    for (pid, start), mark in zip(answers, marks[2:]):  # each answer is its own request's process
+        wait_for(mark.exists, what=f"{mark.name}")
+        assert procs.same_process(pid, start) is not None
+    assert not marks[0].exists() and not marks[1].exists()  # nothing of the refused batch started
+
+
 def test_a_spawner_killed_before_it_answers_is_reported_and_replaced(spawner, tmp_path):
     fifo = tmp_path / "0.log"
     os.mkfifo(fifo)  # opening it for writing blocks the spawner until someone reads: it cannot answer
