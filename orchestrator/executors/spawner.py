@@ -167,8 +167,12 @@ class Spawner:
                 merged[j::ways] = share
             done(merged)
 
-        # Encoded first: a request that cannot be (TypeError) raises here, before anything is sent.
+        # Encoded, and the processes started, first: a request that cannot be encoded (TypeError) or a process
+        # that cannot be started raises here, before anything is sent.
         shares = [b"".join(json.dumps(r).encode() + b"\n" for r in requests[i::ways]) for i in range(ways)]
+        with self._lock:
+            for i in range(ways):
+                self._live(i)
         for i, data in enumerate(shares):
             self._send(i, data, len(requests[i::ways]), functools.partial(share_done, i))
 
