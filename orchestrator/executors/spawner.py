@@ -30,6 +30,7 @@ from orchestrator.executors.procs import start_time
 log = logging.getLogger(__name__)
 SPAWNERS = 4  # processes at most: with one, spawns starved on a busy machine (0.7x the jobs/s with a core taken)
 PER_SPAWNER = 2  # requests of a batch per process before another is used
+ANSWER_WITHIN = 60.0  # seconds a batch may wait for its answers before the spawners owing them are stopped
 
 
 class SpawnerGone(OSError):
@@ -199,7 +200,15 @@ class Spawner:
             arrived.set()
 
         self.send(requests, done)
-        arrived.wait()
+        if not arrived.wait(ANSWER_WITHIN):
+            # Hung (a log on a volume that stopped answering): stopped, so the queue goes on. What it
+            # answered for nothing is then reported `SpawnerGone`, and its caller looks for it.
+            log.warning("a spawner did not answer in %.0f s: stopping it", ANSWER_WITHIN)
+            with self._lock:
+                for channel in self._channels:
+                    if channel is not None and channel.batches:
+                        channel.proc.kill()
+            arrived.wait()
         return answers
 
     def _read(self, channel: _Channel) -> None:

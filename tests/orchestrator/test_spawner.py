@@ -116,6 +116,18 @@ def test_a_spawner_killed_before_it_answers_is_reported_and_replaced(spawner, tm
     assert pid > 0 and spawner_processes() and not killed & {p.pid for p in spawner_processes()}
 
 
+def test_a_spawner_that_does_not_answer_in_time_is_stopped_and_replaced(spawner, tmp_path, monkeypatch):
+    from orchestrator.executors import spawner as spawning
+
+    monkeypatch.setattr(spawning, "ANSWER_WITHIN", 0.5)
+    os.mkfifo(tmp_path / "0.log")  # its open blocks: the spawner hangs
+    started = time.monotonic()
+    [answer] = spawner.spawn_many([request(tmp_path, ["/bin/true"])])
+    assert isinstance(answer, SpawnerGone) and time.monotonic() - started < 10
+    pid, _ = spawner.spawn_many([request(tmp_path, ["/bin/true"], 1)])[0]  # a new spawner answers
+    assert pid > 0
+
+
 def test_what_a_spawner_started_outlives_it(spawner, tmp_path):
     pid, start = spawner.spawn_many([request(tmp_path, ["/bin/sleep", "30"])])[0]
     try:
