@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,7 +46,7 @@ def timed(counters: tuple[collections.Counter, collections.Counter], thread: lis
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) of each of this process's threads, by thread name (spawn threads summed)."""
+    """CPU seconds (user + system) of each of this process's threads, by thread name (a pool's threads summed)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: collections.Counter = collections.Counter()
     for task in Path("/proc/self/task").iterdir():

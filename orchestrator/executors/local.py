@@ -114,11 +114,11 @@ class LocalExecutor(Executor):
             fd = None
         # After the pidfd: if the process at `pid` still is the one the spawner started, so is the pidfd's.
         proc = procs.same_process(pid, start)
-        watch = Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup), spawned=True)
+        watch = Watch(job.id, job.attempts, pid, procs.ProcessTree(proc, cgroup))
         if proc is None:  # it has ended already
             if fd is not None:
                 os.close(fd)
-            self._watcher.settle(watch, None)
+            self._watcher.settle(watch)
         else:
             self._watcher.watch(watch, fd)
         return Launched(pid, start)
@@ -228,7 +228,7 @@ class LocalExecutor(Executor):
         engine = container.engine_for(job, self.container_engine)
         if engine is not None:  # its engine client is gone: nothing would remove the container (or stop its job)
             container.remove(engine, container.container_name(self.layout.home, job.id, job.attempts))
-        self._watcher.settle(watch, None)
+        self._watcher.settle(watch)
         return False
 
     def stop_strays(self, current: set[tuple[int, int]], grace: float = 10.0) -> list[int]:

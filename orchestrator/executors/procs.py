@@ -201,7 +201,7 @@ class ProcessTree:
             self._known.setdefault(proc.pid, proc)
 
     def reaped(self) -> None:
-        """The leader has ended and its parent collected it: its pid is no longer looked at (it may be reused)."""
+        """The leader has ended (its parent collects it): its pid is no longer looked at (it may be reused)."""
         if self.leader is not None:
             self._known.pop(self.leader.pid, None)
             self.leader = None

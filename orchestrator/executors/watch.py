@@ -1,7 +1,7 @@
 """Watching the local executor's attempts: their exits, their process trees, and finding them by environment.
 
-`ExitWatcher` is one selector thread over the attempts' pidfds: a leader that exits is reaped at once, the
-attempt's leftover processes are killed (the device is not handed back while a rank still holds it), and the
+`ExitWatcher` is one selector thread over the attempts' pidfds: when a leader exits (its parent, a spawner
+process or init for an adopted one, reaps it), the attempt's leftover processes are killed (the device is not handed back while a rank still holds it), and the
 exit is reported with the code the wrapper recorded. The same thread refreshes the process trees of attempts
 without a cgroup (so a worker that outlives its parent is still known to be the job's) and removes the
 cgroups of attempts the service has forgotten (about 1 ms of kernel time each, kept off the dispatch pass).
@@ -16,7 +16,6 @@ import logging
 import os
 import selectors
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ log = logging.getLogger(__name__)
 EXIT_FILE_VAR = "AUTORESEARCH_EXIT_FILE"  # the wrapper's variable naming the attempt's exit file
 REFRESH_EVERY = 0.5  # seconds between looks at the process trees of attempts without a cgroup
 LEFTOVER_WAIT = 30.0  # seconds to keep killing what an ended attempt left behind before reporting anyway
-_LEFT_RUNNING: list[subprocess.Popen] = []  # children still running when their watcher closed (see close)
 
 
 @dataclass
@@ -45,8 +43,6 @@ class Watch:
     attempt: int
     pid: int
     tree: procs.ProcessTree
-    child: Optional[subprocess.Popen] = None  # None for an adopted process (not our child: no status to collect)
-    spawned: bool = False  # started (and reaped) by the spawner process: its pid is free once it has ended
     key: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +86,7 @@ class ExitWatcher:
             try:
                 fd = os.pidfd_open(watch.pid)
             except ProcessLookupError:
-                self.settle(watch, None)
+                self.settle(watch)
                 return
         with self._lock:
             self._pending.append((fd, watch))
@@ -104,15 +100,15 @@ class ExitWatcher:
                 self._emptied.append((job_id, attempt))
             self._poke()
 
-    def settle(self, watch: Watch, status: Optional[int], scanned: bool = False) -> None:
+    def settle(self, watch: Watch, scanned: bool = False) -> None:
         """Report the attempt's end once none of its processes is left (leftovers are killed first, in a
         thread: the device is not handed back while a rank still holds it)."""
         if not scanned and not watch.tree.exact():
             watch.tree.add(scan(self.layout).get(watch.key, Found()).members)
         if watch.tree.members(refresh=False):
-            threading.Thread(target=self._kill_then_report, args=(watch, status), daemon=True).start()
+            threading.Thread(target=self._kill_then_report, args=(watch,), daemon=True).start()
             return
-        self._report(watch, status)
+        self._report(watch)
 
     def close(self) -> None:
         """Stop watching. Attempts still running are left running (the next service adopts them)."""
@@ -125,12 +121,6 @@ class ExitWatcher:
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-        for watch in list(self._watches.values()):
-            if watch.child is not None and watch.child.poll() is None:
-                # Still running: left to the next service, which adopts it. Kept referenced so that no
-                # Popen.__del__ hands it to subprocess's own reaping of forgotten children.
-                _LEFT_RUNNING.append(watch.child)
-            # (poll() collected the children that already ended: a zombie keeps its cgroup busy)
         if self.cgroups is not None:
             self._remove_emptied()
             self.cgroups.prune()
@@ -157,7 +147,8 @@ class ExitWatcher:
                     continue
                 self._sel.unregister(key.fd)
                 os.close(key.fd)
-                ended.append((key.data, self._wait(key.data)))
+                key.data.tree.reaped()  # the leader has ended: once its parent reaps it, its pid may be reused
+                ended.append(key.data)
             if ended:
                 self._settle_many(ended)
             if self._emptied:
@@ -187,50 +178,30 @@ class ExitWatcher:
         except Exception:  # a process table read racing exits: the next refresh catches up
             log.debug("process tree refresh failed", exc_info=True)
 
-    @staticmethod
-    def _wait(watch: Watch) -> Optional[int]:
-        """The leader's exit status (None for an adopted process: not our child)."""
-        if watch.child is None:
-            if watch.spawned:
-                watch.tree.reaped()  # the spawner reaps it: its pid may be reused from now on
-            return None
-        try:  # not Popen.wait(): it reports a status it could not collect as 0, a success
-            _, raw = os.waitpid(watch.pid, 0)
-            code: Optional[int] = os.waitstatus_to_exitcode(raw)
-        except ChildProcessError:
-            code = None
-        else:
-            watch.tree.reaped()  # its pid is free for reuse: no more looks at it
-        watch.child.returncode = -signal.SIGKILL if code is None else code  # collected: Popen must not wait
-        return code
-
-    def _settle_many(self, ended: list[tuple[Watch, Optional[int]]]) -> None:
+    def _settle_many(self, ended: list[Watch]) -> None:
         """Settle the attempts whose leaders ended in one round, with one look for orphans among them."""
-        inexact = [watch for watch, _ in ended if not watch.tree.exact()]
+        inexact = [watch for watch in ended if not watch.tree.exact()]
         if inexact:
             # Without a cgroup, a process orphaned since the last refresh is found by its Contract 3 env
             # (the leader is gone, so no new descendant can be reached from it). One scan serves the round.
             found = scan(self.layout)
             for watch in inexact:
                 watch.tree.add(found.get(watch.key, Found()).members)
-        for watch, status in ended:
-            self.settle(watch, status, scanned=True)
+        for watch in ended:
+            self.settle(watch, scanned=True)
 
-    def _kill_then_report(self, watch: Watch, status: Optional[int]) -> None:
+    def _kill_then_report(self, watch: Watch) -> None:
         deadline = time.monotonic() + LEFTOVER_WAIT
         while watch.tree.signal(signal.SIGKILL) and time.monotonic() < deadline:
             time.sleep(0.05)
-        self._report(watch, status, extra="; leftover processes of the job were killed")
+        self._report(watch, extra="; leftover processes of the job were killed")
 
-    def _report(self, watch: Watch, status: Optional[int], extra: str = "") -> None:
+    def _report(self, watch: Watch, extra: str = "") -> None:
         with self._lock:
             self._watches.pop(watch.key, None)
         recorded = self.layout.read_exit(watch.job_id, watch.attempt)
         if recorded is not None:
             code, detail = recorded, f"exit code {recorded}"
-        elif status is not None:
-            code = status
-            detail = f"killed by signal {-status}" if status < 0 else f"exit code {status}"
         else:
             code, detail = -signal.SIGKILL, "process ended without recording an exit code (killed)"
         # The exit file stays until the service has recorded the exit (forget()): a service killed between
