@@ -13,7 +13,6 @@ or dies) the spawner exits and leaves the jobs running, as the service does: the
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -22,8 +21,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections import deque
-from typing import Callable, Optional, Union
+import time
+from typing import Optional, Union
 
 from orchestrator.executors.procs import start_time
 
@@ -109,169 +108,133 @@ def main() -> None:
 
 
 Answer = Union[tuple[int, Optional[str]], OSError]
-Done = Callable[[list[Answer]], None]
-
-
-class _Channel:
-    """One spawner process, and the batches it has not answered in full yet (answers come in order)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.executors.spawner"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                     start_new_session=True)
-        self.batches: deque[tuple[int, list[Answer], Done]] = deque()
-        self.dead = False
 
 
 class Spawner:
     """The service's end: up to `processes` spawner processes, started when first needed (again when one
-    died), each sent its share of a batch; a share's answers are handed to the batch's callback from that
-    process's reader thread. Several processes: a spawn waits for its child's exec, and on a busy machine
-    several waits overlap; a batch of two or fewer needs only one."""
+    died). A batch is shared among them, `PER_SPAWNER` requests each, and read back in one pass over their
+    pipes. Several processes: a spawn waits for its child's exec, and on a busy machine several waits overlap;
+    a batch of two or fewer needs only one."""
 
     def __init__(self, processes: int = SPAWNERS) -> None:
-        self._lock = threading.Lock()
-        self._channels: list[Optional[_Channel]] = [None] * max(1, processes)
+        self._lock = threading.Lock()  # one batch at a time: a process's answers are always the last batch's
+        self._procs: list[Optional[subprocess.Popen]] = [None] * max(1, processes)
 
     def start(self) -> None:
         """Start the first spawner process now (its start-up overlaps the caller's work)."""
         with self._lock:
             self._live(0)
 
-    def _live(self, i: int) -> _Channel:
-        channel = self._channels[i]
-        if channel is None or channel.dead:
-            channel = self._channels[i] = _Channel()
-            threading.Thread(target=self._read, args=(channel,), name="spawner-reader", daemon=True).start()
-        return channel
-
-    def send(self, requests: list[dict], done: Done) -> None:
-        """Ask for each request's `argv` (argv[0] a path) to be started with its `env`, its output appended to
-        its `log` after its `header`, in a session of its own. `done` gets, from another thread, each one's
-        (pid, start time) or OSError, in order: `SpawnerGone` for those a spawner stopped before answering
-        (they may have started)."""
-        if not requests:
-            done([])
-            return
-        ways = min(len(self._channels), (len(requests) + PER_SPAWNER - 1) // PER_SPAWNER)
-        answers: list[Optional[list[Answer]]] = [None] * ways
-        left = [ways]
-
-        def share_done(i: int, batch: list[Answer]) -> None:
-            with self._lock:
-                answers[i] = batch
-                left[0] -= 1
-                if left[0]:
-                    return
-            merged: list[Answer] = [None] * len(requests)  # type: ignore[list-item]
-            for j, share in enumerate(answers):
-                merged[j::ways] = share
-            done(merged)
-
-        # Encoded, and the processes started, first: a request that cannot be encoded (TypeError) or a process
-        # that cannot be started raises here, before anything is sent.
-        shares = [b"".join(json.dumps(r).encode() + b"\n" for r in requests[i::ways]) for i in range(ways)]
-        with self._lock:
-            for i in range(ways):
-                self._live(i)
-        for i, data in enumerate(shares):
-            self._send(i, data, len(requests[i::ways]), functools.partial(share_done, i))
-
-    def _send(self, i: int, data: bytes, count: int, done: Done) -> None:
-        with self._lock:
-            channel = self._live(i)
-            channel.batches.append((count, [], done))
-            try:
-                _write_all(channel.proc.stdin.fileno(), data)
-            except OSError as exc:
-                failed = self._lost(channel, exc)
-            else:
-                failed = []
-        for finish in failed:
-            finish()
+    def _live(self, i: int) -> subprocess.Popen:
+        proc = self._procs[i]
+        if proc is None or proc.poll() is not None:  # (one that died idle is replaced before it is asked)
+            if proc is not None:
+                _close_pipes(proc)
+            proc = self._procs[i] = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.executors.spawner"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+            os.set_blocking(proc.stdin.fileno(), False)  # written between reads: a big batch cannot deadlock
+        return proc
 
     def spawn_many(self, requests: list[dict]) -> list[Answer]:
-        """`send`, waiting for the answers."""
-        answers: list[Answer] = []
-        arrived = threading.Event()
-
-        def done(batch: list[Answer]) -> None:
-            answers.extend(batch)
-            arrived.set()
-
-        self.send(requests, done)
-        if not arrived.wait(ANSWER_WITHIN):
-            # Hung (a log on a volume that stopped answering): stopped, so the queue goes on. What it
-            # answered for nothing is then reported `SpawnerGone`, and its caller looks for it.
-            log.warning("a spawner did not answer in %.0f s: stopping it", ANSWER_WITHIN)
-            with self._lock:
-                for channel in self._channels:
-                    if channel is not None and channel.batches:
-                        channel.proc.kill()
-            arrived.wait()
-        return answers
-
-    def _read(self, channel: _Channel) -> None:
-        fd, buffer = channel.proc.stdout.fileno(), b""
-        try:
-            while True:
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    break
-                *lines, buffer = (buffer + data).split(b"\n")
-                finished = []
-                with self._lock:
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        answer = json.loads(line)
-                        count, answers, done = channel.batches[0]
-                        answers.append(OSError(answer["error"]) if "error" in answer else
-                                       (answer["pid"], answer["start"]))
-                        if len(answers) == count:
-                            channel.batches.popleft()
-                            finished.append(functools.partial(done, answers))
-                for finish in finished:
-                    finish()
-            why = OSError(f"it exited with code {channel.proc.wait()}")
-        except Exception as exc:  # an answer it could not read (or a callback that failed): never wait forever
-            log.exception("reading the spawner's answers failed")
-            channel.proc.kill()
-            why = OSError(f"its answers could not be read: {exc}")
+        """Start each request's `argv` (argv[0] a path) with its `env`, its output appended to its `log` after
+        its `header`, in a session of its own. Returns each one's (pid, start time) or OSError, in order:
+        `SpawnerGone` for those a spawner stopped before answering (they may have started). A spawner that has
+        not answered within `ANSWER_WITHIN` seconds (a log on a volume that hangs) is stopped, so the queue goes
+        on. Raises, having sent nothing, when a request cannot be encoded or a process cannot be started."""
+        if not requests:
+            return []
+        ways = min(len(self._procs), (len(requests) + PER_SPAWNER - 1) // PER_SPAWNER)
+        shares = [b"".join(json.dumps(r).encode() + b"\n" for r in requests[i::ways]) for i in range(ways)]
         with self._lock:
-            failed = self._lost(channel, why)
-        for finish in failed:
-            finish()
+            procs = [self._live(i) for i in range(ways)]
+            answers = self._exchange(procs, shares, [len(requests[i::ways]) for i in range(ways)])
+        merged: list[Answer] = [None] * len(requests)  # type: ignore[list-item]
+        for i, share in enumerate(answers):
+            merged[i::ways] = share
+        return merged
 
-    @staticmethod
-    def _lost(channel: _Channel, exc: OSError) -> list[Callable[[], None]]:
-        """The channel's process is gone (call holding the lock): its unanswered batches, to finish."""
-        if not channel.dead:
-            log.warning("the spawner stopped (%s); the next start starts another", exc)
-        channel.dead = True
-        failed = []
-        while channel.batches:
-            count, answers, done = channel.batches.popleft()
-            answers.extend(SpawnerGone(f"the spawner stopped: {exc}") for _ in range(count - len(answers)))
-            failed.append(functools.partial(done, answers))
-        return failed
+    def _exchange(self, procs: list[subprocess.Popen], shares: list[bytes], counts: list[int]) -> list[list[Answer]]:
+        """Write each process its share and read its answers, interleaved, until all are answered or given up."""
+        answers: list[list[Answer]] = [[] for _ in procs]
+        unsent = [memoryview(share) for share in shares]
+        partial = [b""] * len(procs)
+        owed = set(range(len(procs)))
+        deadline = time.monotonic() + ANSWER_WITHIN
+        with selectors.DefaultSelector() as sel:
+            for i, proc in enumerate(procs):
+                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, i)
+                sel.register(proc.stdout.fileno(), selectors.EVENT_READ, i)
+
+            def give_up(i: int, why: str) -> None:
+                log.warning("the spawner stopped (%s); the next start starts another", why)
+                for fd in (procs[i].stdin.fileno(), procs[i].stdout.fileno()):
+                    if fd in sel.get_map():
+                        sel.unregister(fd)
+                procs[i].kill()
+                procs[i].wait()
+                answers[i].extend(SpawnerGone(f"the spawner stopped: {why}") for _ in range(counts[i] - len(answers[i])))
+                owed.discard(i)
+
+            while owed:
+                events = sel.select(max(0.0, deadline - time.monotonic()))
+                if not events and time.monotonic() >= deadline:
+                    for i in sorted(owed):
+                        give_up(i, f"no answer in {ANSWER_WITHIN:.0f} s")
+                    break
+                for key, mask in events:
+                    i = key.data
+                    if i not in owed:
+                        continue
+                    try:
+                        if mask & selectors.EVENT_WRITE:
+                            unsent[i] = unsent[i][os.write(key.fd, unsent[i]):]
+                            if not unsent[i]:
+                                sel.unregister(key.fd)
+                            continue
+                        data = os.read(key.fd, 1 << 16)
+                        if not data:
+                            raise EOFError(f"it exited with code {procs[i].wait()}")
+                        *lines, partial[i] = (partial[i] + data).split(b"\n")
+                        for line in filter(None, lines):
+                            answer = json.loads(line)
+                            answers[i].append(OSError(answer["error"]) if "error" in answer else
+                                              (answer["pid"], answer["start"]))
+                    except (OSError, EOFError, ValueError, KeyError) as exc:  # gone, or answers it cannot read
+                        give_up(i, str(exc))
+                        continue
+                    if len(answers[i]) >= counts[i]:
+                        owed.discard(i)
+                        for fd in (procs[i].stdin.fileno(), procs[i].stdout.fileno()):
+                            if fd in sel.get_map():
+                                sel.unregister(fd)
+        return [share[:count] for share, count in zip(answers, counts)]
 
     def close(self) -> None:
-        """Stop the spawners (answers still due arrive first); the jobs they started keep running."""
+        """Stop the spawners; the jobs they started keep running."""
         with self._lock:
-            channels, self._channels = self._channels, [None] * len(self._channels)
-            for channel in channels:
-                if channel is not None:
-                    channel.dead = True  # (no warning when its reader sees it end)
-        for channel in channels:
-            if channel is None:
+            procs, self._procs = self._procs, [None] * len(self._procs)
+        for proc in procs:
+            if proc is None:
                 continue
-            channel.proc.stdin.close()  # it answers what it has read, then exits
             try:
-                channel.proc.wait(timeout=10)
+                proc.stdin.close()  # it exits when its input ends
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                channel.proc.kill()
-                channel.proc.wait()
+                proc.kill()
+                proc.wait()
+            _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -128,6 +128,22 @@ def test_a_spawner_that_does_not_answer_in_time_is_stopped_and_replaced(spawner,
     assert pid > 0
 
 
+def test_a_batch_larger_than_the_pipes_is_answered_in_full(tmp_path):
+    """1,500 starts on one spawner process: more requests than its input pipe holds, and more answers than its
+    output pipe holds. Writing them all before reading any answer would leave both sides waiting for ever."""
+    one = Spawner(processes=1)
+    try:
+        env = {"PATH": os.environ["PATH"], "PADDING": "x" * 300}  # 1,500 requests: about 700 KB
+        log = str(tmp_path / "all.log")
+        answers = one.spawn_many([{"argv": ["/bin/true"], "env": env, "log": log, "header": ""}
+                                  for _ in range(1500)])
+        assert len(answers) == 1500
+        assert all(isinstance(a, tuple) and a[0] > 0 for a in answers), [a for a in answers if not isinstance(a, tuple)][:3]
+        assert len({pid for pid, _ in answers}) == 1500
+    finally:
+        one.close()
+
+
 def test_what_a_spawner_started_outlives_it(spawner, tmp_path):
     pid, start = spawner.spawn_many([request(tmp_path, ["/bin/sleep", "30"])])[0]
     try:
