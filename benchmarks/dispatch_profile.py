@@ -1,7 +1,10 @@
 """Where a dispatch pass's time goes: an in-process service on cpu:8 runs N untracked no-op jobs submitted from
 another process (the throughput benchmark's submitter), and each phase of the dispatcher thread is timed.
 
-    python benchmarks/dispatch_profile.py [--jobs 2000]
+    python benchmarks/dispatch_profile.py [--jobs 2000] [--track]
+
+With --track each job gets its MLflow run (made by the service's tracking worker, started before the timing):
+the worker's CPU is then printed apart from the rest outside the service.
 
 Prints jobs/s, passes and jobs per pass, the service's CPU per job (and per thread), the CPU per job outside
 the service (the submitter, the spawner processes and the jobs themselves), and per phase (the pass, its
@@ -60,21 +63,40 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pid) -> float:
+    """CPU seconds (user + system) of a process so far; 0 when there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
-    jobs = parser.parse_args().jobs
+    parser.add_argument("--track", action="store_true", help="one MLflow run per job")
+    args = parser.parse_args()
+    jobs, track = args.jobs, args.track
     home = Path(tempfile.mkdtemp(prefix="dispatch-profile-"))
     os.environ.update(AUTORESEARCH_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
     os.environ.pop("AUTORESEARCH_DB_URL", None)
     from benchmarks.queue_throughput import SUBMITTER
+    from orchestrator import api
     from orchestrator.config import Settings
+    from orchestrator.queue.models import JobSpec
     from orchestrator.queue.states import JobState
     from orchestrator.service import Service
 
     service = Service(Settings.load(), devices="cpu:8", preempt_after=0).start()
     while not all(d.checked_at for d in service.store.devices()):  # the start-up device check
         time.sleep(0.05)
+    before_jobs = 0
+    if track:  # the tracking worker's start-up (MLflow's import) is not timed, as in the throughput benchmark
+        api.submit(JobSpec(argv=["true"]), store=service.store)
+        while service.store.count_in(JobState.SUCCEEDED) < 1:
+            time.sleep(0.02)
+        before_jobs = 1
     time.sleep(0.5)
     counters = (collections.Counter(), collections.Counter())
     thread = [None]
@@ -91,17 +113,21 @@ def main() -> None:
                       (service.store, "snapshot"), (service.store, "claim"), (service.store, "mark_running_many"),
                       (service.store, "finish_many"), (service.executor, "launch_many")):
         timed(counters, thread, obj, name)
-    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "0"], stdin=subprocess.PIPE,
+    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "1" if track else "0"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     assert submitter.stdout.readline().strip() == "ready"
     passes, start, cpu, threads = service.passes, time.perf_counter(), time.process_time(), thread_cpu()
     before = os.times()
+    worker_before = cpu_seconds(service.run_preparer.worker.pid) if track else 0.0
     submitter.stdin.write("go\n")
     submitter.stdin.flush()
     last = int(submitter.stdout.readline())  # as the throughput benchmark: no look at the queue before the end
     while not (service.store.get(last).job_state is JobState.SUCCEEDED
-               and service.store.count_in(JobState.SUCCEEDED) >= jobs):
+               and service.store.count_in(JobState.SUCCEEDED) >= jobs + before_jobs):
         time.sleep(0.02)  # (this process is the service's: its looks take the service's GIL)
+    worker = service.run_preparer.worker.pid if track else None
+    worker_total = cpu_seconds(worker)  # its whole life, MLflow's import included, is in the children's CPU
+    worker_cpu = worker_total - worker_before
     wall, cpu, passes = time.perf_counter() - start, time.process_time() - cpu, service.passes - passes
     threads = {name: seconds - threads.get(name, 0.0) for name, seconds in thread_cpu().items()}
     submitter.wait(timeout=60)
@@ -113,8 +139,10 @@ def main() -> None:
     print("  the CPU by thread: " + ", ".join(f"{name} {seconds * 1e3 / jobs:.2f} ms"
                                               for name, seconds in sorted(threads.items(), key=lambda kv: -kv[1])
                                               if seconds * 1e3 / jobs >= 0.005))
-    print(f"  outside the service: {children * 1e3 / jobs:.2f} ms of CPU a job (the submitter, the spawner processes "
-          "and the jobs they reaped)")
+    print(f"  outside the service: {(children - worker_total) * 1e3 / jobs:.2f} ms of CPU a job (the submitter, the "
+          "spawner processes and the jobs they reaped)")
+    if track:
+        print(f"  the tracking worker: {worker_cpu * 1e3 / jobs:.2f} ms of CPU a job (making and ending the runs)")
     seconds, calls = counters
     for name, total in seconds.most_common():
         print(f"  {name:18s} {total * 1e3 / jobs:6.3f} ms a job  {total / wall * 100:5.1f}% of the wall time  "

@@ -1,11 +1,11 @@
 """MLflow runs for queued jobs: the tracking worker's batched writes against `MlflowClient.create_run`.
 
-    python benchmarks/run_creation.py [--runs 200] [--rounds 3] [--batch 8]
+    python benchmarks/run_creation.py [--runs 200] [--rounds 3] [--batch N]
 
 Both make the same runs (a name, the job's tags, one param) in one SQLite tracking store tuned as the worker
 tunes it (WAL, synchronous=NORMAL), alternating in each round: `MlflowClient.create_run` plus `log_batch`
-one run at a time, and `orchestrator.jobruns.create_runs` (MLflow's own table models, `--batch` runs per
-transaction). Then both end the runs: `set_terminated` one at a time against `jobruns.end_runs`. Prints CPU
+one run at a time, and `orchestrator.jobruns.create_runs` (MLflow's own table models; its transactions as
+the worker makes them, growing from `RUNS_PER_COMMIT` runs to `MAX_RUNS_PER_COMMIT`, or `--batch` runs each). Then both end the runs: `set_terminated` one at a time against `jobruns.end_runs`. Prints CPU
 milliseconds per run (this process's thread time: the worker is single-threaded) and the ratios.
 """
 
@@ -46,9 +46,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, help="runs per transaction (default: as the worker makes them)")
     args = parser.parse_args()
-    jobruns.RUNS_PER_COMMIT = args.batch
+    if args.batch:
+        jobruns.RUNS_PER_COMMIT = jobruns.MAX_RUNS_PER_COMMIT = args.batch
     home = Path(tempfile.mkdtemp(prefix="run-creation-"))
     uri = f"sqlite:///{home / 'mlflow.db'}"
     tune_sqlite_tracking(uri)

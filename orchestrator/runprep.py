@@ -30,7 +30,7 @@ from orchestrator.tracking import run_status
 from orchestrator.trackworker import TrackingUnavailable, TrackingWorker
 
 log = logging.getLogger(__name__)
-RECORD_EVERY_RUNS = 4  # runs recorded in one commit once this many are made ...
+RECORD_EVERY_RUNS = 16  # runs recorded in one commit once this many are made (4: 10% fewer jobs/s tracked) ...
 RECORD_EVERY_S = 0.02  # ... or when none were recorded for this long
 CLOSE_EVERY = 1.0  # seconds between looks for runs to end
 

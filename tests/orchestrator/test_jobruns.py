@@ -68,6 +68,21 @@ def test_a_run_that_cannot_be_made_fails_at_its_job_and_keeps_the_runs_before_it
     assert sorted(int(r.data.tags["autoresearch.job_id"]) for r in runs) == [1, 2, 3, 4, 5]
 
 
+def test_a_long_batch_is_made_in_order_in_growing_transactions_up_to_its_first_bad_run(tracker):
+    """40 requests: transactions of 8, 16 and then 32 runs; the 31st is refused, so the 30 before it are made
+    (the last transaction's first six through the client's path) and none after it."""
+    requests = [request(i, "long") for i in range(1, 41)]
+    requests[30] = {**requests[30], "params": {"bad*key": "1"}}
+    made = []
+    with pytest.raises(Exception, match="bad\\*key"):
+        for job_id, run_id in jobruns.create_runs(tracker, requests):
+            made.append((job_id, run_id))
+    assert [job_id for job_id, _ in made] == list(range(1, 31))
+    runs = tracker.client.search_runs([tracker.experiment_id("long")], max_results=100)
+    assert sorted((int(r.data.tags["autoresearch.job_id"]), r.info.run_id) for r in runs) == made
+    assert comparable(tracker, made[20][1]) == comparable(tracker, jobruns.create_run(tracker, request(21, "long")))
+
+
 def test_a_deleted_experiment_gets_mlflows_own_error(tracker):
     experiment_id = tracker.experiment_id("gone")
     tracker.client.delete_experiment(experiment_id)
