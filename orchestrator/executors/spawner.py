@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SPAWNERS = 4  # processes at most: with one, spawns starved on a busy machine (0.7x the jobs/s with a core taken)
 PER_SPAWNER = 2  # requests of a batch per process before another is used
 ANSWER_WITHIN = 60.0  # seconds a batch may wait for its answers before the spawners owing them are stopped
+CLOSE_WAIT = 5.0  # seconds `close` waits for a batch under way before it kills the spawners
 
 
 class SpawnerGone(OSError):
@@ -211,9 +212,18 @@ class Spawner:
         return [share[:count] for share, count in zip(answers, counts)]
 
     def close(self) -> None:
-        """Stop the spawners; the jobs they started keep running."""
-        with self._lock:
+        """Stop the spawners; the jobs they started keep running. A batch under way is waited for up to
+        `CLOSE_WAIT` seconds; then its spawners are killed (it gets `SpawnerGone` for what they had not
+        answered), so a start blocked on a log that hangs cannot hold up the service's stop."""
+        if not self._lock.acquire(timeout=CLOSE_WAIT):
+            for proc in list(self._procs):
+                if proc is not None:
+                    proc.kill()  # (a signal, not a close: the batch's reads and writes still use the pipes)
+            self._lock.acquire()
+        try:
             procs, self._procs = self._procs, [None] * len(self._procs)
+        finally:
+            self._lock.release()
         for proc in procs:
             if proc is None:
                 continue

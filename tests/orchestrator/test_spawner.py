@@ -144,6 +144,26 @@ def test_a_batch_larger_than_the_pipes_is_answered_in_full(tmp_path):
         one.close()
 
 
+def test_closing_while_a_batch_hangs_stops_its_spawner_soon(tmp_path, monkeypatch):
+    """The service stops while a start is blocked on its log (a volume that hangs): `close` waits a moment,
+    then kills the spawner, and the batch gets SpawnerGone for it instead of waiting out ANSWER_WITHIN."""
+    from orchestrator.executors import spawner as spawning
+
+    monkeypatch.setattr(spawning, "CLOSE_WAIT", 0.5)
+    one = Spawner(processes=1)
+    os.mkfifo(tmp_path / "0.log")
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.extend(one.spawn_many([request(tmp_path, ["/bin/true"])])))
+    waiting.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    one.close()
+    waiting.join(timeout=10)
+    assert time.monotonic() - started < 10 and not waiting.is_alive()
+    assert len(answers) == 1 and isinstance(answers[0], SpawnerGone)
+    assert not spawner_processes()
+
+
 def test_what_a_spawner_started_outlives_it(spawner, tmp_path):
     pid, start = spawner.spawn_many([request(tmp_path, ["/bin/sleep", "30"])])[0]
     try:
