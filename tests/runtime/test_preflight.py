@@ -36,6 +36,40 @@ def test_gpu_checks_on_cpu_slots_are_skipped_never_pass(monkeypatch):
     assert {r.check for r in results} == set(pf.QUICK)
 
 
+# The service checks its cpu slots again every `preflight_ttl` seconds, from its dispatcher thread.
+REPEATED_CHECKS = """
+import json, sys, threading
+import psutil
+from runtime import preflight
+cfg = preflight.PreflightConfig(alloc_mb=16, matmul_n=128)
+me, grown, status = psutil.Process(), [], []
+def checks():
+    before = me.memory_info().rss
+    for _ in range(5):
+        status.extend(r.status for r in preflight.run(["cpu:0"], "quick", config=cfg) if r.check == "alloc")
+    grown.append((me.memory_info().rss - before) / 2**20)
+for where in ("main", "thread"):
+    if where == "main":
+        checks()
+    else:
+        worker = threading.Thread(target=checks)
+        worker.start()
+        worker.join()
+print(json.dumps({"grown": grown, "status": status}))
+"""
+
+
+def test_repeated_cpu_slot_checks_leave_no_memory_behind():
+    """A cpu slot's 16 MiB check, five times in a fresh process (in its main thread, then in another): the
+    process keeps no more than a few MiB of it. A freed heap block of that size stayed resident, and the
+    service grew by 17 MB at its first re-check."""
+    out = subprocess.run([sys.executable, "-c", REPEATED_CHECKS], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(grown < 6 for grown in seen["grown"]), seen
+    assert seen["status"] == ["pass"] * 10, seen
+
+
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU host path")
 def test_missing_gpu_fails_visible_and_skips_the_rest():
     results = pf.run(["0"], "quick")
