@@ -189,7 +189,10 @@ class Spawner:
                         continue
                     try:
                         if mask & selectors.EVENT_WRITE:
-                            unsent[i] = unsent[i][os.write(key.fd, unsent[i]):]
+                            try:
+                                unsent[i] = unsent[i][os.write(key.fd, unsent[i]):]
+                            except BlockingIOError:  # (a wake-up with no room after all: not a lost spawner)
+                                continue
                             if not unsent[i]:
                                 sel.unregister(key.fd)
                             continue
