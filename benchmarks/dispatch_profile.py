@@ -7,7 +7,8 @@ With --track each job gets its MLflow run (made by the service's tracking worker
 the worker's CPU is then printed apart from the rest outside the service.
 
 Prints jobs/s, passes and jobs per pass, the service's CPU per job (and per thread), the CPU per job outside
-the service (the submitter, the spawner processes and the jobs themselves), and per phase (the pass, its
+the service (the submitter, the spawner processes and the jobs themselves), the whole machine's busy CPU per
+job (and the jobs/s this machine's cores would allow at that cost), and per phase (the pass, its
 records, its plan and claim, its starts, the reads) the dispatcher's milliseconds per job and its share of the
 wall time. A profile, not a comparison: it shows whether the dispatcher thread is the bottleneck (its
 passes take nearly all of the wall time) and which part of a pass to work on.
@@ -63,6 +64,12 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def box_busy() -> float:
+    """CPU seconds every core of the machine spent busy so far (/proc/stat: all but idle and iowait)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid) -> float:
     """CPU seconds (user + system) of a process so far; 0 when there is none."""
     try:
@@ -113,11 +120,12 @@ def main() -> None:
                       (service.store, "snapshot"), (service.store, "claim"), (service.store, "mark_running_many"),
                       (service.store, "finish_many"), (service.executor, "launch_many")):
         timed(counters, thread, obj, name)
-    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "1" if track else "0"], stdin=subprocess.PIPE,
+    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "1" if track else "0"],
+                                 stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     assert submitter.stdout.readline().strip() == "ready"
     passes, start, cpu, threads = service.passes, time.perf_counter(), time.process_time(), thread_cpu()
-    before = os.times()
+    before, busy_before = os.times(), box_busy()
     worker_before = cpu_seconds(service.run_preparer.worker.pid) if track else 0.0
     submitter.stdin.write("go\n")
     submitter.stdin.flush()
@@ -125,6 +133,7 @@ def main() -> None:
     while not (service.store.get(last).job_state is JobState.SUCCEEDED
                and service.store.count_in(JobState.SUCCEEDED) >= jobs + before_jobs):
         time.sleep(0.02)  # (this process is the service's: its looks take the service's GIL)
+    busy = box_busy() - busy_before
     worker = service.run_preparer.worker.pid if track else None
     worker_total = cpu_seconds(worker)  # its whole life, MLflow's import included, is in the children's CPU
     worker_cpu = worker_total - worker_before
@@ -141,6 +150,10 @@ def main() -> None:
                                               if seconds * 1e3 / jobs >= 0.005))
     print(f"  outside the service: {(children - worker_total) * 1e3 / jobs:.2f} ms of CPU a job (the submitter, the "
           "spawner processes and the jobs they reaped)")
+    cores = os.cpu_count() or 1
+    print(f"  the whole box: {busy * 1e3 / jobs:.2f} ms of CPU a job, every process (the check on the sums above, "
+          f"which count a child's whole life when it is reaped in the run); {cores} cores allow "
+          f"{cores * jobs / busy:.0f} jobs/s at most")
     if track:
         print(f"  the tracking worker: {worker_cpu * 1e3 / jobs:.2f} ms of CPU a job (making and ending the runs)")
     seconds, calls = counters

@@ -174,7 +174,8 @@ class Spawner:
                         sel.unregister(fd)
                 procs[i].kill()
                 procs[i].wait()
-                answers[i].extend(SpawnerGone(f"the spawner stopped: {why}") for _ in range(counts[i] - len(answers[i])))
+                missing = counts[i] - len(answers[i])
+                answers[i].extend(SpawnerGone(f"the spawner stopped: {why}") for _ in range(missing))
                 owed.discard(i)
 
             while owed:
