@@ -3,8 +3,9 @@ another process (the throughput benchmark's submitter), and each phase of the di
 
     python benchmarks/dispatch_profile.py [--jobs 2000] [--track]
 
-With --track each job gets its MLflow run (made by the service's tracking worker, started before the timing):
-the worker's CPU is then printed apart from the rest outside the service.
+The processes a service starts on first use (its spawners; with --track its tracking worker) are started by an
+untimed warm-up, as in the throughput benchmark. With --track each job gets its MLflow run, made by the
+tracking worker, whose CPU is then printed apart from the rest outside the service.
 
 Prints jobs/s, passes and jobs per pass, the service's CPU per job (and per thread), the CPU per job outside
 the service (the submitter, the spawner processes and the jobs themselves), the whole machine's busy CPU per
@@ -88,22 +89,17 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="dispatch-profile-"))
     os.environ.update(AUTORESEARCH_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
     os.environ.pop("AUTORESEARCH_DB_URL", None)
-    from benchmarks.queue_throughput import SUBMITTER
-    from orchestrator import api
+    from benchmarks.queue_throughput import SUBMITTER, warm_up
     from orchestrator.config import Settings
-    from orchestrator.queue.models import JobSpec
     from orchestrator.queue.states import JobState
     from orchestrator.service import Service
 
     service = Service(Settings.load(), devices="cpu:8", preempt_after=0).start()
     while not all(d.checked_at for d in service.store.devices()):  # the start-up device check
         time.sleep(0.05)
-    before_jobs = 0
-    if track:  # the tracking worker's start-up (MLflow's import) is not timed, as in the throughput benchmark
-        api.submit(JobSpec(argv=["true"]), store=service.store)
-        while service.store.count_in(JobState.SUCCEEDED) < 1:
-            time.sleep(0.02)
-        before_jobs = 1
+    # As the throughput benchmark: the processes started on first use (the spawners, the tracking worker with
+    # its MLflow import) are started before the timing.
+    before_jobs = warm_up(service.store, 8, track)
     time.sleep(0.5)
     counters = (collections.Counter(), collections.Counter())
     thread = [None]
