@@ -12,7 +12,7 @@ Both queues get the same work in the same run:
    start-up device check and an untimed warm-up of four jobs per slot (`warm_up`: its spawner processes,
    started on first use, and for tracked jobs its tracking worker are up). A fresh service's first burst
    pays for those starts: without the warm-up the untracked ratio was 0.48x against 0.58x with it, in five
-   alternating rounds;
+   alternating rounds (0.53x cold in a later set of six);
 3. one CLI call with a service running: `submit`, `queue --json`, `show --json` through the console script's
    lean path (`orchestrator.fastcli`, handed to the service over its socket) and through the full typer CLI,
    wall and CPU, against one `tsp` call;
