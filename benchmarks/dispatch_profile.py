@@ -117,8 +117,7 @@ def main() -> None:
                       (service.store, "finish_many"), (service.executor, "launch_many")):
         timed(counters, thread, obj, name)
     submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(jobs), "1" if track else "0"],
-                                 stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert submitter.stdout.readline().strip() == "ready"
     passes, start, cpu, threads = service.passes, time.perf_counter(), time.process_time(), thread_cpu()
     before, busy_before = os.times(), box_busy()
