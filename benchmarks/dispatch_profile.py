@@ -55,14 +55,19 @@ def thread_cpu() -> dict[str, float]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: collections.Counter = collections.Counter()
     for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
         name = names.get(int(task.name), "other")
         name = re.sub(r"_\d+$", " (all)", name)  # a pool's threads together
-        out[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] += stat_cpu(task / "stat")
     return out
+
+
+def stat_cpu(stat: Path) -> float:
+    """CPU seconds (user + system) in a /proc `stat` file (a process's or a thread's); 0 when it is gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def box_busy() -> float:
@@ -73,11 +78,7 @@ def box_busy() -> float:
 
 def cpu_seconds(pid) -> float:
     """CPU seconds (user + system) of a process so far; 0 when there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, TypeError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu(Path(f"/proc/{pid}/stat")) if pid is not None else 0.0
 
 
 def main() -> None:

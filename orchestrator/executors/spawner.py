@@ -167,16 +167,19 @@ class Spawner:
                 sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, i)
                 sel.register(proc.stdout.fileno(), selectors.EVENT_READ, i)
 
-            def give_up(i: int, why: str) -> None:
-                log.warning("the spawner stopped (%s); the next start starts another", why)
+            def done(i: int) -> None:  # nothing more is written to or read from process i in this batch
+                owed.discard(i)
                 for fd in (procs[i].stdin.fileno(), procs[i].stdout.fileno()):
                     if fd in sel.get_map():
                         sel.unregister(fd)
+
+            def give_up(i: int, why: str) -> None:
+                log.warning("the spawner stopped (%s); the next start starts another", why)
+                done(i)
                 procs[i].kill()
                 procs[i].wait()
                 missing = counts[i] - len(answers[i])
                 answers[i].extend(SpawnerGone(f"the spawner stopped: {why}") for _ in range(missing))
-                owed.discard(i)
 
             while owed:
                 events = sel.select(max(0.0, deadline - time.monotonic()))
@@ -209,10 +212,7 @@ class Spawner:
                         give_up(i, str(exc))
                         continue
                     if len(answers[i]) >= counts[i]:
-                        owed.discard(i)
-                        for fd in (procs[i].stdin.fileno(), procs[i].stdout.fileno()):
-                            if fd in sel.get_map():
-                                sel.unregister(fd)
+                        done(i)
         return [share[:count] for share, count in zip(answers, counts)]
 
     def close(self) -> None:
