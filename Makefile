@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m orchestrator.demo
+	$(PY) -m orchestrator.faces.demo
 
 test: install
 	$(PY) -m pytest -q

@@ -97,7 +97,7 @@ def search_session(kind: str, seed: int, trials: int, epochs: int, baseline_seed
     from orchestrator.agent import search
     from orchestrator.agent.proposers.base import Observation
     from orchestrator.agent.proposers.optuna_ import SamplerProposer
-    from orchestrator.tracking import leaderboard
+    from orchestrator.tracking.client import leaderboard
 
     fixed = search.fixed_params(SPEC, {"epochs": epochs, "scale": 1}, 0)
     searched = search.reduced(SPEC, fixed)

@@ -91,9 +91,9 @@ def main() -> None:
     os.environ.update(AUTORESEARCH_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}")
     os.environ.pop("AUTORESEARCH_DB_URL", None)
     from benchmarks.queue_throughput import SUBMITTER, warm_up
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.states import JobState
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     service = Service(Settings.load(), devices="cpu:8", preempt_after=0).start()
     while not all(d.checked_at for d in service.store.devices()):  # the start-up device check

@@ -87,7 +87,7 @@ def check_uuid_identity(a) -> tuple:
 
 def check_cvd_uuid(a) -> tuple:
     """Run with CUDA_VISIBLE_DEVICES=<UUID of GPU 0> (the parent sets it)."""
-    from orchestrator.devices import cuda_visible
+    from orchestrator.core.devices import cuda_visible
     from runtime.devices import cuda_index, parse_devices
 
     _need_gpu()
@@ -159,7 +159,7 @@ def _holder(device: str = "cuda:0") -> subprocess.Popen:
 
 
 def check_foreign_context(a) -> tuple:
-    from orchestrator.health import Health, HealthConfig
+    from orchestrator.service.health import Health, HealthConfig
     from runtime import preflight
 
     _need_gpu()  # only counts devices; this process must never create a context

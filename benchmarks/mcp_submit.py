@@ -36,8 +36,8 @@ def main() -> None:
                       MLFLOW_TRACKING_URI=f"sqlite:///{home}/mlflow.db",
                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     sys.path.insert(0, str(ROOT))
-    from orchestrator.config import Settings
-    from orchestrator.service import Service
+    from orchestrator.core.config import Settings
+    from orchestrator.service.daemon import Service
 
     service = Service(Settings.load(), devices=f"cpu:{args.slots}", tick=0.2).start()
     env = {k: os.environ[k] for k in ("AUTORESEARCH_HOME", "AUTORESEARCH_PREFLIGHT", "MLFLOW_TRACKING_URI",
@@ -47,11 +47,11 @@ def main() -> None:
         cli = []
         for i in range(args.cli_jobs):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--no-track", "--name", f"c{i}",
+            subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--no-track", "--name", f"c{i}",
                             "--", "true"], env=env, check=True, capture_output=True)
             cli.append(time.perf_counter() - t)
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--once", "--width", "80"], env=env,
+        subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "top", "--once", "--width", "80"], env=env,
                        check=True, capture_output=True)
         top_s = time.perf_counter() - t
     finally:
@@ -68,7 +68,7 @@ def main() -> None:
 
 async def _through_mcp(env: dict, jobs: int) -> tuple[float, list[float], float]:
     t0 = time.perf_counter()
-    params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp"], env=env)
+    params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.faces.cli", "mcp"], env=env)
     async with stdio_client(params, errlog=open(os.devnull, "w")) as (read, write):
         async with ClientSession(read, write) as session:
             await session.initialize()

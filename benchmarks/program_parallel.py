@@ -118,7 +118,7 @@ def parallel(program: Path, fake_url: str, runs: int, slots: int, home: Path) ->
     os.environ["AUTORESEARCH_HOME"] = str(home)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
     os.environ["OPENAI_BASE_URL"] = fake_url
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.programs.session import ProgramConfig, start
     from orchestrator.queue.store import JobStore
 

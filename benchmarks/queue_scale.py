@@ -61,7 +61,7 @@ def table(store) -> None:
     import contextlib
     import io
 
-    from orchestrator.cli.jobs import print_listing
+    from orchestrator.faces.cli.jobs import print_listing
 
     with contextlib.redirect_stdout(io.StringIO()):
         print_listing(store.listing())
@@ -72,11 +72,11 @@ def worker(home: Path, finished: int, queued: int) -> None:
     per call of that row (one JSON line), until stdin closes."""
     os.environ["AUTORESEARCH_HOME"] = str(home)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
-    from orchestrator import api
-    from orchestrator.config import Settings
+    from orchestrator.api import jobs as api
+    from orchestrator.core.config import Settings
     from orchestrator.queue.models import JobSpec
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     settings = Settings.load()
     store = JobStore(settings.db_url)
@@ -99,7 +99,7 @@ def worker(home: Path, finished: int, queued: int) -> None:
         "show 1 --json": lambda: json.dumps(store.record(1), default=str, indent=2),
         # The command as a person or an agent runs it: the console script, answered by the service.
         "`autoresearch queue --json`": lambda: subprocess.run(
-            [sys.executable, "-m", "orchestrator.fastcli", "queue", "--json"], check=True, capture_output=True,
+            [sys.executable, "-m", "orchestrator.faces.fastcli", "queue", "--json"], check=True, capture_output=True,
             cwd=ROOT),
     }
     try:

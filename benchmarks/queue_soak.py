@@ -67,7 +67,7 @@ class Soaked(Served):
 
     def run(self, n: int, *, track: bool = False, chunk: int = 1000) -> None:
         """Submit `n` no-op jobs in chunks and wait until all of them succeeded."""
-        from orchestrator import api
+        from orchestrator.api import jobs as api
         from orchestrator.queue.models import JobSpec
         from orchestrator.queue.states import JobState
 
@@ -120,7 +120,7 @@ def main() -> None:
             served.run(args.tracked, track=True, chunk=args.tracked)
             print(f"  after {args.tracked} tracked jobs (worker up)  {served.rss():7.1f}   service's heavy "
                   f"libraries: {heavy_loaded(pid) or 'none'}")
-            from orchestrator.trackworker import IDLE_EXIT
+            from orchestrator.tracking.worker import IDLE_EXIT
 
             time.sleep(IDLE_EXIT + 5)
             print(f"  {IDLE_EXIT + 5:.0f} s later (worker stopped)    {served.rss():7.1f}")

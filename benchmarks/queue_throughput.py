@@ -14,7 +14,7 @@ Both queues get the same work in the same run:
    pays for those starts: without the warm-up the untracked ratio was 0.48x against 0.58x with it, in five
    alternating rounds (0.53x cold in a later set of six);
 3. one CLI call with a service running: `submit`, `queue --json`, `show --json` through the console script's
-   lean path (`orchestrator.fastcli`, handed to the service over its socket) and through the full typer CLI,
+   lean path (`orchestrator.faces.fastcli`, handed to the service over its socket) and through the full typer CLI,
    wall and CPU, against one `tsp` call;
 2. latency on an idle queue: one job at a time that records when it started; submit-to-start p50 and p95.
 autoresearch runs with MLflow tracking off (`track=False`, `submit --no-track`) for the no-op jobs and, in a
@@ -94,10 +94,10 @@ def tsp_latency(n: int, tmp: Path) -> list[float]:
 
 SUBMITTER = """
 import sys
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 settings = Settings.load()  # as the agent holds them: its submits pass settings and store
 store = JobStore.from_settings(settings)
 spec = JobSpec(argv=["true"], track=sys.argv[2] == "1")
@@ -115,7 +115,7 @@ def warm_up(store, slots: int, track: bool) -> int:
     starts on first use are up (its spawner processes, started when a pass first starts that many jobs, and for
     tracked jobs the tracking worker with its MLflow import), on the service whose `store` this is. Returns the
     number of jobs run."""
-    from orchestrator import api
+    from orchestrator.api import jobs as api
     from orchestrator.queue.models import JobSpec
     from orchestrator.queue.states import JobState
 
@@ -151,7 +151,7 @@ def ar_throughput(jobs: int, slots: int, home: Path, track: bool) -> float:
 
 
 def ar_latency(n: int, home: Path) -> list[float]:
-    from orchestrator import api
+    from orchestrator.api import jobs as api
     from orchestrator.queue.models import JobSpec
 
     served = Served(home, 8)
@@ -169,9 +169,9 @@ def ar_latency(n: int, home: Path) -> list[float]:
     return lat
 
 
-def cli_seconds(n: int, home: Path, *args: str, entry: str = "orchestrator.fastcli") -> tuple[float, float]:
+def cli_seconds(n: int, home: Path, *args: str, entry: str = "orchestrator.faces.fastcli") -> tuple[float, float]:
     """Mean wall and CPU seconds (user + system of the child) of one `autoresearch ARGS` call. The console
-    script's module is `orchestrator.fastcli`; `orchestrator.cli` is the full typer CLI."""
+    script's module is `orchestrator.faces.fastcli`; `orchestrator.faces.cli` is the full typer CLI."""
     env = {**os.environ, "AUTORESEARCH_HOME": str(home)}
     before = os.times()
     start = time.perf_counter()
@@ -187,15 +187,15 @@ def cli_rows(n: int, home: Path) -> dict[str, tuple[float, float]]:
     """`submit`, `queue --json` and `show --json` with a service running: the lean path and the full CLI."""
     served = Served(home, 2)
     try:
-        subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--no-track", "--", "sleep", "60"],
+        subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--no-track", "--", "sleep", "60"],
                        env=served.env, check=True, capture_output=True)
         rows = {
             "submit (lean, service running)": cli_seconds(n, home, "submit", "--no-track", "--", "true"),
             "submit (full typer CLI)": cli_seconds(n, home, "submit", "--no-track", "--", "true",
-                                                   entry="orchestrator.cli"),
+                                                   entry="orchestrator.faces.cli"),
             "queue --json (lean)": cli_seconds(n, home, "queue", "--json"),
             "show 1 --json (lean)": cli_seconds(n, home, "show", "1", "--json"),
-            "queue --json (full typer CLI)": cli_seconds(n, home, "queue", "--json", entry="orchestrator.cli"),
+            "queue --json (full typer CLI)": cli_seconds(n, home, "queue", "--json", entry="orchestrator.faces.cli"),
         }
         served.store.cancel(1)
     finally:

@@ -4,7 +4,7 @@
 
 Both make the same runs (a name, the job's tags, one param) in one SQLite tracking store tuned as the worker
 tunes it (WAL, synchronous=NORMAL), alternating in each round: `MlflowClient.create_run` plus `log_batch`
-one run at a time, and `orchestrator.jobruns.create_runs` (MLflow's own table models; its transactions as
+one run at a time, and `orchestrator.tracking.jobruns.create_runs` (MLflow's own table models; its transactions as
 the worker makes them, growing from `RUNS_PER_COMMIT` runs to `MAX_RUNS_PER_COMMIT`, or `--batch` runs each). Then both end the runs: `set_terminated` one at a time against `jobruns.end_runs`. Prints CPU
 milliseconds per run (this process's thread time: the worker is single-threaded) and the ratios.
 """
@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import jobruns  # noqa: E402
-from orchestrator.trackworker import tune_sqlite_tracking  # noqa: E402
-from orchestrator.tracking import Tracker  # noqa: E402
+from orchestrator.tracking import jobruns  # noqa: E402
+from orchestrator.tracking.worker import tune_sqlite_tracking  # noqa: E402
+from orchestrator.tracking.client import Tracker  # noqa: E402
 
 
 def requests(n: int, start: int) -> list[dict]:

@@ -127,7 +127,7 @@ def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: i
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
     from orchestrator.agent import runner
     from orchestrator.agent.session import SessionConfig
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
 
     name, fixed = EXPERIMENTS[experiment]
     config = SessionConfig(goal="find a real improvement over the defaults", experiment=name, proposer=proposer,
@@ -142,7 +142,7 @@ def run_session(experiment: str, proposer: str, seed: int, trials: int, slots: i
 def proposers_only(seeds: int, trials: int, kinds: list[str]) -> dict[str, dict]:
     """The samplers alone on the synthetic formula: baseline on 3 seeds, `trials` proposals from it, the top
     candidate re-evaluated on 3 fresh seeds (its selecting run left out), and the gate. No queue, no start-up cost."""
-    from orchestrator.agent.gate import gate
+    from orchestrator.core.gate import gate
     from orchestrator.agent.proposers.base import Observation
     from orchestrator.agent.proposers.optuna_ import SamplerProposer
     from orchestrator.agent.search import baseline_params, fixed_params, project, reduced

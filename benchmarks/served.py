@@ -20,12 +20,12 @@ class Served:
         self.env.pop("AUTORESEARCH_DB_URL", None)
         os.environ.pop("AUTORESEARCH_DB_URL", None)
         os.environ.update(self.env)
-        from orchestrator.config import Settings
+        from orchestrator.core.config import Settings
         from orchestrator.queue.store import JobStore
 
         self.settings = Settings.load()
         self.store = JobStore(self.settings.db_url)
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices",
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices",
                                       f"cpu:{slots}", "--preempt-after", "0"], env=self.env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120

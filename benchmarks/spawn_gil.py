@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-SWITCH_INTERVAL = 0.0005  # as `autoresearch serve` sets it (orchestrator.service)
+SWITCH_INTERVAL = 0.0005  # as `autoresearch serve` sets it (orchestrator.service.daemon)
 
 
 def spin(stop: threading.Event, out: list) -> None:

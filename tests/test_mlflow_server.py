@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.models import JobSpec
 from tests.conftest import PG_DSN, pg_connect
 from tests.orchestrator.helpers import wait_for
@@ -81,8 +81,8 @@ def mlflow_server(pg_database, tmp_path):
 def test_job_metrics_and_an_agent_session_land_on_the_mlflow_server(mlflow_server, home, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from orchestrator import api
-    from orchestrator.service import Service
+    from orchestrator.api import jobs as api
+    from orchestrator.service.daemon import Service
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")  # device checks are not what this test is about

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 OPEN = """
 import sys
-from orchestrator.tracking import Tracker
+from orchestrator.tracking.client import Tracker
 tracker = Tracker(sys.argv[1])
 print(tracker.experiment_id("digits"))
 """

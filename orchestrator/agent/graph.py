@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
     from experiments.registry import ExperimentSpec
     from orchestrator.agent.proposers.base import Proposer
     from orchestrator.agent.session import SessionConfig
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.store import JobStore
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
 S, P = TrialStatus, Phase
 
@@ -186,7 +186,7 @@ class Agent(Phases):
 
     def submit(self, state: State) -> State:
         """Queue every proposed trial exactly once (idempotency key), each with its own MLflow child run."""
-        from orchestrator import api
+        from orchestrator.api import jobs as api
         from orchestrator.queue.models import JobSpec
 
         trials = load(state["trials"])
@@ -215,7 +215,7 @@ class Agent(Phases):
                                idempotency_key=t.key, image=self.spec.image)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
-                    from orchestrator.jobenv import image_tags
+                    from orchestrator.api.jobenv import image_tags
 
                     self.tracker.set_tags(run_id, image_tags(job))
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status=S.QUEUED, submitted_at=time.time())

@@ -13,11 +13,11 @@ from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.trial import Trial, TrialStatus
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import HOLDING, JobState
-from orchestrator.tracking import TAG_PHASE
+from orchestrator.tracking.client import TAG_PHASE
 
 if TYPE_CHECKING:
     from orchestrator.queue.store import JobStore
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
 S = JobState
 

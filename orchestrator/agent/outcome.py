@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 from orchestrator.agent.history import completed_value, device_seconds
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
-from orchestrator.tracking import run_status
+from orchestrator.tracking.client import run_status
 
 if TYPE_CHECKING:
     from experiments.registry import ExperimentSpec
     from orchestrator.queue.store import JobStore
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
 S, P = TrialStatus, Phase
 

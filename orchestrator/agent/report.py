@@ -1,6 +1,6 @@
 """What a session found, judged against its baseline: the summary dict and the Markdown report on its MLflow run.
 
-The ranking and the verdict come from `orchestrator.tracking.leaderboard` over the session's own finished
+The ranking and the verdict come from `orchestrator.tracking.client.leaderboard` over the session's own finished
 trials (the baseline's runs included and marked), so a session's report and `autoresearch leaderboard` can
 never disagree about what counts as a win.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
-from orchestrator.tracking import leaderboard
+from orchestrator.tracking.client import leaderboard
 
 REPORT = "report.md"
 

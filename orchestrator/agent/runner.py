@@ -14,8 +14,8 @@ import sys
 from typing import Any, Callable
 
 from orchestrator.agent.session import Registry, SessionConfig, connect, new_id
-from orchestrator.config import Settings
-from orchestrator.errors import BadInput
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput
 
 RECURSION_LIMIT = 1_000_000  # the loop is long by design; the budget, not LangGraph, ends it
 
@@ -71,7 +71,7 @@ def session_links(url: str, settings: Settings | None = None, limit: int = 5) ->
     """Lines with the MLflow UI addresses of the store's experiments (their runs tables: hand-submitted jobs
     are in `jobs` or their own experiment) and of the latest sessions' runs (their experiment's runs table,
     filtered to the session, and the session run with its report), in MLflow 3's model-training view."""
-    from orchestrator.tracking import TAG_SESSION, Tracker, runs_page
+    from orchestrator.tracking.client import TAG_SESSION, Tracker, runs_page
 
     tracker = Tracker.from_settings(settings or Settings.load())
     out = [f"experiment {exp.name}: {runs_page(url, exp.experiment_id)}" for exp in tracker.experiments(limit)]
@@ -109,10 +109,10 @@ def load_spec(name: str) -> Any:
 def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
     """BadInput unless the experiment, proposer, fixed and baseline params and (with no service running)
     devices are valid."""
-    from orchestrator import devices as devspec
+    from orchestrator.core import devices as devspec
     from orchestrator.agent.proposers.factory import NAMES
     from orchestrator.agent.search import baseline_params, fixed_params, reduced
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     spec = load_spec(config.experiment)
     if config.proposer not in NAMES:
@@ -132,9 +132,9 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     from orchestrator.agent import report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import embedded
-    from orchestrator.tracking import Tracker
-    from orchestrator.wakeup import notify
+    from orchestrator.service.daemon import embedded
+    from orchestrator.tracking.client import Tracker
+    from orchestrator.core.wakeup import notify
 
     spec = load_spec(config.experiment)
     store = JobStore(settings.db_url)
@@ -188,7 +188,7 @@ def leaderboard(experiment: str | None = None, settings: Settings | None = None)
     from experiments import registry as experiments
     from orchestrator.agent.history import Results
     from orchestrator.queue.store import JobStore
-    from orchestrator.tracking import Tracker, leaderboard as rank
+    from orchestrator.tracking.client import Tracker, leaderboard as rank
 
     settings = settings or Settings.load()
     if experiment is not None:

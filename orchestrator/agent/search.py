@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from experiments.registry import ExperimentSpec
 from experiments.space import SearchSpace, SpaceError
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 
 SEED_KEY = "seed"
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 
 
 @dataclass(frozen=True)

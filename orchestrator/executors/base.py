@@ -25,8 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence, Union
 
-from orchestrator.devices import cuda_visible
-from orchestrator.layout import Layout
+from orchestrator.core.devices import cuda_visible
+from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
 
@@ -149,14 +149,14 @@ class Executor(ABC):
 def executor_class(name: str) -> type[Executor]:
     """The executor class called `name` (local or ray), without starting it."""
     if name == "local":
-        from orchestrator.executors.local import LocalExecutor
+        from orchestrator.executors.local.executor import LocalExecutor
 
         return LocalExecutor
     if name == "ray":
-        from orchestrator.executors.ray import RayExecutor  # Ray itself is imported when one is made
+        from orchestrator.executors.ray.executor import RayExecutor  # Ray itself is imported when one is made
 
         return RayExecutor
-    from orchestrator.errors import BadInput
+    from orchestrator.core.errors import BadInput
 
     raise BadInput(f"unknown executor {name!r}; expected local or ray")
 

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from orchestrator.errors import BadInput
-from orchestrator.layout import Layout
+from orchestrator.core.errors import BadInput
+from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
 

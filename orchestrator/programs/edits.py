@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any, Callable, Sequence
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.core.errors import OrchestratorError
 from orchestrator.programs.spec import ProgramSpec
 
 MAX_EDITS = 20

@@ -2,7 +2,7 @@
 discarded by the noise gate against the nearest measured ancestor; every outcome goes to the governor.
 
 The children of one parent are a family of tests, as the agent's confirmed candidates are
-(`orchestrator.tracking.leaderboard`): each is gated at the Bonferroni-corrected level 1 - ALPHA/k, k being the
+(`orchestrator.tracking.client.leaderboard`): each is gated at the Bonferroni-corrected level 1 - ALPHA/k, k being the
 parent's children that reach the gate (succeeded or still running, crashes left out), so with several drafts
 judged against the baseline the chance that any of them is kept by seed noise stays at most ALPHA.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.agent.gate import gate
+from orchestrator.core.gate import gate
 from orchestrator.programs import tree
 from orchestrator.programs.governor import CHANGE, STOP
 

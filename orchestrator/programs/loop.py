@@ -25,7 +25,7 @@ from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.wrap import log_tail, read_values
 from orchestrator.queue.states import TIME_LIMIT
-from orchestrator.tracking import run_status
+from orchestrator.tracking.client import run_status
 
 TAIL = 3000
 
@@ -171,7 +171,7 @@ class Loop(Judge):
                            env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
                            idempotency_key=t["key"], time_limit=self.spec.time_limit, image=self.spec.image)
             if spec.image:  # pinned to the image's content id; the run says which
-                from orchestrator.jobenv import image_tags, prepare
+                from orchestrator.api.jobenv import image_tags, prepare
 
                 spec = prepare(spec)
                 self.tracker.set_tags(run_id, image_tags(spec))

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.core.errors import OrchestratorError
 
 AUTHOR = {"GIT_AUTHOR_NAME": "autoresearch", "GIT_AUTHOR_EMAIL": "autoresearch@localhost",
           "GIT_COMMITTER_NAME": "autoresearch", "GIT_COMMITTER_EMAIL": "autoresearch@localhost"}

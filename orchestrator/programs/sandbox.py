@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 
 
 def available() -> str:

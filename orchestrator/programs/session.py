@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator.config import Settings
-from orchestrator.errors import BadInput
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput
 from orchestrator.programs import spec as specs, tree
 
 
@@ -71,10 +71,10 @@ class ProgramConfig:
 
 def check(config: ProgramConfig, devices: str | None = None, settings: Settings | None = None) -> specs.ProgramSpec:
     """The program's spec, or BadInput for anything that would stop the session before it starts."""
-    from orchestrator import devices as devspec
+    from orchestrator.core import devices as devspec
     from orchestrator.agent.proposers.base import llm_configured
     from orchestrator.programs import repo as gitrepo, sandbox
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     spec = specs.load(config.program)
     if not llm_configured():
@@ -148,9 +148,9 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
     from orchestrator.programs.propose import ProgramLLM
     from orchestrator.programs.repo import Repo
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import embedded
-    from orchestrator.tracking import Tracker
-    from orchestrator.wakeup import notify
+    from orchestrator.service.daemon import embedded
+    from orchestrator.tracking.client import Tracker
+    from orchestrator.core.wakeup import notify
 
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
@@ -240,7 +240,7 @@ def leaderboard(name: str, settings: Settings | None = None) -> dict[str, Any]:
     """Every commit that ran for program `name` (`program:<folder>`), all sessions, ranked by mean over its runs
     (the shape of `autoresearch leaderboard`; a commit's params are its short id and its change)."""
     from orchestrator.agent.session import Registry
-    from orchestrator.tracking import leaderboard as rank
+    from orchestrator.tracking.client import leaderboard as rank
 
     settings = settings or Settings.load()
     registry = Registry(settings.home)

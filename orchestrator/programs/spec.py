@@ -24,8 +24,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from orchestrator.durations import parse_duration
-from orchestrator.errors import BadInput
+from orchestrator.core.durations import parse_duration
+from orchestrator.core.errors import BadInput
 
 CONFIG = "autoresearch.toml"
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
-from orchestrator.errors import StoreUnavailable
+from orchestrator.core.errors import StoreUnavailable
 
 
 def _sqlite_engine(url: str) -> Engine:

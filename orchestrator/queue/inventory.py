@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from sqlalchemy import bindparam, select as core_select
 from sqlmodel import select
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 from orchestrator.queue.db import Database
 from orchestrator.queue.models import Device, ServiceRecord
 

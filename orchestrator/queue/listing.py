@@ -19,7 +19,7 @@ from typing import Any, Optional
 from sqlalchemy import and_, func, literal, not_, or_, select, text, union_all
 from sqlalchemy.engine import Connection, Row
 
-from orchestrator.errors import BadInput, JobNotFound
+from orchestrator.core.errors import BadInput, JobNotFound
 from orchestrator.queue.models import RETRYING_SQL, Job, JobEvent, event_dict, job_dict
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
 

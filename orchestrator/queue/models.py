@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 from orchestrator.queue.states import FINISHED, JobState
 
 # Stated bounds of what a submitter may ask for: both backends store these as 32-bit integers, and a number
@@ -45,7 +45,7 @@ class JobSpec:
     mlflow_run_id: Optional[str] = None
     idempotency_key: Optional[str] = None
     time_limit: Optional[float] = None  # seconds an attempt may run; then stopped and FAILED ("time limit exceeded")
-    # The job's software environment (orchestrator.jobenv checks and resolves these at submit): the dotenv
+    # The job's software environment (orchestrator.api.jobenv checks and resolves these at submit): the dotenv
     # file whose values are merged into `env` (its path is shown; its values never are), a container image
     # and the content id it resolved to, bind mounts `SRC:DST[:ro]`.
     env_file: Optional[str] = None

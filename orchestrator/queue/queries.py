@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 from sqlalchemy import bindparam, func, or_, select as core_select
 from sqlmodel import select
 
-from orchestrator.errors import JobNotFound
+from orchestrator.core.errors import JobNotFound
 from orchestrator.queue import listing as listings
 from orchestrator.queue.inventory import HostRecords
 from orchestrator.queue.models import Job, JobEvent

@@ -37,7 +37,7 @@ _CLOSED = update(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True))).va
 
 
 class RunRecords(JobQueries):
-    """The queue's side of the jobs' MLflow runs (made by the service's run preparer, `orchestrator.runprep`)."""
+    """The queue's side of the jobs' MLflow runs (made by the service's run preparer, `orchestrator.tracking.preparer`)."""
 
     def needing_runs(self, *, capacity: int, limit: int) -> list[Job]:
         """The first `limit` QUEUED jobs in line order that need at most `capacity` devices, are tracked and

@@ -21,7 +21,7 @@ from sqlalchemy import bindparam, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
-from orchestrator.errors import BadInput, InvalidTransition, JobNotFound
+from orchestrator.core.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
 from orchestrator.queue.runs import RunRecords
 from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from orchestrator.cli import main; main()", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", "from orchestrator.faces.cli import main; main()", *args], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -47,9 +47,9 @@ def test_tpe_session_on_digits_end_to_end(home):
     assert 0.0 < summary["baseline"]["mean"] <= 1.0 and summary["baseline"]["n"] == 2
     assert summary["headline"].startswith(("improvement +", "no improvement over the baseline found"))
 
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.store import JobStore
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     settings = Settings.load()
     jobs = JobStore(settings.db_url).list(owner=summary["session"])

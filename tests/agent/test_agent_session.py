@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.agent import runner
 from orchestrator.agent.session import Registry, SessionConfig
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from tests.agent.fake_llm import FakeLLM, ok, sleep, status
@@ -60,7 +60,7 @@ def phase(job) -> str:
 
 
 def tracker_tag(run_id: str, tag: str) -> str:
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     return Tracker.from_settings(Settings.load()).client.get_run(run_id).data.tags[tag]
 
@@ -94,7 +94,7 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
     assert usage["calls"] == 4 and usage["prompt_tokens"] > 0 and usage["retries"] >= 3  # more if the box is slow
     assert usage["rejected"] == 3 and usage["fallbacks"] == 2
     # Tokens and cost are on the session's MLflow run; rationales on the trials' runs.
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     tracker = Tracker.from_settings(Settings.load())
     parent = tracker.client.get_run(summary["mlflow_run_id"])
@@ -108,7 +108,7 @@ def test_llm_session_submits_only_valid_params_and_never_stores_the_key(home, mo
 
 
 def test_hand_submitted_run_informs_the_sampler_and_the_leaderboard(home):
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     settings = Settings.load()
     service = Service(settings, devices="cpu:2").start()
@@ -197,7 +197,7 @@ def test_time_budget_is_honoured(home):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from orchestrator.cli import main; main()", *args]
+    return [sys.executable, "-c", "from orchestrator.faces.cli import main; main()", *args]
 
 
 def test_kill_9_then_resume_without_duplicates_or_overrun(home):
@@ -231,7 +231,7 @@ def test_kill_9_then_resume_without_duplicates_or_overrun(home):
     assert sorted(keys) == sorted(f"{row['id']}:{n}" for n in range(6))
     assert summary["trials"] == 6 and registry.get(row["id"])["status"] == "finished"
     # One MLflow child run per trial, even for trials whose run was made just before the kill.
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     tracker = Tracker.from_settings(Settings.load())
     runs = tracker.client.search_runs([tracker.experiment_id(SPEC.name)], "tags.`autoresearch.kind` = 'trial'")
@@ -243,7 +243,7 @@ def test_kill_9_then_resume_without_duplicates_or_overrun(home):
 def test_submit_after_a_crash_adopts_what_was_already_made(home):
     """The submit node re-run after a crash: a run made but no job, and a job made but not checkpointed."""
     from orchestrator.agent.graph import Agent
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     settings = Settings.load()
     store, tracker = JobStore(settings.db_url), Tracker.from_settings(settings)

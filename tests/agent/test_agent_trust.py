@@ -13,9 +13,9 @@ from orchestrator.agent import runner
 from orchestrator.agent.graph import Agent
 from orchestrator.agent.report import markdown, session_board
 from orchestrator.agent.session import SessionConfig
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.store import JobStore
-from orchestrator.tracking import NO_IMPROVEMENT, Tracker, leaderboard
+from orchestrator.tracking.client import NO_IMPROVEMENT, Tracker, leaderboard
 from tests.agent.synthetic import SPEC
 
 EXP = "tests.agent.synthetic:SPEC"
@@ -212,7 +212,7 @@ def test_leaderboard_shows_changes_from_the_baseline_and_the_gate():
 
 
 def test_leaderboard_table_fits_100_columns_with_diffs(capsys):
-    from orchestrator.cli.agent import show
+    from orchestrator.faces.cli.agent import show
 
     long = {f"param_{i}": 0.123456 * i for i in range(12)}
     rows = [{"params": {**long, "seed": s}, "value": 0.9 + s / 1000, "baseline": True, "job_id": s} for s in range(3)]
@@ -274,7 +274,7 @@ def test_resume_of_an_unknown_session_is_one_line_and_exit_2(home):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", "resume", "s-unknown"],
+    done = subprocess.run([sys.executable, "-c", "from orchestrator.faces.cli import main; main()", "resume", "s-unknown"],
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and done.stdout == ""
@@ -288,7 +288,7 @@ def test_resume_of_an_unknown_session_is_one_line_and_exit_2(home):
     ({}, 0, "--baseline-seeds"),
 ])
 def test_bad_baseline_is_refused_before_anything_runs(home, baseline, seeds, match):
-    from orchestrator.errors import BadInput
+    from orchestrator.core.errors import BadInput
 
     with pytest.raises(BadInput, match=match):
         runner.check(config(baseline=baseline, baseline_seeds=seeds), devices="cpu:2")
@@ -325,7 +325,7 @@ def test_a_high_selection_run_does_not_make_fresh_reruns_that_match_the_baseline
 
 def test_only_confirmed_candidates_are_gated_at_a_bonferroni_level():
     """Two confirmed candidates: each is judged at 97.5% (1 - 0.05/2); an unconfirmed one is not gated at all."""
-    from orchestrator.agent.gate import gate
+    from orchestrator.core.gate import gate
 
     base = [{"params": {"lr": 0.003, "seed": s}, "value": v, "baseline": True} for s, v in enumerate(BASE_ACC)]
     # Clears the gate at 95% but not at 97.5%: one of two candidates tested, so not a win.

@@ -24,10 +24,10 @@ def free_port() -> int:
 
 
 def test_ui_serves_this_homes_runs_and_artifacts(home):
-    from orchestrator.config import Settings
-    from orchestrator.tracking import Tracker
+    from orchestrator.core.config import Settings
+    from orchestrator.tracking.client import Tracker
 
-    cli = [sys.executable, "-c", "from orchestrator.cli import main; main()", "ui"]
+    cli = [sys.executable, "-c", "from orchestrator.faces.cli import main; main()", "ui"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # Bad input is refused before anything starts; it is checked alongside the server's start-up.
     bad = subprocess.Popen([*cli, "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

@@ -10,8 +10,8 @@ from experiments.registry import get
 from orchestrator.agent.search import confirm_seeds, fixed_params, full, reduced
 from orchestrator.agent.session import SessionConfig
 from orchestrator.agent.stopping import ASHA
-from orchestrator.errors import BadInput
-from orchestrator.tracking import best_so_far, leaderboard
+from orchestrator.core.errors import BadInput
+from orchestrator.tracking.client import best_so_far, leaderboard
 from tests.agent.synthetic import SPEC
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from orchestrator.agent.gate import NOISE_FLOOR_REL, Verdict, gate
+from orchestrator.core.gate import NOISE_FLOOR_REL, Verdict, gate
 
 BASELINE = [0.9611, 0.9583, 0.9639]  # digits defaults over 3 seeds: mean 0.9611, std 0.0028
 

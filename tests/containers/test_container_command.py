@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 from orchestrator.executors import container
-from orchestrator.layout import Layout
+from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 
 
@@ -90,7 +90,7 @@ def test_mounts(text, says, tmp_path, monkeypatch):
 
 
 def test_under_ray_an_image_becomes_rays_image_uri(tmp_path):
-    from orchestrator.executors.ray import runtime_env_of
+    from orchestrator.executors.ray.executor import runtime_env_of
 
     assert runtime_env_of(job(tmp_path), {"A": "1"}) == {"env_vars": {"A": "1"}, "image_uri": "localhost/train:1"}
     assert runtime_env_of(job(tmp_path, image=None), {}) == {"env_vars": {}}

@@ -12,8 +12,8 @@ import textwrap
 
 import mlflow
 
-from orchestrator import api
-from orchestrator.config import Settings
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from tests.containers.conftest import containers_of
@@ -110,7 +110,7 @@ def test_cancel_stops_and_removes_the_container(make_service, image, tmp_path):
 def test_kill_9_of_the_service_and_restart_adopts_the_running_container(home, image, tmp_path):
     store = JobStore(Settings.load().db_url)
     gate = tmp_path / "gate"
-    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", "cpu:1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         job, _ = api.submit(JobSpec(argv=["sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.1; done; exit 3"],
@@ -121,7 +121,7 @@ def test_kill_9_of_the_service_and_restart_adopts_the_running_container(home, im
         os.kill(serve.pid, signal.SIGKILL)
         serve.wait(timeout=10)
         assert containers_of(home), "the container outlives the service"
-        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", "cpu:1"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         mine = lambda: [s.heartbeat_at for s in api.live_services(store) if s.pid == serve.pid]  # noqa: E731
         first = wait_for(mine, timeout=60, what="the restarted service")[0]
@@ -143,7 +143,7 @@ def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_re
     store = JobStore(Settings.load().db_url)
     gate = tmp_path / "gate"
     script = f'[ "$AUTORESEARCH_ATTEMPT" = 2 ] && exit 0; while [ ! -e {gate} ]; do sleep 0.1; done'
-    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+    serve = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", "cpu:1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                  env={**os.environ, "AUTORESEARCH_RETRY_BACKOFF": "0"})
     try:
@@ -155,7 +155,7 @@ def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_re
         serve.wait(timeout=10)
         os.killpg(store.get(job.id).pid, signal.SIGKILL)  # the wrapper and the engine client, not the container
         assert containers_of(home), "the container runs on without its client"
-        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", "cpu:1"],
+        serve = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", "cpu:1"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                  env={**os.environ, "AUTORESEARCH_RETRY_BACKOFF": "0"})
         done = wait_for(lambda: finished(store, job.id), timeout=90, what="the job to be retried")

@@ -10,8 +10,8 @@ import mlflow
 import pytest
 
 from experiments.digits import spec as digits
-from orchestrator import api
-from orchestrator.errors import BadInput
+from orchestrator.api import jobs as api
+from orchestrator.core.errors import BadInput
 from orchestrator.programs import spec as programs
 
 
@@ -20,8 +20,8 @@ def test_an_experiment_that_names_an_image_runs_in_it_unless_submit_says_otherwi
     job, _ = api.submit(api.experiment_spec("digits", {}))
     assert job.image == image and job.image_id.startswith("sha256:")
     assert job.argv[0] == "python3"  # the image's python, not this venv's
-    from orchestrator.jobruns import ensure_job_run
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.jobruns import ensure_job_run
+    from orchestrator.tracking.client import Tracker
 
     run_id = ensure_job_run(Tracker(mlflow.get_tracking_uri()), job)
     tags = mlflow.MlflowClient().get_run(run_id).data.tags

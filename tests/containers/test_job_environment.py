@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.store import JobStore
 from tests.orchestrator.helpers import wait_for
 
@@ -18,7 +18,7 @@ SECRET = "hunter2-7f3a91"
 
 
 def cli(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120, cwd=cwd)
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import api
-from orchestrator.config import Settings
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
 
 # Budgets sized so the victim is well past its first progress report and far from done when the
 # preemptor arrives, while the whole test stays within seconds of training.
@@ -65,7 +65,7 @@ def history(client, run_id: str, key: str) -> dict[int, float]:
 def start_service(root: Path, mlflow_template: Path):
     """A one-slot service on a fresh home of its own (its jobs inherit that home in their environment), with its
     MLflow store a copy of the run's migrated empty one (three services migrating at once cost seconds)."""
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     root.mkdir()
     shutil.copy(mlflow_template, root / "mlflow.db")
@@ -134,7 +134,7 @@ def outcomes(tmp_path_factory, mlflow_template):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_preempted_trial_resumes_bitwise(outcomes, name):
-    from orchestrator.tracking import import_mlflow
+    from orchestrator.tracking.client import import_mlflow
 
     MlflowClient = import_mlflow().MlflowClient  # the service's warm-up may be importing mlflow right now
 

@@ -77,7 +77,7 @@ def test_cli_strings_coerce():
     (["--experiment", "digits", "--param", "arch=resnet"], "one of 'mlp', 'cnn'"),
 ])
 def test_cli_rejects_bad_params_with_exit_2_and_queues_nothing(home, args, says):
-    cli = [sys.executable, "-m", "orchestrator.cli"]
+    cli = [sys.executable, "-m", "orchestrator.faces.cli"]
     bad = subprocess.run([*cli, "submit", *args, "--json"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2, bad.stderr
     assert says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1  # one line, no traceback

@@ -31,8 +31,8 @@ def child_env(home):
 @pytest.fixture
 def make_service(home):
     """In-process services on this test's home (as tests/orchestrator's fixture): make_service("cpu:2")."""
-    from orchestrator.config import Settings
-    from orchestrator.service import Service
+    from orchestrator.core.config import Settings
+    from orchestrator.service.daemon import Service
     from tests.orchestrator.helpers import kill_leftovers
 
     started = []

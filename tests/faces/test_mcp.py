@@ -23,7 +23,7 @@ TOOLS = {"submit_job", "list_jobs", "get_job", "job_logs", "cancel_job", "list_d
 def with_client(env, body, *args: str, name: str = "test-agent"):
     """Run `body(session)` against `autoresearch mcp ARGS` spawned over stdio; returns what body returns."""
     async def main():
-        params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp", *args], env=env)
+        params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.faces.cli", "mcp", *args], env=env)
         with open(env["AUTORESEARCH_HOME"] + "/mcp.stderr", "a") as errlog:
             async with stdio_client(params, errlog=errlog) as (read, write):
                 async with ClientSession(read, write, client_info=Implementation(name=name, version="1")) as session:
@@ -100,16 +100,16 @@ def test_an_agent_submits_watches_to_success_and_reads_logs_and_metrics(tracked_
     assert {d["device"] for d in devices["devices"]} == {"cpu:0", "cpu:1"} and len(devices["services"]) == 1
 
     # People see who submitted it.
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "--all", "--json"], env=child_env,
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "queue", "--all", "--json"], env=child_env,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)[0]["owner"] == "mcp:test-agent"
-    table = subprocess.run([sys.executable, "-m", "orchestrator.cli", "queue", "--all"], capture_output=True,
+    table = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "queue", "--all"], capture_output=True,
                            env={**child_env, "COLUMNS": "200"}, text=True, check=True).stdout
     assert any("mcp-metrics" in line and "mcp:test-agent" in line for line in table.splitlines())
 
 
 def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keeps_serving(child_env):
-    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--experiment", "digits",
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--experiment", "digits",
                           "--param", "lr=fast"], env=child_env, capture_output=True, text=True)
     assert cli.returncode == 2
     cli_line = cli.stderr.strip().removeprefix("autoresearch: ")
@@ -159,7 +159,7 @@ def test_max_priority_is_a_server_side_cap_a_person_can_raise(child_env):
     (ok, job), (refused, why) = with_client(child_env, body, "--max-priority", "12")
     assert not ok and job["priority"] == 11
     assert refused and "cap of 12" in why
-    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "mcp", "--http", "0"], env=child_env,
+    bad = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "mcp", "--http", "0"], env=child_env,
                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "autoresearch: --http must be a port in 1..65535, got 0"
 
@@ -174,7 +174,7 @@ def test_streamable_http_listens_on_loopback(child_env):
     from mcp.client.streamable_http import streamable_http_client
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "mcp", "--http", str(port)], env=child_env,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "mcp", "--http", str(port)], env=child_env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
-from orchestrator.views.snapshot import Snapshot, plan_queue, take
-from orchestrator.views.top import render
+from orchestrator.faces.views.snapshot import Snapshot, plan_queue, take
+from orchestrator.faces.views.top import render
 from tests.orchestrator.helpers import wait_for
 from tests.support.requires import require
 
@@ -59,7 +59,7 @@ def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
                      key=lambda j: (-j.priority, j.submitted_at, j.id))  # line order, as `take` gives it
     service = ServiceRecord(host="h", pid=1, devices=[d.name for d in devs], heartbeat_at=NOW)
     rows, victims = plan_queue(waiting, running, devs, [service], NOW, 60)
-    from orchestrator.views.snapshot import DeviceRow
+    from orchestrator.faces.views.snapshot import DeviceRow
 
     drows = [DeviceRow("h", d.name, "available", "", running[i], NOW - 2, 7) for i, d in enumerate(devs)]
     drows[0].util, drows[0].mem_used, drows[0].mem_total = 97, 70 * 2**30, 140 * 2**30  # as NVML reports a GPU
@@ -101,10 +101,10 @@ def test_a_small_queue_shows_every_row_and_a_frame_without_a_height_shows_all():
 
 
 def test_a_frame_reads_the_head_of_a_long_line_and_counts_the_rest(home, monkeypatch):
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.models import JobSpec
     from orchestrator.queue.store import JobStore
-    from orchestrator.views import snapshot
+    from orchestrator.faces.views import snapshot
 
     monkeypatch.setattr(snapshot, "QUEUE_ROWS", 5)  # 200 in life: more than a screen, far fewer than 10,000
     settings = Settings.load()
@@ -120,8 +120,8 @@ def test_a_frame_reads_the_head_of_a_long_line_and_counts_the_rest(home, monkeyp
 
 def _setup_queue(make_service):
     """Two long jobs on cpu:0/1 (too young to preempt), an urgent job at the head of the line, one behind it."""
-    from orchestrator import api
-    from orchestrator.config import Settings
+    from orchestrator.api import jobs as api
+    from orchestrator.core.config import Settings
     from orchestrator.queue.models import JobSpec
 
     service = make_service(devices="cpu:2", preempt_after=3600)
@@ -137,7 +137,7 @@ def _setup_queue(make_service):
 @pytest.mark.slow
 def test_once_prints_one_frame_of_a_running_service(child_env, make_service):
     _setup_queue(make_service)
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--once", "--width", "100"],
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "top", "--once", "--width", "100"],
                          env=child_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -147,13 +147,13 @@ def test_once_prints_one_frame_of_a_running_service(child_env, make_service):
     assert any("#4 behind" in line and "waits behind #3" in line for line in lines)
     assert "1 service" in lines[0] and "2 running" in lines[0] and "2 queued" in lines[0]
 
-    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "top", "--interval", "0"], env=child_env,
+    bad = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "top", "--interval", "0"], env=child_env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--interval" in bad.stderr
 
 
 def test_take_reads_a_home_without_a_service(home):
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
 
     snap = take(Settings.load())
     assert snap.services == [] and snap.queue == [] and snap.devices == []
@@ -191,7 +191,7 @@ def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(
     env = " ".join(f"{k}='{v}'" for k, v in child_env.items() if k in ("AUTORESEARCH_HOME", "MLFLOW_TRACKING_URI",
                                                                         "PYTHONPATH", "AUTORESEARCH_PREFLIGHT"))
     before, after = tmp_path / "stty.before", tmp_path / "stty.after"
-    command = (f"stty -g > {before}; env {env} {sys.executable} -m orchestrator.cli top --interval 0.5; "
+    command = (f"stty -g > {before}; env {env} {sys.executable} -m orchestrator.faces.cli top --interval 0.5; "
                f"echo EXITED rc=$?; stty -g > {after}; sleep 60")
     tmux = Tmux(tmp_path, command)
     try:
@@ -216,10 +216,10 @@ def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(
 
 
 def test_session_progress_counts_its_trials_and_reads_best_and_baseline(home):
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.models import JobSpec
     from orchestrator.queue.store import JobStore
-    from orchestrator.sessions import progress
+    from orchestrator.agent.background import progress
 
     store = JobStore.from_settings(Settings.load())
     for name in ("a", "b", "c"):

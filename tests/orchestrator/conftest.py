@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from tests.orchestrator.helpers import kill_leftovers
 
 
 @pytest.fixture
 def make_service(home):
     """Start in-process services on this test's home: make_service(devices="cpu:2", preempt_after=0)."""
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     started = []
 

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.store import JobStore
 from tests.orchestrator.helpers import wait_for
 
 
 def cli(*args, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -26,7 +26,7 @@ def count() -> int:
 def a_queued_job() -> None:
     """One job in this home's queue, put there through the library (a CLI process spends a second importing):
     the store the CLI is about to be refused on is not empty."""
-    from orchestrator import api
+    from orchestrator.api import jobs as api
     from orchestrator.queue.models import JobSpec
 
     api.submit(JobSpec(argv=["true"]))
@@ -170,7 +170,7 @@ def test_logs_follow_streams_until_the_job_ends(home, make_service):
 
 SUBMITTER = """
 import sys
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 ids = [api.submit(JobSpec(argv=["true"], name=f"p{sys.argv[1]}"))[0].id for _ in range(50)]
 print(" ".join(map(str, ids)))

@@ -10,10 +10,10 @@ import signal
 import subprocess
 import sys
 
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from tests.orchestrator.helpers import kill_leftovers, wait_for
 
 
@@ -27,7 +27,7 @@ def alive(pid: int) -> bool:
 
 
 def start_serve(devices: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--devices", devices],
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", devices],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -127,8 +127,8 @@ def test_an_exit_seen_but_not_yet_recorded_survives_a_crash(home, tmp_path):
     exit record must still be there for the next service (or another host's reaper) to settle the job."""
     import queue
 
-    from orchestrator.executors.local import LocalExecutor
-    from orchestrator.layout import Layout
+    from orchestrator.executors.local.executor import LocalExecutor
+    from orchestrator.core.layout import Layout
 
     store = JobStore(Settings.load().db_url)
     job = api.submit(JobSpec(argv=["sh", "-c", "exit 4"], track=False))[0]

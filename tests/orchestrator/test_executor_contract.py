@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import api
-from orchestrator.config import Settings
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
 from orchestrator.executors.base import Liveness
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
@@ -89,7 +89,7 @@ def kind(request):
 @pytest.fixture
 def start_service(home, kind, request, monkeypatch):
     """start_service(devices="cpu:2"): an in-process service with the executor under test, on this home."""
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     # Device preflight (tested with the health module) imports torch at the first start: seconds per test.
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
@@ -235,7 +235,7 @@ def test_adoption_after_service_restart(start_service, tmp_path):
 
 
 def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path, monkeypatch):
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     # The service's local device preflight cannot check GPUs on other nodes (it reads `ray:N` as a local
     # index); this test is about Ray's placement, so it runs without it.
@@ -264,8 +264,8 @@ def test_ray_inventory_is_the_clusters_gpus(ray_head, home, tmp_path, monkeypatc
 
 def test_ray_needs_an_address(home, monkeypatch):
     pytest.importorskip("ray.job_submission", reason="Ray is not installed")
-    from orchestrator.errors import BadInput
-    from orchestrator.executors.ray import RayExecutor
+    from orchestrator.core.errors import BadInput
+    from orchestrator.executors.ray.executor import RayExecutor
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(BadInput, match="--ray-address"):
@@ -280,8 +280,8 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
     from ray.job_submission import JobSubmissionClient
     from sqlmodel import Session
 
-    from orchestrator.cluster import reap_dead_hosts
-    from orchestrator.executors.ray import RayExecutor
+    from orchestrator.service.reaper import reap_dead_hosts
+    from orchestrator.executors.ray.executor import RayExecutor
     from orchestrator.queue.models import ServiceRecord
     from orchestrator.queue.store import JobStore
 

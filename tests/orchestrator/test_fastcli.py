@@ -1,4 +1,4 @@
-"""The lean `autoresearch submit` (orchestrator.fastcli): handed to the running service over its socket, with
+"""The lean `autoresearch submit` (orchestrator.faces.fastcli): handed to the running service over its socket, with
 the full CLI's output, exit codes and checks; the full CLI's path when no service (or another queue) is there."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import os
 import subprocess
 import sys
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.queue.store import JobStore
 
-FAST_ONLY = "import sys; sys.argv[1:] = {args!r}; from orchestrator import fastcli; " \
+FAST_ONLY = "import sys; sys.argv[1:] = {args!r}; from orchestrator.faces import fastcli; " \
             "code = fastcli.fast_submit(sys.argv[2:]); " \
             "print('HEAVY', sorted(m for m in ('typer', 'sqlalchemy', 'mlflow', 'rich') if m in sys.modules), " \
             "file=sys.stderr); sys.exit(99 if code is None else code)"
 
 
 def fast(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "orchestrator.fastcli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.faces.fastcli", *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **(env or {})})
 
 
@@ -43,7 +43,7 @@ def test_submit_goes_through_the_service_without_heavy_imports(make_service, tmp
     assert (stored.name, stored.priority, stored.argv, stored.env, stored.track) == ("hello", 3, ["echo", "hi"],
                                                                                      {"A": "1"}, False)
     assert stored.cwd == os.getcwd()
-    full = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "--json", "--name", "hello",
+    full = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--json", "--name", "hello",
                            "--priority", "3", "--", "echo", "hi"], capture_output=True, text=True, timeout=60)
     assert full.returncode == 0, full.stderr
     assert list(json.loads(full.stdout)) == list(job), "the same JSON shape as the full CLI"
@@ -90,11 +90,11 @@ def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_se
     first = service.store.submit(__import__("orchestrator.queue.models", fromlist=["JobSpec"]).JobSpec(
         argv=["sleep", "30"], track=False)).id
     second = fast("submit", "--no-track", "--", "true").stdout.strip()
-    full = {name: subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+    full = {name: subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", *args], capture_output=True, text=True,
                                  timeout=60).stdout
             for name, args in _reads(first)}
     for name, args in _reads(first):
-        code = "import sys; from orchestrator import fastcli; c = fastcli.fast_read(sys.argv[1], sys.argv[2:]); " \
+        code = "import sys; from orchestrator.faces import fastcli; c = fastcli.fast_read(sys.argv[1], sys.argv[2:]); " \
                "assert 'sqlalchemy' not in sys.modules and 'typer' not in sys.modules; sys.exit(99 if c is None else c)"
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
-from orchestrator import api
-from orchestrator.health import HealthConfig
+from orchestrator.api import jobs as api
+from orchestrator.service.health import HealthConfig
 from orchestrator.queue.models import JobSpec
 from tests.orchestrator.helpers import ckpt_job, wait_for
 

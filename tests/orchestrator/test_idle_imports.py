@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Its own interpreter: the test process has imported MLflow and torch for other tests.
 SERVICE = """
 import json, sys, threading, time
-from orchestrator import api
-from orchestrator.config import Settings
-from orchestrator.health import HealthConfig
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
+from orchestrator.service.health import HealthConfig
 from orchestrator.queue.models import JobSpec
-from orchestrator.service import Service
+from orchestrator.service.daemon import Service
 
 HEAVY = ("torch", "mlflow", "ray")
 def heavy():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from tests.orchestrator.helpers import wait_for
 

@@ -1,4 +1,4 @@
-"""The runs of queued jobs, made a batch per transaction (`orchestrator.jobruns.create_runs`), are the runs
+"""The runs of queued jobs, made a batch per transaction (`orchestrator.tracking.jobruns.create_runs`), are the runs
 `MlflowClient.create_run` and `log_batch` make: same fields, tags and params, found by the same searches,
 resumable by the job's runtime; a run that cannot be made fails at that job with MLflow's own error. Runs end
 with their jobs, and the queue (SQLite and PostgreSQL) lists exactly the runs still to end."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import jobruns
+from orchestrator.tracking import jobruns
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
-from orchestrator.tracking import Tracker
+from orchestrator.tracking.client import Tracker
 
 
 def request(job_id: int, experiment: str = "jobs", **params) -> dict:

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from orchestrator.errors import BadInput, JobNotFound
-from orchestrator.fastcli import parse_queue
+from orchestrator.core.errors import BadInput, JobNotFound
+from orchestrator.faces.fastcli import parse_queue
 from orchestrator.queue.listing import Listing, check_limit
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
-from orchestrator.cli.common import fit_widths
+from orchestrator.faces.cli.common import fit_widths
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_columns_share_the_width_left_by_those_never_cut():
 
 
 def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "COLUMNS": "80", **(env or {})})
 
 

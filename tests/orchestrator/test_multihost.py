@@ -13,15 +13,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from orchestrator import api
-from orchestrator.cluster import reap_dead_hosts
-from orchestrator.executors.local import EXIT_FILE_VAR, WRAPPER, LocalExecutor
-from orchestrator.executors.procs import start_time
-from orchestrator.layout import Layout
+from orchestrator.api import jobs as api
+from orchestrator.service.reaper import reap_dead_hosts
+from orchestrator.executors.local.executor import EXIT_FILE_VAR, WRAPPER, LocalExecutor
+from orchestrator.executors.local.procs import start_time
+from orchestrator.core.layout import Layout
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from orchestrator.queue.store import JobStore
-from orchestrator.wakeup import PgListener
+from orchestrator.core.wakeup import PgListener
 from tests.orchestrator.helpers import kill_leftovers, wait_for
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
@@ -15,7 +15,7 @@ S = JobState
 
 
 def test_store_calls_in_a_transaction_commit_together_and_read_their_own_writes(home):
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
 
     store = JobStore.from_settings(Settings.load())
     first = store.submit(JobSpec(argv=["true"], track=False))

@@ -18,12 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator import api
-from orchestrator.executors import procs
+from orchestrator.api import jobs as api
+from orchestrator.executors.local import procs
 from orchestrator.executors.base import job_argv, job_env, torchrun_shutdown_timeout
-from orchestrator.executors.local import LocalExecutor
+from orchestrator.executors.local.executor import LocalExecutor
 from orchestrator.executors.torchrun import exit_code
-from orchestrator.layout import Layout
+from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job, JobSpec
 from tests.orchestrator.helpers import SCRIPTS, wait_for
 

@@ -35,9 +35,9 @@ def test_a_thousand_jobs_each_run_exactly_once(make_service, tmp_path):
 
 
 def test_one_slot_starts_jobs_in_line_order(home, tmp_path):
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.queue.store import JobStore
-    from orchestrator.service import Service
+    from orchestrator.service.daemon import Service
 
     store = JobStore(Settings.load().db_url)
     out = tmp_path / "ran.txt"

@@ -1,10 +1,10 @@
-"""Unit tests for the scheduling policy: one test (or a few) per rule of orchestrator.scheduling."""
+"""Unit tests for the scheduling policy: one test (or a few) per rule of orchestrator.queue.policy."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.scheduling import Plan, Running, Waiting, plan
+from orchestrator.queue.policy import Plan, Running, Waiting, plan
 
 NOW = 1000.0
 MIN_RUN = 60.0  # preempt_after in these tests

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.scheduling import Plan, Running, Waiting, plan
+from orchestrator.queue.policy import Plan, Running, Waiting, plan
 
 NOW = 100.0
 SETTINGS = settings(max_examples=300, deadline=None)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from tests.orchestrator.helpers import SCRIPTS, ckpt_job, wait_for
 from tests.support.dispatch import wait_for_dispatch
@@ -220,8 +220,8 @@ def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tic
     """With the timer tick an hour long, only the submit's wake-up (and the exit's) can start and record the
     jobs: each one submitted to the idle service runs, one after the other, and a long one is recorded RUNNING
     without any other wake-up."""
-    from orchestrator.config import Settings
-    from orchestrator.service import Service
+    from orchestrator.core.config import Settings
+    from orchestrator.service.daemon import Service
 
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")  # no start-up check: the service is idle at once
     service = Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=3600.0).start()
@@ -244,9 +244,9 @@ def test_a_job_submitted_to_an_idle_service_starts_on_its_wake_up_not_on_the_tic
 def test_the_mlflow_runs_the_service_made_end_with_their_jobs(make_service, home):
     """A tracked job's run ends with the job (FINISHED, FAILED, KILLED, at the job's end time), even when the
     job never ran or ended while no service watched; a run the submitter brought is the submitter's to end."""
-    from orchestrator.config import Settings
-    from orchestrator.jobruns import run_request
-    from orchestrator.tracking import Tracker
+    from orchestrator.core.config import Settings
+    from orchestrator.tracking.jobruns import run_request
+    from orchestrator.tracking.client import Tracker
 
     tracker = Tracker.from_settings(Settings.load())
     store = api.open_store()

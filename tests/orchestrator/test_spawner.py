@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 
-from orchestrator import api
-from orchestrator.executors import procs
-from orchestrator.executors.spawner import SPAWNERS, Spawner, SpawnerGone
+from orchestrator.api import jobs as api
+from orchestrator.executors.local import procs
+from orchestrator.executors.local.spawner import SPAWNERS, Spawner, SpawnerGone
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import JobState
 from tests.orchestrator.helpers import wait_for
@@ -31,7 +31,7 @@ print(json.dumps({"index": int(sys.argv[1]), "pid": os.getpid(), "sid": os.getsi
 
 def spawner_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children()
-            if "orchestrator.executors.spawner" in " ".join(p.cmdline())]
+            if "orchestrator.executors.local.spawner" in " ".join(p.cmdline())]
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_a_spawner_killed_before_it_answers_is_reported_and_replaced(spawner, tm
 
 
 def test_a_spawner_that_does_not_answer_in_time_is_stopped_and_replaced(spawner, tmp_path, monkeypatch):
-    from orchestrator.executors import spawner as spawning
+    from orchestrator.executors.local import spawner as spawning
 
     monkeypatch.setattr(spawning, "ANSWER_WITHIN", 0.5)
     os.mkfifo(tmp_path / "0.log")  # its open blocks: the spawner hangs
@@ -148,7 +148,7 @@ def test_a_batch_larger_than_the_pipes_is_answered_in_full(tmp_path):
 def test_closing_while_a_batch_hangs_stops_its_spawner_soon(tmp_path, monkeypatch):
     """The service stops while a start is blocked on its log (a volume that hangs): `close` waits a moment,
     then kills the spawner, and the batch gets SpawnerGone for it instead of waiting out ANSWER_WITHIN."""
-    from orchestrator.executors import spawner as spawning
+    from orchestrator.executors.local import spawner as spawning
 
     monkeypatch.setattr(spawning, "CLOSE_WAIT", 0.5)
     one = Spawner(processes=1)
@@ -209,10 +209,10 @@ def test_a_start_whose_answer_was_lost_is_found_and_watched(home, tmp_path, ends
     wrapper's environment (or, when it has ended, by its exit record) and reports its end exactly once."""
     import queue
 
-    from orchestrator.config import Settings
+    from orchestrator.core.config import Settings
     from orchestrator.executors.base import job_env
-    from orchestrator.executors.local import LocalExecutor
-    from orchestrator.layout import Layout
+    from orchestrator.executors.local.executor import LocalExecutor
+    from orchestrator.core.layout import Layout
     from orchestrator.queue.store import JobStore
 
     store = JobStore(Settings.load().db_url)

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from orchestrator.errors import BadInput, InvalidTransition, JobNotFound, StoreUnavailable
+from orchestrator.core.errors import BadInput, InvalidTransition, JobNotFound, StoreUnavailable
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import ALLOWED, JobState
 from orchestrator.queue.store import JobStore, backoff

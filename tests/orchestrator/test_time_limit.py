@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator import api
+from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from tests.orchestrator.helpers import wait_for
 
@@ -35,7 +35,7 @@ def test_a_job_past_its_time_limit_is_stopped_and_fails_with_its_own_reason(make
 
 def test_submit_time_limit_flag(home):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "orchestrator.cli", "submit"]
+    cli = [sys.executable, "-m", "orchestrator.faces.cli", "submit"]
     bad = subprocess.run([*cli, "--time-limit", "soon", "--", "true"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert bad.returncode == 2 and "--time-limit" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import Settings
+from orchestrator.core.config import Settings
 from orchestrator.programs.session import ProgramConfig, lineage, start
 from orchestrator.queue.store import JobStore
 from tests.agent.fake_llm import FakeLLM, ok
@@ -37,7 +37,7 @@ def jobs(session: str):
 
 
 def run_tags(run_id: str) -> tuple[dict, list[str]]:
-    from orchestrator.tracking import Tracker
+    from orchestrator.tracking.client import Tracker
 
     client = Tracker.from_settings(Settings.load()).client
     return client.get_run(run_id).data.tags, [a.path for a in client.list_artifacts(run_id)]
@@ -76,16 +76,16 @@ def test_improving_edit_is_kept_after_reruns_and_bad_edits_are_reasked(home, tmp
     assert tags["autoresearch.rationale"] == "the optimum is near 3" and "patch.diff" in artifacts
     # The CLI faces: the tree and the sessions list.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tree", sid, "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "tree", sid, "--json"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert [r["state"] for r in json.loads(out.stdout)] == ["baseline", "kept"]
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sessions", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "sessions", "--json"], capture_output=True,
                          text=True, env=env, timeout=120)
     (row,) = json.loads(out.stdout)
     assert row["status"] == "finished" and row["summary"]["stop_reason"] == "trial budget used"
     assert row["experiment"] == "program:proj"
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "leaderboard", "--experiment", "program:proj",
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "leaderboard", "--experiment", "program:proj",
                           "--json"], capture_output=True, text=True, env=env, timeout=120)
     (board,) = json.loads(out.stdout)
     assert board["metric"] == "score" and board["entries"][0]["params"]["commit"] == best["commit"][:10]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 from orchestrator.programs import answers, edits, spec as specs, tree
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.governor import CHANGE, CONTINUE, STOP, Governor
@@ -126,7 +126,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
     root = Path(__file__).resolve().parents[2]
     full = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", *args], capture_output=True, text=True,
                           env=full, timeout=120)
 
 

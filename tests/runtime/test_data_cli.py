@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.cli import main
+from orchestrator.faces.cli import main
 from tests.support import write_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +52,6 @@ def test_warm_of_a_missing_path_is_bad_input_with_one_line(home, tmp_path, capsy
 
 
 def test_the_cache_commands_do_not_import_torch():
-    code = "import sys, orchestrator.cli.cache; print('torch' in sys.modules)"
+    code = "import sys, orchestrator.faces.cli.cache; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", "registering the cache commands must keep `submit` fast"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.faces.cli import main
 from runtime.errors import VolumeError
 from runtime.parquet import ParquetDataset
 from tests.support.tabular import write_delta

@@ -141,7 +141,7 @@ def test_results_and_config_validate():
 def _cli(args, home, faults_spec=""):
     env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_FAULTS=faults_spec, PYTHONPATH=str(ROOT))
     env.pop("AUTORESEARCH_DEVICES", None)
-    return subprocess.Popen([sys.executable, "-c", "import sys; from orchestrator.cli import main; main(sys.argv[1:])",
+    return subprocess.Popen([sys.executable, "-c", "import sys; from orchestrator.faces.cli import main; main(sys.argv[1:])",
                              "preflight", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

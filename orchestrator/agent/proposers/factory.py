@@ -9,7 +9,7 @@ from orchestrator.agent.proposers.base import Proposer, llm_configured
 from orchestrator.agent.proposers.hybrid import HybridProposer
 from orchestrator.agent.proposers.llm import LLMProposer
 from orchestrator.agent.proposers.optuna_ import SamplerProposer
-from orchestrator.errors import BadInput
+from orchestrator.core.errors import BadInput
 
 NAMES = ("llm", "tpe", "cmaes", "random", "hybrid")
 __all__ = ["NAMES", "default_name", "llm_configured", "make"]

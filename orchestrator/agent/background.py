@@ -1,0 +1,243 @@
+"""Agent sessions as something to start, watch and stop from outside: the MCP server and `top` use these.
+
+`autoresearch start` runs a session in the foreground. An outside agent (over MCP) cannot hold a terminal for
+the minutes a session takes, so `start_session` runs the same `runner.start` in a detached child process
+(`python -m orchestrator.agent.background CONFIG_JSON SESSION_ID`, an argv list, never a shell) whose output goes to
+`AUTORESEARCH_HOME/agent/logs/SESSION.log`. `stop_session` interrupts it (SIGINT, as Ctrl-C would: the
+session is left resumable) and cancels its unfinished trials. `progress` reads what a session has recorded:
+its trials in the queue (jobs owned by the session id) and, from its LangGraph checkpoint, the best value so
+far and the baseline where the session records one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput
+from orchestrator.queue.store import JobStore
+
+STOP_WAIT = 20.0  # seconds a session gets to leave after SIGINT before it is killed
+
+
+def log_path(home: Path, session_id: str) -> Path:
+    """Where a detached session's output goes."""
+    path = Path(home) / "agent" / "logs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path / f"{session_id}.log"
+
+
+def start_session(config: Any, settings: Optional[Settings] = None, devices: Optional[str] = None) -> dict:
+    """Validate `config` (a SessionConfig), then run it in a detached process; returns {session, pid, log}.
+
+    Bad input (unknown experiment, proposer, fixed params) raises BadInput here, before anything starts.
+    """
+    from orchestrator.agent import runner
+    from orchestrator.agent.session import Registry, new_id
+
+    settings = settings or Settings.load()
+    runner.check(config, settings, devices)
+    _ready_tracking(settings)
+    session_id = new_id()
+    log = log_path(settings.home, session_id)
+    argv = [sys.executable, "-m", "orchestrator.agent.background", json.dumps(config.to_dict()), session_id]
+    if devices:
+        argv.append(devices)
+    env = {**os.environ, "AUTORESEARCH_HOME": str(settings.home)}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, close_fds=True)
+    # The child registers the session first thing; wait for that so that status works right away.
+    registry = Registry(settings.home)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                registry.get(session_id)
+                break
+            except BadInput:
+                if proc.poll() is not None:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                    raise BadInput(f"session did not start: {tail[0]}") from None
+                time.sleep(0.1)
+    finally:
+        registry.close()
+    return {"session": session_id, "pid": proc.pid, "log": str(log)}
+
+
+def _ready_tracking(settings: Settings) -> None:
+    """Create (migrate) the MLflow store now, in one process: a fresh SQLite store created by the session and
+    by the service at once fails in MLflow's migrations ("table _alembic_tmp_experiments already exists")."""
+    from orchestrator.tracking.client import Tracker
+
+    Tracker.from_settings(settings).client.search_experiments(max_results=1)
+
+
+def progress(row: dict, store: JobStore, home: Path) -> dict:
+    """A session's progress: its trials' jobs by state, and best/baseline where the session records them."""
+    counts = store.state_counts(finished=True, owner=row["id"])  # one GROUP BY, not a row per trial
+    summary = row.get("summary") or {}
+    state = _checkpoint_state(home, row["id"]) if not summary else {}
+    best = summary.get("winner") or summary.get("best") or state.get("best") or {}
+    baseline = summary.get("baseline") or state.get("baseline") or _baseline_runs(state.get("trials") or [])
+    metric, direction = summary.get("metric"), summary.get("direction")
+    if not direction:
+        metric, direction = _objective(row.get("experiment"))
+    return {
+        "session": row["id"], "experiment": row.get("experiment"), "goal": row.get("goal"),
+        "status": row["status"], "stop_reason": summary.get("stop_reason") or state.get("stop_reason") or "",
+        "trials": counts, "done": sum(counts.get(s, 0) for s in ("SUCCEEDED", "FAILED", "CANCELLED")),
+        "planned": _planned(row.get("config") or {}),
+        "best": _value(best), "baseline": _value(baseline),
+        "metric": metric, "direction": direction,
+        "created_at": row.get("created_at"), "updated_at": row.get("updated_at"),
+    }
+
+
+def _planned(config: dict) -> Optional[int]:
+    """Jobs the session will run in all: its trial budget plus the baseline's seeds (which come on top)."""
+    trials = config.get("trials")
+    return None if trials is None else int(trials) + int(config.get("baseline_seeds") or 0)
+
+
+def _baseline_runs(trials: list) -> Optional[float]:
+    """Mean of the finished runs of the baseline (the experiment's defaults) a running session has recorded."""
+    values = [t.get("value") for t in trials if isinstance(t, dict) and t.get("phase") == "baseline"]
+    values = [v for v in values if isinstance(v, (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def _objective(experiment: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(metric, direction) of a bundled experiment, or (None, None)."""
+    try:
+        from experiments import registry
+
+        spec = registry.get(experiment or "")
+        return spec.metric, spec.direction
+    except Exception:  # a custom `package.module:SPEC` experiment: not worth importing for a view
+        return None, None
+
+
+def _value(record: Any) -> Optional[float]:
+    if isinstance(record, (int, float)) and not isinstance(record, bool):
+        return float(record)
+    if isinstance(record, dict):
+        for key in ("mean", "value"):
+            if isinstance(record.get(key), (int, float)):
+                return float(record[key])
+    return None
+
+
+def _checkpoint_state(home: Path, session_id: str) -> dict:
+    """The session's latest LangGraph state (best so far, trials), or {} when it has none or cannot be read."""
+    try:
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        from orchestrator.agent.session import connect
+
+        conn = connect(home)
+        try:
+            saved = SqliteSaver(conn).get_tuple({"configurable": {"thread_id": session_id}})
+        finally:
+            conn.close()
+        return dict(saved.checkpoint.get("channel_values") or {}) if saved else {}
+    except Exception:  # a view must not fail because a checkpoint is mid-write or of an older shape
+        return {}
+
+
+def sessions(settings: Optional[Settings] = None, store: Optional[JobStore] = None,
+             session_id: Optional[str] = None) -> list[dict]:
+    """Progress of every session (newest first), or of one (BadInput when it does not exist)."""
+    from orchestrator.agent.session import Registry
+
+    settings = settings or Settings.load()
+    store = store or JobStore.from_settings(settings)
+    registry = Registry(settings.home)
+    try:
+        rows = [registry.get(session_id)] if session_id else registry.all()
+    finally:
+        registry.close()
+    return [progress(r, store, settings.home) for r in rows]
+
+
+def stop_session(session_id: str, settings: Optional[Settings] = None) -> dict:
+    """Interrupt a running session (it stays resumable) and cancel its unfinished trials."""
+    from orchestrator.api import jobs as api
+    from orchestrator.agent.session import Registry
+
+    settings = settings or Settings.load()
+    registry = Registry(settings.home)
+    try:
+        row = registry.get(session_id)
+    finally:
+        registry.close()
+    if row["status"] == "finished":
+        raise BadInput(f"session {session_id} already finished")
+    if row["status"] == "running" and row["pid"]:
+        _interrupt(int(row["pid"]))
+    store = JobStore.from_settings(settings)
+    cancelled = []
+    for job in store.unfinished():
+        if job.owner == session_id:
+            try:
+                cancelled.append(api.cancel(job.id, settings, store).id)
+            except BadInput:
+                pass  # it finished meanwhile
+    return {**sessions(settings, store, session_id)[0], "cancelled_jobs": cancelled}
+
+
+def _interrupt(pid: int) -> None:
+    """SIGINT (Ctrl-C: the session stops cleanly and stays resumable), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, STOP_WAIT / 2), (signal.SIGTERM, STOP_WAIT / 2), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        if _gone(pid, wait):
+            return
+
+
+def _gone(pid: int, wait: float) -> bool:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # our own child (started here): reap it, or it lingers as a zombie
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except (ProcessLookupError, OSError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _main(argv: list[str]) -> None:
+    """The detached session process: `python -m orchestrator.agent.background CONFIG_JSON SESSION_ID [DEVICES]`."""
+    from orchestrator.agent import runner
+    from orchestrator.agent.session import SessionConfig
+    from orchestrator.faces.cli.agent import progress as print_progress
+
+    # Started from a background shell, SIGINT may be ignored (and that is inherited): make it Ctrl-C again.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    config = SessionConfig.from_dict(json.loads(argv[0]))
+    summary = runner.start(config, session_id=argv[1], devices=argv[2] if len(argv) > 2 else None,
+                           on_event=print_progress)
+    print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        _main(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("session interrupted; resume it with `autoresearch resume`", file=sys.stderr)
+        sys.exit(130)

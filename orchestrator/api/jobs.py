@@ -1,0 +1,101 @@
+"""The library API behind the CLI: submit, cancel, inspect. Tests and the agent call these directly.
+
+Import-light on purpose (no torch, no mlflow): `autoresearch submit` runs through here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput
+from orchestrator.queue.policy import unplaceable_reason
+from orchestrator.queue.models import Job, JobEvent, JobSpec
+from orchestrator.queue.store import JobStore
+from orchestrator.core.wakeup import notify
+
+SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is gone (submit, reaping)
+
+
+def open_store(settings: Optional[Settings] = None) -> JobStore:
+    """The queue of these settings (default: this home's)."""
+    return JobStore.from_settings(settings or Settings.load())
+
+
+def live_services(store: JobStore) -> list:
+    """Services whose heartbeat is fresh."""
+    return store.services(max_age=SERVICE_STALE_AFTER)
+
+
+def largest_capacity(services: list) -> int:
+    """Devices of the largest of these services (0 when none is known or none reports devices)."""
+    return max((len(s.devices or []) for s in services), default=0)
+
+
+def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) -> JobSpec:
+    """A JobSpec running a registered experiment with validated params (SpaceError names a bad key)."""
+    from experiments import registry
+
+    spec = registry.get(experiment)
+    full = spec.validate(dict(params))
+    if options.get("image") is None and spec.image:
+        options["image"] = spec.image  # the environment the experiment names, unless --image says otherwise
+    return JobSpec(argv=spec.argv(in_image=bool(options.get("image"))), experiment=experiment, params=full,
+                   **options)
+
+
+def submit(spec: JobSpec, settings: Optional[Settings] = None,
+           store: Optional[JobStore] = None) -> tuple[Job, bool]:
+    """Queue a job. Returns (job, whether a service is running to pick it up).
+
+    A job asking for more devices than every live service has is refused (BadInput) when the live services'
+    devices are known; with none known it is accepted, and the services say in its reason when it cannot
+    be placed.
+    """
+    settings = settings or Settings.load()
+    # The service may run elsewhere (another cwd, another host's view of the same paths): store it absolute.
+    cwd = os.getcwd() if spec.cwd is None else os.path.abspath(os.path.expanduser(spec.cwd))
+    if not os.path.isdir(cwd):
+        raise BadInput(f"--workdir {spec.cwd}: not a directory")
+    if cwd != spec.cwd:
+        spec = replace(spec, cwd=cwd)
+    if spec.image or spec.env_file or spec.mounts:
+        from orchestrator.api.jobenv import prepare  # reads files and asks the container engine: only when asked
+
+        spec = prepare(spec, settings.container_engine)
+    store = store or JobStore.from_settings(settings)
+    capacities = store.live_capacities(SERVICE_STALE_AFTER)
+    largest = max(capacities, default=0)
+    why = unplaceable_reason(spec.gpus, largest) if largest else None
+    if why:
+        raise BadInput(f"--gpus {spec.gpus}: {why}")
+    job = store.submit(spec)
+    notify(settings.home)
+    return job, bool(capacities)
+
+
+def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:
+    """Cancel a job (BadInput when it already finished)."""
+    settings = settings or Settings.load()
+    store = store or JobStore.from_settings(settings)
+    job = store.cancel(job_id)
+    notify(settings.home)
+    return job
+
+
+def show(job_id: int, store: JobStore) -> tuple[Job, list[JobEvent]]:
+    """A job and its event log (JobNotFound: exit 2)."""
+    return store.get(job_id), store.events(job_id)
+
+
+def parse_params(items: list[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings to a dict (values stay strings; the experiment's space coerces them)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise BadInput(f"bad --param {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out

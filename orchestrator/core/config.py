@@ -1,0 +1,220 @@
+"""Settings: flags first, then `AUTORESEARCH_*` environment variables, then `AUTORESEARCH_HOME/config.toml`.
+
+One `Settings` object is resolved per command (or per service) and handed to each part: the store (retry
+backoff), the service (devices, executor, preemption, health checks), the agent (LLM). Nothing else merges
+flags, environment and file by hand.
+
+Everything a home holds (queue.db, mlflow.db, artifacts, logs, checkpoints, the data cache, agent state)
+lives under one directory so a test or benchmark can point `AUTORESEARCH_HOME` at a temp dir.
+
+config.toml uses the field names below as flat keys, e.g.::
+
+    devices = "cpu:4"
+    preempt_after = 120
+    hang_timeout = 0
+    llm_model = "gpt-4o-mini"
+
+A malformed file, or a value of the wrong type from any source, is `BadInput`: one line naming where the
+value came from (exit 2 from every command). Unknown keys are kept in `extra` for parts that read their own.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from orchestrator.core.errors import BadInput
+from runtime.protocol import home_dir
+
+
+def home() -> Path:
+    """The autoresearch home directory (created if missing). Only the environment can move it: the home is
+    where config.toml lives."""
+    path = home_dir().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _file_settings(root: Path) -> dict[str, Any]:
+    cfg = root / "config.toml"
+    try:
+        with cfg.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"{cfg}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise BadInput(f"{cfg}: cannot read it: {exc.strerror or exc}") from None
+
+
+def _number(raw: Any) -> float:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ValueError("not a number") from None
+
+
+def _integer(raw: Any) -> int:
+    try:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError("not an integer") from None
+
+
+def _text(raw: Any) -> str:
+    if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+        raise ValueError("not a string")
+    return str(raw)
+
+
+# field -> (environment variable, converter). The environment names are the documented ones; MLflow's and
+# OpenAI's own variables keep their names so their clients and ours agree.
+_SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "db_url": ("AUTORESEARCH_DB_URL", _text),
+    "tracking_uri": ("MLFLOW_TRACKING_URI", _text),
+    "devices": ("AUTORESEARCH_DEVICES", _text),
+    "executor": ("AUTORESEARCH_EXECUTOR", _text),
+    "ray_address": ("AUTORESEARCH_RAY_ADDRESS", _text),
+    "preempt_after": ("AUTORESEARCH_PREEMPT_AFTER", _number),
+    "retry_backoff": ("AUTORESEARCH_RETRY_BACKOFF", _number),
+    "retry_backoff_cap": ("AUTORESEARCH_RETRY_BACKOFF_CAP", _number),
+    "preflight": ("AUTORESEARCH_PREFLIGHT", _text),
+    "preflight_ttl": ("AUTORESEARCH_PREFLIGHT_TTL", _number),
+    "recheck_level": ("AUTORESEARCH_RECHECK_LEVEL", _text),
+    "recheck_every": ("AUTORESEARCH_RECHECK_EVERY", _number),
+    "monitor_every": ("AUTORESEARCH_MONITOR_EVERY", _number),
+    "hang_timeout": ("AUTORESEARCH_HANG_TIMEOUT", _number),
+    "monitor_hits": ("AUTORESEARCH_MONITOR_HITS", _integer),
+    "nvml_timeout": ("AUTORESEARCH_NVML_TIMEOUT", _number),
+    "llm_model": ("AUTORESEARCH_LLM_MODEL", _text),
+    "llm_base_url": ("OPENAI_BASE_URL", _text),
+    "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
+    "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings for one home. Build with `Settings.load(**flags)`; derive with `with_flags`."""
+
+    home: Path
+    db_url: str
+    tracking_uri: str
+    devices: str = "auto"
+    executor: str = "local"
+    ray_address: Optional[str] = None
+    preempt_after: float = 60.0  # minimum runtime (s) before a job may be preempted
+    retry_backoff: float = 5.0  # first retry of a failed job after this many seconds, doubling ...
+    retry_backoff_cap: float = 300.0  # ... up to this
+    # Device health (see orchestrator.service.health.HealthConfig for their meaning).
+    preflight: str = "quick"
+    preflight_ttl: float = 30.0
+    recheck_level: str = "full"
+    recheck_every: float = 600.0
+    monitor_every: float = 5.0
+    hang_timeout: float = 1800.0
+    monitor_hits: int = 3  # consecutive throttle samples before a device counts as faulty
+    nvml_timeout: float = 5.0  # seconds an NVML call may take
+    # The agent's LLM (OPENAI_API_KEY stays in the environment only: never in a file we write or read).
+    llm_model: Optional[str] = None
+    llm_base_url: Optional[str] = None
+    llm_price: Optional[str] = None
+    container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("preempt_after", "retry_backoff", "retry_backoff_cap"):
+            if getattr(self, name) < 0:
+                raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.executor not in ("local", "ray"):
+            raise BadInput(f"unknown executor {self.executor!r}; expected local or ray")
+
+    @classmethod
+    def load(cls, **flags: Any) -> "Settings":
+        """Resolve settings; a flag given as None falls through to env, then config.toml, then the default."""
+        root = home()
+        file = _file_settings(root)
+        cfg_path = root / "config.toml"
+        defaults = {f.name: f.default for f in fields(cls) if f.name in _SOURCES}
+        defaults["db_url"] = f"sqlite:///{root / 'queue.db'}"
+        defaults["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+        unknown = set(flags) - set(_SOURCES)
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, (env, convert) in _SOURCES.items():
+            if flags.get(name) is not None:
+                raw, where = flags[name], f"--{name.replace('_', '-')}"
+            elif os.environ.get(env):
+                raw, where = os.environ[env], env
+            elif name in file:
+                raw, where = file[name], f"{cfg_path}: {name}"
+            else:
+                values[name] = defaults[name]
+                continue
+            values[name] = _convert(convert, raw, where)
+        extra = {k: v for k, v in file.items() if k not in _SOURCES}
+        if values.get("ray_address"):
+            extra["ray_address"] = values["ray_address"]  # executors that read `extra` still find it
+        return cls(home=root, extra=extra, **values)
+
+    def with_flags(self, **flags: Any) -> "Settings":
+        """These settings with some flags on top (None: keep the resolved value). Flags win over everything."""
+        unknown = set(flags) - set(_SOURCES)
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        given = {k: _convert(_SOURCES[k][1], v, f"--{k.replace('_', '-')}") for k, v in flags.items() if v is not None}
+        if not given:
+            return self
+        extra = dict(self.extra)
+        if given.get("ray_address"):
+            extra["ray_address"] = given["ray_address"]
+        return replace(self, extra=extra, **given)
+
+    @property
+    def health(self) -> Any:
+        """The service's device-health configuration (`orchestrator.service.health.HealthConfig`)."""
+        from orchestrator.service.health import HealthConfig
+
+        try:
+            return HealthConfig(preflight=self.preflight, preflight_ttl=self.preflight_ttl,
+                                recheck_level=self.recheck_level, recheck_every=self.recheck_every,
+                                monitor_every=self.monitor_every, hang_timeout=self.hang_timeout,
+                                monitor_hits=self.monitor_hits, nvml_timeout=self.nvml_timeout)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+
+    @property
+    def logs_dir(self) -> Path:
+        from orchestrator.core.layout import Layout  # the one owner of where a job's files live
+
+        return Layout(self.home).logs_dir
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        from orchestrator.core.layout import Layout
+
+        return Layout(self.home).checkpoints_dir
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.home / "mlartifacts"
+
+
+def _convert(convert: Callable[[Any], Any], raw: Any, where: str) -> Any:
+    try:
+        return convert(raw)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"{where}: {raw!r} is {exc}") from None

@@ -1,0 +1,2 @@
+"""The Ray executor: each attempt a Ray job (`executor`), with Ray job ids and exit codes (`jobs`) and their logs
+mirrored (`logs`)."""

@@ -1,0 +1,5 @@
+"""`python -m orchestrator.faces.cli` is the `autoresearch` command."""
+
+from orchestrator.faces.cli import main
+
+main()

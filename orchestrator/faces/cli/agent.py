@@ -1,0 +1,272 @@
+"""`start`, `resume`, `sessions`, `leaderboard`, `ui`: the research agent's commands.
+
+Thin on purpose: parse, call `orchestrator.agent.runner`, print. The agent's heavy imports (langgraph, mlflow,
+optuna, openai) happen inside the commands, so loading this module keeps `autoresearch submit` fast.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from typing import Any, List, Optional
+
+import typer
+
+from orchestrator.faces.cli import app
+from orchestrator.faces.cli.common import info, print_json, print_table
+from orchestrator.core.errors import BadInput
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _params(params: dict, limit: int = 8) -> str:
+    items = [f"{k}={_fmt(v)}" for k, v in params.items()]
+    return ", ".join(items[:limit]) + (", ..." if len(items) > limit else "")
+
+
+def progress(event: dict) -> None:
+    """One line on stderr per thing that happened, with the running totals (what `start` shows live)."""
+    kind = event["event"]
+    head = f"[{event['elapsed']:7.1f}s]"
+    tally = (f"done {event['done']}, running {event['running']}, queued {event['queued']}, "
+             f"stopped {event['stopped']}, best {_fmt(event['best']) if event['best'] is not None else '-'}")
+    if kind == "submitted":
+        why = f"  why: {event['rationale']}" if event.get("rationale") else ""
+        line = f"trial {event['trial']} -> job {event['job']} ({event['proposer']}): {_params(event['params'])}{why}"
+    elif kind == "running":
+        return  # the tally on the next line says it; one line per start would double the output
+    elif kind == "succeeded":
+        line = f"trial {event['trial']} finished: {_fmt(event['value'])}"
+    elif kind == "failed":
+        line = f"trial {event['trial']} failed: {event.get('error', '')}"
+    elif kind == "paused":
+        line = f"trial {event['trial']} stopped early at step {event['rung']} ({_fmt(event['value'])}): demoted"
+    elif kind in ("stopped", "cancelled"):
+        line = f"trial {event['trial']} {kind}"
+    elif kind == "promoted":
+        line = f"trial {event['trial']} promoted: resumes from its checkpoint"
+    elif kind == "phase":
+        line = f"{event['reason']}: {'re-running the best on fresh seeds' if event['phase'] == 'confirm' else 'done'}"
+    else:
+        line = event.get("message", kind)
+    info(f"{head} {line} | {tally}")
+
+
+def _proposer_note(name: str) -> str:
+    from orchestrator.agent.proposers.factory import llm_configured
+
+    if name in ("llm", "hybrid"):
+        where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
+        return f"proposer: {name} (OpenAI-compatible endpoint at {where})"
+    if llm_configured():
+        return f"proposer: {name}"
+    return f"proposer: {name} (no LLM endpoint configured; set OPENAI_BASE_URL or OPENAI_API_KEY to use llm)"
+
+
+def _print_summary(summary: dict) -> None:
+    """The end of a session for people: the baseline, the winner (if any) and the gate's verdict."""
+    metric = summary["metric"]
+    info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['trials']} trials "
+         f"{summary['counts']}, {summary['elapsed_s']} s, {summary['device_seconds']} device-s")
+    base, winner = summary.get("baseline"), summary.get("winner")
+    if base:
+        print(f"baseline: {metric} {_mean(base)} over {base['n']} seed(s) (the experiment's defaults)")
+    if winner:
+        diff = {k: v for k, v in winner["params"].items() if (base or {}).get("params", {}).get(k) != v}
+        fresh = len(winner.get("fresh") or [])
+        print(f"winner:   {metric} {_mean(winner)} over {winner['n']} seeds ({fresh} fresh re-runs gated): "
+              f"{_params(diff, 20) or '-'}")
+    elif summary.get("best"):
+        best = summary["best"]
+        print(f"best single run: {metric} {_fmt(best['value'])} (not a win unless it holds up over seeds)")
+    print(summary.get("headline") or "no trial finished with a metric")
+    usage = summary.get("usage") or {}
+    if usage.get("calls"):
+        print(f"LLM: {int(usage['calls'])} calls, {int(usage.get('prompt_tokens', 0))}+"
+              f"{int(usage.get('completion_tokens', 0))} tokens, ~${usage.get('cost_usd', 0.0):.4f}")
+
+
+def _mean(entry: dict) -> str:
+    spread = f" ± {_fmt(entry['spread'])}" if entry.get("spread") is not None else " (single run)"
+    return f"{_fmt(entry['mean'])}{spread}"
+
+
+@app.command()
+def start(
+    goal: str = typer.Option(..., "--goal", help="What to achieve, in words (the LLM proposer reads it)."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="A bundled experiment, or package.module:SPEC."),
+    program: Optional[str] = typer.Option(None, "--program", help="A program folder with autoresearch.toml: the "
+                                          "agent edits its code (see `autoresearch tree`)."),
+    sandbox: bool = typer.Option(False, "--sandbox", help="Program mode: run each variant under bubblewrap."),
+    trials: Optional[int] = typer.Option(None, "--trials", help="Jobs to run in all (re-runs included)."),
+    parallel: Optional[int] = typer.Option(None, "--parallel", help="Trials in flight (default: device count)."),
+    proposer: Optional[str] = typer.Option(None, "--proposer", help="llm|tpe|cmaes|random|hybrid (default: llm "
+                                           "when an endpoint or key is configured, else tpe)."),
+    budget_minutes: Optional[float] = typer.Option(None, "--budget-minutes", help="Stop after this long."),
+    target: Optional[float] = typer.Option(None, "--target", help="Stop once the metric reaches this."),
+    priority: int = typer.Option(0, "--priority", help="Priority of the trials (people's jobs use 10)."),
+    model: Optional[str] = typer.Option(None, "--model", help="LLM model name."),
+    param: List[str] = typer.Option([], "--param", help="KEY=VALUE held fixed while searching (repeatable)."),
+    confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="Fresh-seed re-runs of each top "
+                                       "candidate (the gate judges it on these alone)."),
+    confirm_top: int = typer.Option(2, "--confirm-top", help="Top candidates (by mean) re-run at the end."),
+    baseline: List[str] = typer.Option([], "--baseline", help="KEY=VALUE: the baseline's change from the "
+                                       "experiment's defaults (repeatable)."),
+    baseline_seeds: int = typer.Option(3, "--baseline-seeds", help="Seeds the baseline runs on, first of all."),
+    no_early_stop: bool = typer.Option(False, "--no-early-stop", help="Let every trial run its full budget."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
+    from orchestrator.api import jobs as api
+    from orchestrator.agent import runner
+    from orchestrator.agent.proposers.factory import default_name
+    from orchestrator.agent.session import SessionConfig, new_id
+    from orchestrator.core.config import Settings
+
+    if (program is None) == (experiment is None):
+        raise BadInput("give exactly one of --experiment NAME or --program DIR")
+    if program is not None:
+        from orchestrator.faces.cli import programs
+
+        return programs.start(goal=goal, program=program, trials=trials, parallel=parallel, devices=devices,
+                              budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
+                              model=model or Settings.load().llm_model)
+    name = proposer or default_name()
+    config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
+                           budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
+                           model=model or Settings.load().llm_model, fixed=api.parse_params(param),
+                           confirm_seeds=confirm_seeds, confirm_top=confirm_top,
+                           baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
+                           early_stopping=not no_early_stop)
+    runner.check(config, devices=devices)
+    session_id = new_id()
+    info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
+    info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
+    summary = runner.start(config, session_id=session_id, devices=devices, on_event=progress)
+    print_json(summary) if as_json else _print_summary(summary)
+
+
+@app.command()
+def resume(
+    session: str = typer.Argument(..., metavar="SESSION"),
+    devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Continue an interrupted agent session from its last checkpoint."""
+    from orchestrator.agent import runner
+    from orchestrator.faces.cli import programs
+
+    if programs.resume(session, devices, as_json):
+        return
+    runner.resumable(session)  # an unknown or finished session: one line, before anything else is said
+    info(f"resuming session {session}")
+    summary = runner.resume(session, devices=devices, on_event=progress)
+    print_json(summary) if as_json else _print_summary(summary)
+
+
+@app.command()
+def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Agent sessions and their status (interrupted ones can be resumed)."""
+    from orchestrator.agent.session import Registry
+    from orchestrator.core.config import Settings
+
+    registry = Registry(Settings.load().home)
+    rows = registry.all()
+    registry.close()
+    if as_json:
+        print_json(rows)
+        return
+
+    def best(row: dict) -> str:
+        w = row["summary"].get("winner") or row["summary"].get("best") or {}
+        return _fmt(w.get("mean", w.get("value", ""))) if w else ""
+
+    print_table("sessions", ["id", "experiment", "proposer", "status", "trials", "best", "started", "goal"],
+                [(r["id"], r["experiment"], r["proposer"],
+                  r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
+                  r["summary"].get("trials", ""), best(r),
+                  dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"][:40])
+                 for r in rows])
+
+
+@app.command()
+def leaderboard(
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="One experiment (default: all with runs)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Configurations ranked by mean metric over seeds, agent-made and hand-submitted runs together."""
+    from orchestrator.agent import runner
+
+    if experiment and experiment.startswith("program:"):  # a program session's commits (see `tree`)
+        from orchestrator.programs.session import leaderboard as program_board
+
+        boards = [program_board(experiment)]
+    else:
+        boards = runner.leaderboard(experiment)
+    if as_json:
+        print_json(boards)
+        return
+    show(boards)
+
+
+WIDTH = 100  # the leaderboard fits a 100-column terminal; full params are in --json
+
+
+def show(boards: list[dict], top: int = 10) -> None:
+    """Print leaderboards as tables (params as changes from the baseline), with the verdict under each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=WIDTH)
+    for board in boards:
+        table = Table(title=f"{board['experiment']}: {board['metric']} ({board['direction']})",
+                      title_justify="left", pad_edge=False)
+        for name, opts in (("#", {}), ("mean", {}), ("±", {}), ("n", {}), ("gap", {"no_wrap": True}),
+                           ("changes from the baseline", {"overflow": "ellipsis", "no_wrap": True, "max_width": 48}),
+                           ("jobs", {"overflow": "ellipsis", "no_wrap": True, "max_width": 12})):
+            table.add_column(name, **opts)
+        for e in board["entries"][:top]:
+            what = "(baseline)" if e.get("baseline") else (_params(e.get("diff", e["params"]), 6) or "(same)")
+            table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
+                          "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
+                          "" if e.get("gap") is None else f"{e['gap']:+.2g}", what,
+                          ",".join(map(str, e["job_ids"][:4])))
+        console.print(table)
+        if board.get("headline"):
+            console.print(board["headline"], markup=False, highlight=False)
+        if len(board["entries"]) > top:
+            console.print(f"({len(board['entries']) - top} more; --json for all, with full params)")
+
+
+@app.command()
+def ui(
+    port: int = typer.Option(5000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    workers: int = typer.Option(1, "--workers", help="Server worker processes (one serves a person well)."),
+) -> None:
+    """The MLflow UI on this home's tracking store (a real `mlflow server`; Ctrl-C stops it)."""
+    from orchestrator.core.config import Settings
+
+    if not 0 < port < 65536:
+        raise BadInput(f"--port must be in 1..65535, got {port}")
+    if workers < 1:
+        raise BadInput(f"--workers must be >= 1, got {workers}")
+    settings = Settings.load()
+    settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", settings.tracking_uri,
+            "--default-artifact-root", settings.artifacts_dir.as_uri(), "--no-serve-artifacts",
+            "--host", host, "--port", str(port), "--workers", str(workers)]
+    url = f"http://{host}:{port}"
+    info(f"MLflow UI for {settings.home} at {url}")
+    from orchestrator.agent import runner
+
+    for line in runner.session_links(url, settings):
+        info(line)
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)

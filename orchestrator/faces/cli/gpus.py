@@ -1,0 +1,66 @@
+"""`autoresearch gpus`: device states (available, disabled by a person, quarantined by a check)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Optional
+
+import typer
+
+from orchestrator.api import jobs as api
+from orchestrator.faces.cli import app
+from orchestrator.faces.cli.common import print_json, print_table, settings
+
+gpus_app = typer.Typer(help="Devices and their health.", invoke_without_command=True, no_args_is_help=False)
+app.add_typer(gpus_app, name="gpus")
+
+
+def _resolve(store, idx: str):
+    from orchestrator.core.errors import BadInput
+    from orchestrator.service.daemon import node_name
+
+    host = node_name(settings().home)
+    names = {d.name for d in store.devices(host)}
+    if not names:
+        raise BadInput("no devices known for this home yet: start `autoresearch serve` first")
+    for candidate in (idx, f"cpu:{idx}"):
+        if candidate in names:
+            return host, candidate
+    raise BadInput(f"no device {idx!r}; known: {', '.join(sorted(names))}")
+
+
+@gpus_app.callback()
+def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List devices with their state and last check."""
+    if ctx.invoked_subcommand is not None:
+        return
+    store = api.open_store(settings())
+    devs = store.devices()
+    if as_json:
+        print_json([d.to_dict() for d in devs])
+        return
+    when = lambda t: dt.datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else ""  # noqa: E731
+    print_table("devices", ["host", "device", "state", "reason", "last check"],
+                [(d.host, d.name, d.state, d.reason, when(d.checked_at)) for d in devs])
+
+
+@gpus_app.command()
+def disable(idx: str = typer.Argument(..., metavar="IDX"),
+            reason: str = typer.Option("disabled by a person", "--reason")) -> None:
+    """Take a device out of scheduling (running jobs on it finish)."""
+    store = api.open_store(settings())
+    host, name = _resolve(store, idx)
+    store.set_device_state(host, name, "disabled", reason)
+    print(f"{name}: disabled")
+
+
+@gpus_app.command()
+def enable(idx: str = typer.Argument(..., metavar="IDX")) -> None:
+    """Return a disabled or quarantined device to scheduling."""
+    store = api.open_store(settings())
+    host, name = _resolve(store, idx)
+    store.set_device_state(host, name, "available", "")
+    from orchestrator.core.wakeup import notify
+
+    notify(settings().home)
+    print(f"{name}: available")

@@ -1,0 +1,47 @@
+"""`autoresearch serve`: run the queue service in the foreground."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+from orchestrator.faces.cli import app
+from orchestrator.faces.cli.common import info, settings
+from orchestrator.core.errors import BadInput
+
+
+@app.command()
+def serve(
+    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu:N | a list like 0,1,3"),
+    executor: Optional[str] = typer.Option(None, "--executor", help="local | ray"),
+    preempt_after: Optional[float] = typer.Option(None, "--preempt-after",
+                                                  help="Minimum runtime (s) before a job may be preempted."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray)."),
+    preflight: Optional[str] = typer.Option(None, "--preflight", help="quick (before every start, default) | off"),
+    hang_timeout: Optional[float] = typer.Option(
+        None, "--hang-timeout", help="Seconds without a heartbeat before a job is stopped and requeued "
+                                     "(default 1800; 0: never)."),
+    recheck_every: Optional[float] = typer.Option(None, "--recheck-every",
+                                                  help="Seconds between checks of idle devices (default 600)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Run the queue service (stops on SIGINT/SIGTERM; running jobs keep running and are adopted on restart)."""
+    from orchestrator.core import devices as devspec
+    from orchestrator.service.daemon import Service
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    if preempt_after is not None and preempt_after < 0:
+        raise BadInput("--preempt-after must be >= 0")
+    chosen = settings(devices=devices, executor=executor, preempt_after=preempt_after, ray_address=ray_address,
+                      preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
+    if chosen.executor == "local":
+        devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
+    chosen.health  # bad health settings: exit 2 before anything is touched
+    service = Service(chosen)
+    info(f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
+         "Ctrl-C stops (running jobs keep running)")
+    service.serve_forever()

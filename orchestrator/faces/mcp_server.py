@@ -1,0 +1,320 @@
+"""`autoresearch mcp`: the queue, its devices, results and agent sessions as an MCP server for outside agents.
+
+Built on the official SDK (`mcp.server.mcpserver.MCPServer`): stdio by default, streamable HTTP on request.
+Every tool calls the same library functions as the CLI (`orchestrator.api.jobs`, `orchestrator.agent.background`, the agent
+runner's leaderboard), takes JSON arguments described by a JSON schema (from the type hints) and answers JSON.
+
+Rules for outside agents:
+- Bad arguments come back as MCP tool errors carrying the CLI's one-line message (what `autoresearch` prints
+  before exiting 2); the server keeps running.
+- Nothing an agent sends reaches a shell: a command is an argv list, executed as is by the executor.
+- Jobs are owned by `mcp:<client name>` (shown by `queue`), and their priority is capped (`--max-priority`,
+  default 5, below the manual default 10) so an outside agent cannot preempt people's jobs unless allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any, Callable, Optional
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput, OrchestratorError
+from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
+from orchestrator.queue.models import JobSpec, check_priority
+
+DEFAULT_MAX_PRIORITY = 5
+DEFAULT_PRIORITY = 0  # what an agent's job gets unless it asks: agent work, like the agent's own trials
+MAX_LOG_BYTES = 256 * 1024  # one job_logs answer; page on with `offset`
+
+
+def _input_error(exc: BaseException) -> bool:
+    from experiments.registry import UnknownExperiment
+    from experiments.space import SpaceError
+
+    return isinstance(exc, (BadInput, SpaceError, UnknownExperiment))
+
+
+class Refused(ToolError):
+    """A tool refused its input: the message is the CLI's one line, sent to the client without the SDK's prefix."""
+
+
+class Server(MCPServer):
+    """MCPServer whose tool errors are one line: a refusal's own message, or which argument failed its schema."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        from pydantic import ValidationError
+
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, Refused):
+                raise Refused(str(cause)) from None
+            if isinstance(cause, ValidationError):
+                raise Refused("; ".join(_one_line(err) for err in cause.errors())) from None
+            raise
+
+
+def _one_line(err: dict) -> str:
+    where = ".".join(str(part) for part in err.get("loc", ())) or "arguments"
+    if err.get("type") == "missing":
+        return f"missing argument {where}"
+    return f"bad argument {where}: {err.get('msg', 'invalid')}, got {err.get('input')!r}"[:300]
+
+
+def _tool(fn: Callable) -> Callable:
+    """Turn the library's errors into MCP tool errors with the CLI's one-line messages."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ToolError:
+            raise
+        except (OrchestratorError, ValueError) as exc:
+            if _input_error(exc):
+                raise Refused(str(exc)) from None
+            if isinstance(exc, OrchestratorError):
+                raise Refused(f"error: {exc}") from None
+            raise
+    return wrapper
+
+
+def client_owner(ctx: Optional[Context]) -> str:
+    """`mcp:<client name>` from the client's initialize request (`mcp:client` when it sent none)."""
+    name = ""
+    try:
+        params = ctx.session.client_params if ctx is not None else None
+        name = params.client_info.name if params is not None else ""
+    except Exception:  # transports without an initialize handshake carry no client info
+        name = ""
+    name = re.sub(r"[^A-Za-z0-9_.@/-]+", "-", name or "").strip("-")[:40]
+    return f"mcp:{name or 'client'}"
+
+
+def check_log_window(tail: Optional[int], offset: Optional[int]) -> None:
+    """BadInput unless at most one of tail and offset is given, and it is not negative."""
+    if tail is not None and offset is not None:
+        raise BadInput("give either tail or offset, not both")
+    if tail is not None and tail < 0:
+        raise BadInput(f"tail must be >= 0, got {tail}")
+    if offset is not None and offset < 0:
+        raise BadInput(f"offset must be >= 0, got {offset}")
+
+
+def read_log(job: Any, *, tail: Optional[int] = None, offset: Optional[int] = None,
+             max_bytes: int = MAX_LOG_BYTES) -> dict:
+    """A piece of a job's output: the last `tail` lines, or the bytes from `offset` (at most `max_bytes`).
+
+    Returns text, the offset it starts at, `next_offset` to continue from, the file's size so far, and whether
+    the job has finished (then nothing more will come)."""
+    check_log_window(tail, offset)
+    path = job.log_path
+    base = {"job_id": job.id, "state": job.state, "final": job.final}
+    if not path or not os.path.exists(path):
+        return {**base, "text": "", "offset": 0, "next_offset": 0, "size": 0}
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if tail is not None:
+            start = max(0, size - max_bytes)
+            fh.seek(start)
+            data = fh.read(size - start)
+            lines = data.splitlines(keepends=True)
+            keep = lines[-tail:] if tail else []
+            data = b"".join(keep)
+            start = size - len(data)
+        else:
+            start = min(offset or 0, size)
+            fh.seek(start)
+            data = fh.read(max_bytes)
+    return {**base, "text": data.decode("utf-8", errors="replace"), "offset": start,
+            "next_offset": start + len(data), "size": size}
+
+
+def run_metrics(job: Any, settings: Settings, metric: Optional[str] = None) -> dict:
+    """A job's MLflow metric history: {metric: [[step, value], ...]} (every metric, or the one named)."""
+    from orchestrator.tracking.client import Tracker
+
+    if not job.mlflow_run_id:
+        return {"job_id": job.id, "run_id": None, "metrics": {}}
+    tracker = Tracker.from_settings(settings)
+    names = [metric] if metric else sorted(tracker.client.get_run(job.mlflow_run_id).data.metrics)
+    return {"job_id": job.id, "run_id": job.mlflow_run_id,
+            "metrics": {name: [list(p) for p in tracker.history(job.mlflow_run_id, name)] for name in names}}
+
+
+def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY) -> MCPServer:
+    """The MCP server over this home's queue (tools and search-space resources)."""
+    check_priority(max_priority)
+    server = Server("autoresearch", log_level="WARNING", instructions=(
+        "A GPU job queue with priorities and preemption, and research agents. Submit commands (argv lists) or "
+        "bundled experiments with params (see the experiment resources for their search spaces); watch jobs "
+        f"with get_job/job_logs/run_metrics. Priorities above {max_priority} are refused by this server."))
+
+    def store():
+        return api.open_store(settings)
+
+    def capped(priority: int) -> int:
+        check_priority(priority)
+        if priority > max_priority:
+            raise BadInput(f"--priority {priority} is above this server's cap of {max_priority} "
+                           f"(a person may raise it: autoresearch mcp --max-priority N)")
+        return priority
+
+    @server.tool()
+    @_tool
+    def submit_job(ctx: Context, command: Optional[list[str]] = None, experiment: Optional[str] = None,
+                   params: Optional[dict[str, Any]] = None, name: str = "", priority: int = DEFAULT_PRIORITY,
+                   gpus: int = 1, max_attempts: int = 1, grace: float = 30.0, preemptible: bool = True,
+                   time_limit: Optional[str] = None, env: Optional[dict[str, str]] = None,
+                   cwd: Optional[str] = None) -> dict[str, Any]:
+        """Queue a job: `command` (an argv list, run without a shell) or `experiment` with `params`.
+
+        priority: higher wins (people's jobs default to 10; this server caps what it accepts).
+        time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory (default:
+        the server's working directory). env: extra environment variables for the job.
+        Returns the job (id, state, ...) and whether a service is running to pick it up."""
+        from orchestrator.core.durations import parse_duration
+
+        if cwd is not None and not os.path.isdir(cwd):
+            raise BadInput(f"cwd {cwd!r} is not a directory")
+        options = dict(name=name, priority=capped(priority), gpus=gpus, max_attempts=max_attempts, grace=grace,
+                       preemptible=preemptible, env=dict(env or {}), owner=client_owner(ctx), cwd=cwd,
+                       time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
+        if experiment:
+            if command:
+                raise BadInput("give either experiment or command, not both")
+            spec = api.experiment_spec(experiment, params or {}, **options)
+        else:
+            if params:
+                raise BadInput("params need an experiment")
+            spec = JobSpec(argv=list(command or []), **options)
+        job, served = api.submit(spec, settings)
+        return {**job.to_dict(), "service_running": served}
+
+    @server.tool()
+    @_tool
+    def list_jobs(all: bool = False, owner: Optional[str] = None, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+        """Unfinished jobs (every job with all=true), optionally only one owner's (e.g. your own, "mcp:<client
+        name>", or an agent session's id): the first `limit` (0: all) with those holding devices first, then the
+        waiting line in the order jobs will start (then, with all, finished jobs newest first). `total`, `more`
+        and `counts` (by state) cover every matching job, listed or not."""
+        return store().listing(finished=all, limit=check_limit(limit), owner=owner).to_dict()
+
+    @server.tool()
+    @_tool
+    def get_job(job_id: int) -> dict[str, Any]:
+        """One job with its event log (every state transition with time and reason)."""
+        return store().record(job_id)
+
+    @server.tool()
+    @_tool
+    def job_logs(job_id: int, tail: Optional[int] = None, offset: Optional[int] = None) -> dict[str, Any]:
+        """A job's output: the last `tail` lines, or the text from byte `offset` (default 0; page on with
+        next_offset until final is true and no text comes back)."""
+        check_log_window(tail, offset)
+        return read_log(store().get(job_id), tail=tail, offset=offset)
+
+    @server.tool()
+    @_tool
+    def cancel_job(job_id: int) -> dict[str, Any]:
+        """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
+        return api.cancel(job_id, settings).to_dict()
+
+    @server.tool()
+    @_tool
+    def list_devices() -> dict[str, Any]:
+        """Devices (state, reason, last check) and the live services that schedule them."""
+        s = store()
+        return {"devices": [d.to_dict() for d in s.devices()],
+                "services": [{"host": r.host, "pid": r.pid, "devices": list(r.devices or []),
+                              "heartbeat_at": r.heartbeat_at} for r in api.live_services(s)]}
+
+    @server.tool(name="run_metrics")
+    @_tool
+    def run_metrics_tool(job_id: int, metric: Optional[str] = None) -> dict[str, Any]:
+        """A job's MLflow metric history: {metric: [[step, value], ...]} for every metric, or the one named."""
+        return run_metrics(store().get(job_id), settings, metric)
+
+    @server.tool()
+    @_tool
+    def leaderboard(experiment: Optional[str] = None) -> dict[str, Any]:
+        """Configurations ranked by mean metric over seeds (agent-made and hand-submitted runs), with the
+        seed noise: a lead smaller than the noise is not a win."""
+        from orchestrator.agent import runner
+
+        return {"boards": runner.leaderboard(experiment, settings)}
+
+    @server.tool()
+    @_tool
+    def start_session(goal: str, experiment: str, trials: Optional[int] = None, parallel: Optional[int] = None,
+                      proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
+                      priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
+                      baseline: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """Start a research-agent session in the background (it proposes, runs and ranks trials through the
+        queue; every result is judged against a baseline run on several seeds first). params: values held
+        fixed; baseline: overrides of the experiment's defaults for the baseline. Watch it with session_status;
+        stop it with stop_session."""
+        from orchestrator.agent import background as sessions
+        from orchestrator.agent.proposers import default_name
+        from orchestrator.agent.session import SessionConfig
+
+        config = SessionConfig(goal=goal, experiment=experiment, proposer=proposer or default_name(),
+                               trials=trials, budget_minutes=budget_minutes, parallel=parallel,
+                               priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
+                               baseline=dict(baseline or {}))
+        return sessions.start_session(config, settings)
+
+    @server.tool()
+    @_tool
+    def session_status(session_id: Optional[str] = None) -> dict[str, Any]:
+        """One session's progress (trials by state, best so far, baseline), or every session's."""
+        from orchestrator.agent import background as sessions
+
+        return {"sessions": sessions.sessions(settings, session_id=session_id)}
+
+    @server.tool()
+    @_tool
+    def stop_session(session_id: str) -> dict[str, Any]:
+        """Interrupt a session (it stays resumable with `autoresearch resume`) and cancel its unfinished trials."""
+        from orchestrator.agent import background as sessions
+
+        return sessions.stop_session(session_id, settings)
+
+    _add_space_resources(server)
+    return server
+
+
+def _add_space_resources(server: MCPServer) -> None:
+    """One resource per bundled experiment: its search space, metric and direction, as JSON."""
+    import json
+
+    from experiments import registry
+
+    def reader(exp: str) -> Callable[[], str]:
+        def read() -> str:
+            spec = registry.get(exp)
+            return json.dumps({"experiment": spec.name, "description": spec.description, "metric": spec.metric,
+                               "direction": spec.direction, "space": spec.space.describe()}, indent=2)
+        return read
+
+    for exp in registry.names():
+        server.resource(f"autoresearch://experiments/{exp}", name=f"{exp} search space",
+                        description=f"Parameters of experiment {exp} (submit_job params, start_session params)",
+                        mime_type="application/json")(reader(exp))
+
+
+def serve(settings: Settings, *, http_port: Optional[int] = None, host: str = "127.0.0.1",
+          max_priority: int = DEFAULT_MAX_PRIORITY) -> None:
+    """Run the server until the client hangs up (stdio) or the process is stopped (HTTP)."""
+    server = build_server(settings, max_priority=max_priority)
+    if http_port is None:
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host=host, port=http_port)

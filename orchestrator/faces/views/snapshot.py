@@ -1,0 +1,190 @@
+"""What `autoresearch top` shows, read once: devices and their jobs, the queue with the next plan, events, sessions.
+
+`take()` reads the queue (one home's database), the agent registry and, where devices are GPUs, NVML. The
+"next plan" column comes from the service's own policy, `orchestrator.queue.policy.plan`, run on this snapshot
+per live service (its devices and the jobs it holds), so what `top` says will happen is what the service will
+decide on its next pass (short of devices under an idle check, which the service alone knows about).
+Nothing here changes anything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from orchestrator.api import jobs as api
+from orchestrator.queue import policy as scheduling
+from orchestrator.core.config import Settings
+from orchestrator.core.layout import Layout
+from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
+from orchestrator.queue.states import HOLDING, JobState
+
+S = JobState
+QUEUE_ROWS = 200  # the queue is planned and shown up to this many waiting jobs (more than a screen holds)
+
+
+@dataclass
+class DeviceRow:
+    """One device: its state, the job on it (if any) and, on GPUs, utilisation and memory."""
+
+    host: str
+    name: str
+    state: str
+    reason: str
+    job: Optional[Job] = None
+    heartbeat_at: Optional[float] = None  # the job's last progress heartbeat
+    step: Optional[int] = None
+    util: Optional[int] = None
+    mem_used: Optional[int] = None
+    mem_total: Optional[int] = None
+
+
+@dataclass
+class QueueRow:
+    """One waiting job, in line order, with what the next plan does about it."""
+
+    position: int
+    job: Any  # a Job, or a read-only row with its columns (`JobStore.line`)
+    plan: str  # "starts on cpu:0", "preempts #4 #7", "next, needs 2", "waits behind #3", "no service has 4 devices"
+    starts: bool = False
+    preempts: tuple[int, ...] = ()
+
+
+@dataclass
+class Snapshot:
+    """Everything one frame of `top` shows."""
+
+    at: float
+    home: str
+    services: list[ServiceRecord]
+    devices: list[DeviceRow]
+    queue: list[QueueRow]
+    victims: dict[int, int]  # running job id -> the waiting job it will be preempted for
+    running: list[Job]
+    events: list[tuple[JobEvent, str]]  # (event, job name)
+    sessions: list[dict] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # unfinished jobs by state, all of them (not only shown)
+
+
+def _heartbeat(layout: Layout, job_id: int) -> tuple[Optional[float], Optional[int]]:
+    from runtime.context import read_heartbeat
+
+    beat = read_heartbeat(layout.heartbeat_file(job_id)) or {}
+    return beat.get("time"), beat.get("step")
+
+
+def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
+    """Fill utilisation and memory of GPU devices from NVML (nothing on cpu slots or hosts without NVML)."""
+    gpus = [r for r in rows if not r.name.startswith("cpu:")]
+    if not gpus:
+        return
+    from runtime.nvml import Nvml
+
+    nv = Nvml(timeout_s=timeout).open()
+    if not nv.available:
+        return
+    try:
+        for row in gpus:
+            try:
+                row.util, row.mem_used, row.mem_total = nv.usage(row.name)
+            except Exception:  # another host's device, a MIG slice without counters: leave it blank
+                continue
+    finally:
+        nv.close()
+
+
+def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], services: list[ServiceRecord],
+               now: float, preempt_after: float) -> tuple[list[QueueRow], dict[int, int]]:
+    """Each waiting job's fate in the next plan of the live services, and who is preempted for whom.
+
+    The policy is run on growing prefixes of the line: the preemptions that appear when job k joins are the
+    ones made for job k (the policy serves the line in order, so earlier jobs' choices do not change)."""
+    starting: dict[int, tuple[str, ...]] = {}
+    victims: dict[int, int] = {}
+    line = [scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus) for j in waiting]
+    for svc in services:
+        usable = [d.name for d in devices if d.host == svc.host and d.state == "available"]
+        running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now, j.preemptible,
+                                      j.job_state in (S.PREEMPTING, S.CANCELLING))
+                   for j in holding if j.host == svc.host]
+        full = scheduling.plan(line, running, usable, now, preempt_after)
+        starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
+        seen: set[int] = set()
+        for k in range(len(line)):
+            if not set(full.preempt) - seen:
+                break
+            step = scheduling.plan(line[: k + 1], running, usable, now, preempt_after)
+            for victim in step.preempt:
+                if victim not in seen:
+                    seen.add(victim)
+                    victims.setdefault(victim, line[k].id)
+    capacity = max((len(s.devices or []) for s in services), default=0)
+    rows: list[QueueRow] = []
+    blocker: Optional[Any] = None
+    for i, job in enumerate(waiting, 1):
+        mine = tuple(v for v, f in victims.items() if f == job.id)
+        if job.id in starting:
+            text, starts = "starts on " + ",".join(starting[job.id]), True
+        elif not services:
+            text, starts = "no service running", False
+        elif not scheduling.fits(job.gpus, capacity):
+            text, starts = f"no service has {job.gpus} devices", False
+        elif mine:
+            text, starts = "preempts " + " ".join(f"#{v}" for v in sorted(mine)), False
+        elif blocker is None:
+            blocker = job
+            text, starts = f"next, needs {job.gpus}", False
+        else:
+            text, starts = f"waits behind #{blocker.id}", False
+        rows.append(QueueRow(i, job, text, starts, mine))
+    return rows, victims
+
+
+def reserved(queue: list[QueueRow]) -> bool:
+    """Whether idle devices are being held: a job that could run here waits, and the plan starts nothing on them
+    (the policy keeps free devices for the head of the line rather than let jobs behind it pass)."""
+    return any(r.preempts or r.plan.startswith("next") for r in queue)
+
+
+def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, events: int = 12) -> Snapshot:
+    """Read one frame's worth of state."""
+    from orchestrator.agent import background as sessions_api
+
+    store = store or api.open_store(settings)
+    now = time.time()
+    services = api.live_services(store)
+    devices = store.devices()
+    # A screenful, not the whole queue: the head of the line as light rows, the jobs holding devices (a few per
+    # device), and the counts by state from SQL (10,000 queued jobs cost the same frame as 10). Separate reads:
+    # a job placed in between is shown on its device, not also in the line.
+    waiting = store.line(QUEUE_ROWS)
+    holding = store.list(HOLDING)
+    held = {j.id for j in holding}
+    waiting = [row for row in waiting if row.id not in held]
+    counts = store.state_counts()
+    queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after)
+
+    layout = Layout(settings.home)
+    on: dict[tuple[str, str], Job] = {}
+    for job in holding:
+        for dev in job.devices or ():
+            on[(job.host or "", dev)] = job
+    rows = []
+    for dev in devices:
+        job = on.get((dev.host, dev.name))
+        beat, step = _heartbeat(layout, job.id) if job else (None, None)
+        rows.append(DeviceRow(dev.host, dev.name, dev.state, dev.reason, job, beat, step))
+    if with_gpus:
+        _gpu_usage(rows, settings.nvml_timeout)
+
+    recent = store.recent_events(events)
+    names = {j.id: j.name for j in store.get_many({e.job_id for e in recent})}
+    try:
+        progress = [p for p in sessions_api.sessions(settings, store) if p["status"] == "running"
+                    or (p.get("updated_at") or 0) > now - 3600]
+    except Exception:  # an agent database mid-migration must not take the view down
+        progress = []
+    return Snapshot(at=now, home=str(settings.home), services=services, devices=rows, queue=queue, victims=victims,
+                    running=sorted(holding, key=lambda j: j.id), events=[(e, names.get(e.job_id, "")) for e in recent],
+                    sessions=progress, counts=counts)

@@ -1,0 +1,396 @@
+"""The queue service: places queued jobs on free, healthy devices, preempts, reaps, and recovers after crashes.
+
+Threads:
+- the dispatcher: woken by a submit/cancel datagram, by a job's exit, or by APScheduler's tick; each pass
+  records, in one transaction, the last pass's starts and the exits since, asks the pure policy
+  (`orchestrator.queue.policy.plan`) for starts and preemptions and claims them; then it enforces stops
+  (SIGTERM, then SIGKILL after the grace) and has the executor start the claimed attempts (the local
+  executor's spawner processes start them, `orchestrator.executors.local.spawner`);
+- APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, reaping), and the
+  device guard's run-time monitor and periodic re-check of idle devices (`orchestrator.service.guard`);
+- the executor's watcher, which reports exits.
+
+Restart semantics (documented choice): stopping the service (SIGINT/SIGTERM) or losing it (`kill -9`) leaves
+running jobs running; the next service on the same home adopts them, or records how they ended from the exit
+code their wrapper wrote. No job is lost, none runs twice, every job ends in the state its process earned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+from orchestrator.core import devices as devspec
+from orchestrator.service import homelock
+from orchestrator.queue import policy as scheduling
+from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_services
+from orchestrator.core.config import Settings
+from orchestrator.executors.base import Exit, Executor, executor_class, job_env
+from orchestrator.service.guard import DeviceGuard
+from orchestrator.service.health import Health, HealthConfig
+from orchestrator.core.layout import Layout
+from orchestrator.queue.models import Job
+from orchestrator.queue.states import JobState
+from orchestrator.queue.store import JobStore
+from orchestrator.api.intake import IntakeServer
+from orchestrator.tracking.preparer import RunPreparer
+from orchestrator.tracking.worker import TrackingWorker
+from orchestrator.service.supervisor import Supervisor
+from orchestrator.core import wakeup
+
+log = logging.getLogger(__name__)
+S = JobState
+HEARTBEAT_EVERY = 2.0
+SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
+# Seconds a started attempt may wait for a pass to record it RUNNING: soon, not at once (a pass right away
+# takes the CPU from the jobs starting up; any wake-up meanwhile, an exit or a submit, records it sooner).
+RECORD_STARTS_WITHIN = 0.02
+TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
+
+
+def node_name(home: Path) -> str:
+    """This service's identity in a shared queue: the host name plus the home, so homes on one host differ."""
+    explicit = os.environ.get("AUTORESEARCH_NODE")
+    if explicit:
+        return explicit
+    digest = hashlib.sha1(str(Path(home).resolve()).encode()).hexdigest()[:6]
+    return f"{socket.gethostname()}-{digest}"
+
+
+def embedded(settings: Settings, store: JobStore, devices: Optional[str] = None) -> tuple[Optional["Service"], int]:
+    """For a session (`start`, `resume`): a service of its own when none runs for this home, and the number of
+    device slots the session can fill. The caller stops the returned service (None when one already ran)."""
+    if not Service.running(settings):
+        service = Service(settings, devices=devices).start()
+        return service, len(service.device_names)
+    return None, sum(len(s.devices) for s in live_services(store)) or 1
+
+
+class Service:
+    """One queue service for one home. `start()` runs it in background threads; `serve_forever()` blocks."""
+
+    def __init__(self, settings: Settings, *, devices: Optional[str] = None, executor: Optional[str] = None,
+                 preempt_after: Optional[float] = None, tick: float = 0.5,
+                 executor_factory: Optional[Callable[["Service"], Executor]] = None,
+                 health: Optional["HealthConfig"] = None):
+        # Arguments given here are flags: they go through the same merge as the CLI's and win over the rest.
+        settings = settings.with_flags(devices=devices, executor=executor, preempt_after=preempt_after)
+        self.settings = settings
+        self.home = Path(settings.home)
+        self.store = JobStore.from_settings(settings)
+        self.host = node_name(self.home)
+        self.preempt_after = settings.preempt_after
+        self.tick = tick
+        self.device_spec = settings.devices
+        self._executor_name = settings.executor
+        self._executor_factory = executor_factory
+        self.layout = Layout(self.home)
+        self._local_devices = executor_class(self._executor_name).local_devices
+        self.executor: Optional[Executor] = None
+        self.supervisor = Supervisor(self.store, self.host, self.wake)
+        self.device_names: list[str] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._home_lock = homelock.HomeLock(self.home)
+        self._listeners: list = []
+        self._scheduler = None
+        self._dispatcher: Optional[threading.Thread] = None
+        self._started_at = time.time()
+        # Dispatch passes completed: an observable "the dispatcher has looked at the queue" (tests wait on
+        # it rather than sleeping and hoping a pass ran).
+        self.passes = 0
+        self._base_env = dict(os.environ)
+        # For executors whose starts block on something else (Ray's job submission): several at once.
+        self._launchers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="launch")
+        config = health or settings.health
+        if not self._local_devices:
+            # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
+            config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)
+        self.health = Health(config, paths=[self.layout.checkpoints_dir])
+        self.recheck_every = self.health.config.recheck_every
+        self.guard = DeviceGuard(self.store, self.host, self.health, heartbeat_file=self.layout.heartbeat_file,
+                                 stop_job=self._send_stop, wake=self.wake)
+        # MLflow runs are made by a child process started when tracked jobs wait: the service never imports it.
+        self.tracking = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
+        self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
+        self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
+        self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
+        self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
+        self.run_preparer: Optional[RunPreparer] = None
+
+    # ---- life cycle -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def running(settings: Settings) -> bool:
+        """Whether a service holds this home's lock right now."""
+        return homelock.held(Path(settings.home))
+
+    def start(self) -> "Service":
+        """Take the home, reconcile what the last service left, and start the threads."""
+        self.device_names = devspec.parse(self.device_spec) if self._local_devices else []
+        self._home_lock.take()
+        try:
+            self.layout.ensure()
+            self.executor = self.supervisor.executor = self._make_executor()
+            inventory = self.executor.inventory()
+            if inventory is not None:
+                self.device_names = inventory
+            self.store.sync_devices(self.host, self.device_names)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.supervisor.reconcile()
+            threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+            self._capacity = len(self.device_names)
+            self.run_preparer = RunPreparer(self.store, self.tracking, lambda: self._capacity, self._wake.set,
+                                            retry_after=TRACKING_RETRY_AFTER).start()
+            self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
+                                            self.wake)
+            self._listeners.append(IntakeServer(self.settings, self.store, self.wake))
+            self._start_scheduler()
+            self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+            self._dispatcher.start()
+            self.wake()
+        except BaseException:
+            self._home_lock.release()
+            raise
+        log.info("service %s on %s: devices %s", self.host, self.home, ",".join(self.device_names))
+        return self
+
+    def _make_executor(self) -> Executor:
+        if self._executor_factory is not None:
+            return self._executor_factory(self)
+        return executor_class(self._executor_name).create(replace(self.settings, devices=self.device_spec),
+                                                          self.layout, self._on_exit)
+
+    def _start_scheduler(self) -> None:
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        # A tick skipped because the last one still runs is expected under load, not worth a warning.
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+        sched = BackgroundScheduler(daemon=True, job_defaults={"coalesce": True, "max_instances": 1,
+                                                               "misfire_grace_time": 5})
+        sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
+        sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
+        if self.recheck_every:
+            sched.add_job(self.guard.recheck_idle, "interval", seconds=self.recheck_every, id="recheck")
+        if self.health.config.monitor_every:  # its own thread: a slow NVML must not delay the heartbeat
+            sched.add_job(self.guard.monitor, "interval", seconds=self.health.config.monitor_every, id="monitor")
+        sched.start()
+        self._scheduler = sched
+
+    def stop(self) -> None:
+        """Stop dispatching. Running jobs keep running; the next service on this home adopts them."""
+        self._stop.set()
+        self._wake.set()
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=10)
+        for listener in self._listeners:
+            listener.close()
+        self._launchers.shutdown(wait=True)
+        if self.run_preparer is not None:
+            self.run_preparer.close()
+        if self.executor is not None:
+            self.executor.close()
+        if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
+            try:
+                self._record(self._launched, [])
+            except Exception:  # the next service finds them by their wrappers' environment
+                log.exception("could not record the last starts")
+        self.guard.close()
+        try:
+            self.store.remove_service(self.host)
+        except Exception:  # the database may be gone; the heartbeat row then simply goes stale
+            log.exception("could not remove the service record")
+        self._home_lock.release()
+
+    def serve_forever(self) -> None:
+        """Run until SIGINT or SIGTERM."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
+        # 5 ms switch interval each one waits up to 5 ms to get it back while another thread computes (a convoy:
+        # MLflow's create_run took 70 ms in the service against 3 ms alone). A whole process of our own: set here.
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        self.start()
+        try:
+            while not self._stop.wait(1.0):
+                pass
+        finally:
+            self.stop()
+
+    def wake(self) -> None:
+        """Run a dispatch pass soon. (The pass wakes the run preparer when tracked jobs in its window lack an
+        MLflow run: waking it on every submit and exit cost a query of the queue each, ~1 ms of the service's
+        CPU per untracked no-op job.)"""
+        self._wake.set()
+
+    # ---- events from the executor -----------------------------------------------------------------------
+
+    def _on_exit(self, exit_: Exit) -> None:
+        self.supervisor.on_exit(exit_)
+
+    def _record(self, launched: list, exits: list[Exit]) -> None:
+        """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
+        self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
+                                      if not isinstance(out, Exception)], self.host)
+        self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}") for job, out in launched
+                                if isinstance(out, Exception)], self.host)
+        self.supervisor.record(exits)
+
+    # ---- the dispatcher ---------------------------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=RECORD_STARTS_WITHIN if self._launched else self.tick * 4)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                with self.guard.placing():  # devices under an idle check stay out of the pass, to its claim
+                    self.dispatch_once()
+            except Exception:
+                log.exception("dispatch pass failed; retrying on the next wake-up")
+                time.sleep(0.2)
+
+    def dispatch_once(self) -> None:
+        """One pass (under `guard.placing()`). In one transaction: record the last pass's starts and the exits
+        since, read the queue, plan, preempt and claim. Then signal stops and start the claimed attempts,
+        whose outcomes the next pass records."""
+        launched, self._launched = self._launched, []
+        exits = self.supervisor.take_exits()
+        try:
+            with self.store.transaction():
+                self._record(launched, exits)
+                mine, preempted, claimed = self._plan_and_claim()
+        except Exception:
+            self._launched[:0] = launched
+            self.supervisor.put_back(exits)
+            raise
+        self.supervisor.settled(exits)
+        self.supervisor.enforce_stops(mine)
+        for job in preempted:
+            self._send_stop(job)
+        self._start_claimed(claimed)
+        self.passes += 1
+
+    def _plan_and_claim(self) -> tuple[list, list[Job], list[Job]]:
+        """Read the queue, plan, and write the plan's preemptions and claims (in the pass's transaction).
+        Returns the jobs this host holds (as read), those preempted and those claimed."""
+        usable = self.guard.schedulable(self.store.available_devices(self.host))
+        if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
+            self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
+        # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
+        # at most one per usable device plus the first it must stop at (each start or reservation uses at least
+        # one device that is free, being released, or preemptible; a job that finds none ends the pass). So
+        # the pass reads O(devices) rows whatever the queue's length, and no job that could start is hidden.
+        capacity = self._capacity = len(set(usable))
+        queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
+                                           skip=self._tracking_blocked)
+        if self.run_preparer is not None and any(row[4] for row in queued):
+            self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
+        mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
+        now = time.time()
+        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
+        running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
+                                      j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
+                   for j in mine]
+        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
+        preempted = (self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host)
+                     if plan.preempt else [])
+        claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
+        return mine, preempted, claimed
+
+    def _claim(self, starts, need_runs: set[int]) -> list[Job]:
+        """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
+        and have no MLflow run yet."""
+        if need_runs and self.run_preparer is not None and self.run_preparer.healthy:
+            # The preparer makes these runs (in line order) and wakes us: their devices stay free this pass.
+            starts = [start for start in starts if start[0] not in need_runs]
+            self.run_preparer.wake()
+        else:
+            starts = self._prepare_runs(list(starts), need_runs)
+        return self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
+                                log_root=str(self.layout.logs_dir))
+
+    def _start_claimed(self, claimed: list[Job]) -> None:
+        """Check the claimed attempts' devices and start them (the spawns waited for: several at once). The
+        outcomes are recorded by the next pass, in its transaction (within RECORD_STARTS_WITHIN)."""
+        batch = []
+        for job in claimed:
+            try:
+                if self.guard.preflight_ok(job):
+                    batch.append((job, job_env(job, base=self._base_env, layout=self.layout,
+                                               tracking_uri=self.settings.tracking_uri)))
+            except Exception as exc:
+                log.exception("could not prepare job %s", job.id)
+                self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")
+        if not batch:
+            return
+        outcomes = self.executor.launch_many(batch, pool=self._launchers)
+        for (job, _), outcome in zip(batch, outcomes):
+            if isinstance(outcome, Exception):
+                log.error("could not start job %s: %s", job.id, outcome)
+        self._launched.extend((job, outcome) for (job, _), outcome in zip(batch, outcomes))
+
+    def _prepare_runs(self, starts: list, need_runs: set[int]) -> list:
+        """The starts that may be claimed now: not the tracked jobs without an MLflow run (the run preparer
+        makes runs, in line order, in its tracking worker: the dispatcher never waits on MLflow). While the
+        tracking store fails, those jobs stay QUEUED with the reason, no attempt spent, and out of the plan
+        until the preparer asks the store again (TRACKING_RETRY_AFTER later), so others may start."""
+        wanted = [job_id for job_id, _ in starts if job_id in need_runs]
+        if not wanted:
+            return starts
+        preparer = self.run_preparer
+        if preparer is not None and preparer.paused:
+            blocked = {job_id: preparer.failure for job_id in wanted}
+            self._tracking_retry_at = preparer.paused_until
+            self._tracking_blocked.update(blocked)
+            self.store.note(blocked)
+        return [start for start in starts if start[0] not in need_runs]
+
+    def _note_unplaceable(self) -> None:
+        """Keep the reason of queued jobs that no live service can place (too many devices) up to date."""
+        largest = largest_capacity(live_services(self.store))
+        if not largest:
+            return  # no inventory known (a cluster still starting): say nothing rather than something wrong
+        notes = {}
+        for job in self.store.waiting_with(gpus_over=largest, reason_prefix=scheduling.UNPLACEABLE):
+            notes[job.id] = scheduling.unplaceable_reason(job.gpus, largest) or "waiting: a live service can place it"
+        self.store.note(notes)
+
+    def _warm_up(self) -> None:
+        """Start-up costs paid off the dispatch path: a first preflight of every device (passes are trusted
+        for the TTL, failures quarantined). Nothing here imports torch or MLflow (GPUs are checked in a child
+        process, cpu slots with the standard library; runs are made by the tracking worker)."""
+        if self._local_devices:
+            self.guard.warm_up()
+
+    # ---- stopping jobs ----------------------------------------------------------------------------------
+
+    def _send_stop(self, job: Job) -> None:
+        self.supervisor.send_stop(job)
+
+    # ---- recovery and housekeeping ------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        try:
+            requeued = self.store.requeue_due()
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            if requeued:
+                self.wake()
+            if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
+                self.wake()
+            self._note_unplaceable()  # the monitor runs on its own thread (guard), never behind this
+        except Exception:
+            log.exception("housekeeping failed")
