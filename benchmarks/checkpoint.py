@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.checkpoint import CheckpointManager, TrainState  # noqa: E402
+from runtime.checkpoint.manager import CheckpointManager, TrainState  # noqa: E402
 
 
 def build(params_m: float, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:

@@ -56,7 +56,7 @@ def _bitwise(model_a, opt_a, model_b, opt_b) -> bool:
 def check_async_checkpoint(a) -> tuple:
     import torch
 
-    from runtime.checkpoint import CheckpointManager, TrainState
+    from runtime.checkpoint.manager import CheckpointManager, TrainState
 
     _need_gpu()
     torch.cuda.set_device(0)
@@ -115,7 +115,7 @@ def rank_worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from runtime.checkpoint import CheckpointManager, TrainState
+    from runtime.checkpoint.manager import CheckpointManager, TrainState
 
     rank, n = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
     device = f"cuda:{rank if n > 1 else 0}"

@@ -48,7 +48,7 @@ def status_kib(field: str) -> int:
 
 # -- the contenders (run in a child process each) ---------------------------------------------------------------
 def run_parquet_dataset(data: Path, cache: Path) -> int:
-    from runtime.parquet import ParquetDataset
+    from runtime.data.parquet import ParquetDataset
 
     ds = ParquetDataset(str(data), columns=COLUMNS, batch_rows=BATCH, seed=0, cache_dir=str(cache))
     return sum(len(batch["y"]) for batch in ds)
@@ -91,7 +91,7 @@ def child(name: str, data: str, cache: str) -> None:
     import torch  # noqa: F401
 
     if name == "ParquetDataset":
-        import runtime.parquet  # noqa: F401
+        import runtime.data.parquet  # noqa: F401
     if name == "datasets.load_dataset":
         import datasets  # noqa: F401
     if name == "pandas.read_parquet":

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.utils.data  # noqa: E402
 
-from runtime.data import VolumeDataset  # noqa: E402
-from runtime.loader import DataLoader  # noqa: E402
+from runtime.data.dataset import VolumeDataset  # noqa: E402
+from runtime.data.loader import DataLoader  # noqa: E402
 from tests.support.slowfs import SlowVolume, fuse_unavailable_reason  # noqa: E402
 
 

@@ -27,7 +27,7 @@ from experiments.common import (WithCounters, distribute, evenly_spaced, loader_
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
 from runtime.data import VolumeDataset
-from runtime.loader import DataLoader
+from runtime.data.loader import DataLoader
 
 EVALS = 10  # evaluations per trial, evenly spaced: the agent's early stopping reads val_loss at each
 EVAL_BYTES = 32 * 1024  # the same leading slice of the validation stream scores every trial

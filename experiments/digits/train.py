@@ -29,7 +29,7 @@ from experiments.digits.spec import SPEC
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
 from runtime.data import VolumeDataset
-from runtime.loader import DataLoader
+from runtime.data.loader import DataLoader
 
 MEAN, STD = 0.305, 0.376  # pixel statistics of the digits images (0..1 scale), to centre the inputs
 KEEP_CHECKPOINTS = 2

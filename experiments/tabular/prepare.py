@@ -9,7 +9,7 @@ where `mean` (below) mixes per-level offsets, a level-dependent slope, a sine, a
 a hinge and a square. No model can beat the noise: the best achievable validation MSE is 0.25 in
 expectation, and exactly `bayes_mse` (the noise's mean square on the validation rows, in the manifest) on
 this table. The table is written as a Delta table (delta-rs, in chunks: never all rows in memory) with a
-`split` column, then exported twice with `runtime.parquet_export` (`--where "split = 'train'"` and
+`split` column, then exported twice with `runtime.data.parquet_export` (`--where "split = 'train'"` and
 `'val'`), the way a team exports a large table to a volume:
 
     $AUTORESEARCH_HOME/volumes/tabular-<rows>/delta/  train/  val/  MANIFEST.json
@@ -78,7 +78,7 @@ def build(out: Path, rows: int) -> dict:
     import pyarrow.compute as pc
     from deltalake import write_deltalake
 
-    from runtime.parquet_export import ExportConfig, export_delta
+    from runtime.data.parquet_export import ExportConfig, export_delta
 
     table_uri = str(out / "delta")
     noise_sq = val_rows = 0.0

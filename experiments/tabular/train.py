@@ -29,8 +29,8 @@ from experiments.tabular import prepare
 from experiments.tabular.spec import SPEC
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
-from runtime.loader import DataLoader
-from runtime.parquet import ParquetDataset, read_manifest
+from runtime.data.loader import DataLoader
+from runtime.data.parquet import ParquetDataset, read_manifest
 
 KEEP_CHECKPOINTS = 2
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}

@@ -35,7 +35,7 @@ def test_the_table_follows_the_stated_process_and_the_best_metric_is_the_noise(v
 
 
 def test_the_exports_hold_the_splits_without_the_answer(volume):
-    from runtime.parquet import read_manifest
+    from runtime.data.parquet import read_manifest
 
     train, val = read_manifest(str(volume / "train")), read_manifest(str(volume / "val"))
     assert train["columns"] == val["columns"] == ["id", *prepare.NUMERIC, "c0", "c1", "y"]

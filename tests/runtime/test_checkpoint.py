@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checkpoint import CheckpointConfig, CheckpointManager, TrainState
-from runtime.checkpoint_io import METADATA, VolumeReader, lower_this_thread
-from runtime.checkpoint_stage import SnapshotStager
+from runtime.checkpoint.manager import CheckpointConfig, CheckpointManager, TrainState
+from runtime.checkpoint.io import METADATA, VolumeReader, lower_this_thread
+from runtime.checkpoint.stage import SnapshotStager
 from runtime.context import read_heartbeat
 from runtime.errors import CheckpointError
 from runtime.protocol import EX_TEMPFAIL

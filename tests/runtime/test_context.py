@@ -170,7 +170,7 @@ def test_the_runtime_never_imports_the_service(clean_env, tmp_path):
     (tmp_path / "shard.bin").write_bytes(b"x")
     code = ("import pkgutil, importlib, sys, runtime\n"
             "for m in pkgutil.iter_modules(runtime.__path__): importlib.import_module('runtime.' + m.name)\n"
-            "from runtime.data import VolumeDataset\n"
+            "from runtime.data.dataset import VolumeDataset\n"
             f"ds = VolumeDataset({str(tmp_path)!r})  # the default cache dir is under the home\n"
             "assert ds.cache_dir.endswith('/cache'), ds.cache_dir\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'orchestrator'))")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runtime.data import VolumeDataset
-from runtime.loader import DataLoader
+from runtime.data.dataset import VolumeDataset
+from runtime.data.loader import DataLoader
 from tests.support import checked_index, write_files
 
 SIZE = 1000

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from runtime.data import epoch_order, rank_order
+from runtime.data.dataset import epoch_order, rank_order
 from tests.support import write_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,8 +20,8 @@ RANK_SCRIPT = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from runtime.data import VolumeDataset
-from runtime.loader import DataLoader
+from runtime.data.dataset import VolumeDataset
+from runtime.data.loader import DataLoader
 from tests.support import sample_index
 
 source, cache, out = sys.argv[1:4]

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.data import VolumeConfig, epoch_order, rank_order, samples_per_rank, worker_positions
-from runtime.loader import rank_length
+from runtime.data.dataset import VolumeConfig, epoch_order, rank_order, samples_per_rank, worker_positions
+from runtime.data.loader import rank_length
 
 sizes = st.integers(min_value=1, max_value=300)
 worlds = st.integers(min_value=1, max_value=8)

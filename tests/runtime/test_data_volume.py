@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.data import VolumeDataset
+from runtime.data.dataset import VolumeDataset
 from runtime.errors import VolumeError
 from tests.support import checked_index, sample_index, write_files
 
@@ -86,7 +86,7 @@ def test_a_volume_that_drops_away_is_one_clear_error(data_dir, tmp_path, slow_vo
 
 COPY_ONE = """
 import sys
-from runtime.data import VolumeDataset
+from runtime.data.dataset import VolumeDataset
 for path in VolumeDataset(sys.argv[1], cache_dir=sys.argv[2], lookahead=0):
     print(path, flush=True)
 """
@@ -120,8 +120,8 @@ def test_a_copy_killed_mid_file_is_never_served(data_dir, tmp_path, slow_volume)
 
 TWO_JOBS = """
 import json, sys
-from runtime.data import VolumeDataset
-from runtime.loader import DataLoader
+from runtime.data.dataset import VolumeDataset
+from runtime.data.loader import DataLoader
 from tests.support import checked_index
 ds = VolumeDataset(sys.argv[1], cache_dir=sys.argv[2], seed=int(sys.argv[3]), transform=checked_index, lookahead=4)
 print(json.dumps([int(x) for batch in DataLoader(ds, batch_size=4, num_workers=2) for x in batch]))

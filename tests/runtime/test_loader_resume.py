@@ -9,8 +9,8 @@ import pytest
 import torch
 from tests.support import checked_index, sample_index, write_files
 
-from runtime.data import VolumeDataset, epoch_order
-from runtime.loader import DataLoader
+from runtime.data.dataset import VolumeDataset, epoch_order
+from runtime.data.loader import DataLoader
 
 N = 53  # not a multiple of the batch size: the last batch is partial
 

@@ -19,8 +19,8 @@ import torch
 
 from runtime.context import read_heartbeat
 from runtime.errors import VolumeError
-from runtime.loader import DataLoader
-from runtime.parquet import ParquetDataset
+from runtime.data.loader import DataLoader
+from runtime.data.parquet import ParquetDataset
 from runtime.protocol import EX_TEMPFAIL
 from tests.support.tabular import write_parquet
 

@@ -11,7 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from runtime.parquet_export import ExportConfig, export_delta
+from runtime.data.parquet_export import ExportConfig, export_delta
 from tests.support.tabular import write_delta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +21,8 @@ RANK_SCRIPT = """
 import json, sys
 import torch
 import torch.distributed as dist
-from runtime.loader import DataLoader
-from runtime.parquet import ParquetDataset
+from runtime.data.loader import DataLoader
+from runtime.data.parquet import ParquetDataset
 
 source, cache, out = sys.argv[1:4]
 dist.init_process_group("gloo")

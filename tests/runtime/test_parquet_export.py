@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.faces.cli import main
 from runtime.errors import VolumeError
-from runtime.parquet import ParquetDataset
+from runtime.data.parquet import ParquetDataset
 from tests.support.tabular import write_delta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_a_full_disk_is_one_line_exit_1_and_leaves_nothing(tmp_path, small_disk,
 
 KILL_MID_EXPORT = """
 import os, signal, sys
-from runtime.parquet_export import ExportConfig, export_delta
+from runtime.data.parquet_export import ExportConfig, export_delta
 
 def progress(done, total):
     if done >= 100:  # a row group or two are on disk: die the hard way, as a kill -9 or a crash would

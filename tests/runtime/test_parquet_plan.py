@@ -1,4 +1,4 @@
-"""The pure functions that decide which rows each rank, worker and batch gets (runtime.parquet_plan)."""
+"""The pure functions that decide which rows each rank, worker and batch gets (runtime.data.parquet_plan)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.parquet_plan import (RankPlan, consumed_after, from_ranges, interleave, pass_runs, split_runs,
+from runtime.data.parquet_plan import (RankPlan, consumed_after, from_ranges, interleave, pass_runs, split_runs,
                                   to_ranges)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.loader import DataLoader
-from runtime.parquet import ParquetDataset
-from runtime.parquet_export import ExportConfig, export_delta
+from runtime.data.loader import DataLoader
+from runtime.data.parquet import ParquetDataset
+from runtime.data.parquet_export import ExportConfig, export_delta
 from tests.support.tabular import write_delta, write_parquet
 
 N = 2000

@@ -47,7 +47,7 @@ def warm_cmd(
     """Copy every file under PATH into the cache, in parallel, with a progress bar."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from runtime.data import VolumeDataset, warm
+    from runtime.data.dataset import VolumeDataset, warm
     from runtime.errors import VolumeError
 
     root = _cache_dir(cache_dir)
@@ -77,7 +77,7 @@ def warm_cmd(
 def stats_cmd(cache_dir: Optional[Path] = _CACHE_DIR,
               json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
     """Files and bytes in the cache (every job on this host together)."""
-    from runtime.cache import FileCache
+    from runtime.data.cache import FileCache
 
     stats = FileCache(_cache_dir(cache_dir)).stats()
     data = {"cache_dir": stats.root, "files": stats.files, "bytes": stats.bytes,
@@ -93,7 +93,7 @@ def stats_cmd(cache_dir: Optional[Path] = _CACHE_DIR,
 def clear_cmd(cache_dir: Optional[Path] = _CACHE_DIR,
               json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
     """Delete every cached file not in use by a running job (files in use are kept)."""
-    from runtime.cache import FileCache
+    from runtime.data.cache import FileCache
 
     root = _cache_dir(cache_dir)
     removed, kept = FileCache(root).clear()

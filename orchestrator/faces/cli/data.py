@@ -1,6 +1,6 @@
 """`autoresearch data export-delta TABLE DEST`: a Delta table to Parquet files on a volume, for ParquetDataset.
 
-The work is runtime.parquet_export.export_delta; this parses, shows a progress bar on stderr, and prints.
+The work is runtime.data.parquet_export.export_delta; this parses, shows a progress bar on stderr, and prints.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def export_delta_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from runtime.errors import ExportError, ExportInputError
-    from runtime.parquet_export import ExportConfig, export_delta
+    from runtime.data.parquet_export import ExportConfig, export_delta
 
     try:
         cfg = ExportConfig(table, dest, files=files, columns=_split(columns), where=where,

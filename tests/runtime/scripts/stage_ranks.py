@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from runtime.checkpoint import CheckpointManager, TrainState  # noqa: E402
+from runtime.checkpoint.manager import CheckpointManager, TrainState  # noqa: E402
 
 
 def build(seed: int):

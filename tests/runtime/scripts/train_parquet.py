@@ -12,10 +12,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from runtime.checkpoint import CheckpointManager, TrainState  # noqa: E402
+from runtime.checkpoint.manager import CheckpointManager, TrainState  # noqa: E402
 from runtime.context import ContextConfig, JobContext  # noqa: E402
-from runtime.loader import DataLoader  # noqa: E402
-from runtime.parquet import ParquetDataset  # noqa: E402
+from runtime.data.loader import DataLoader  # noqa: E402
+from runtime.data.parquet import ParquetDataset  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from runtime.checkpoint import CheckpointManager, TrainState  # noqa: E402
+from runtime.checkpoint.manager import CheckpointManager, TrainState  # noqa: E402
 from runtime.context import ContextConfig, JobContext  # noqa: E402
 
 

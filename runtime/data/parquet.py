@@ -12,7 +12,7 @@ local cache that VolumeDataset uses (same cache, same locks, `lookahead` files a
 (plain reads, not mmap, so RSS is what the loader holds); only the row groups of the current shuffle
 window are ever decoded, never the whole table.
 
-Who gets which rows, how shuffling works and why resume is exact are in runtime.parquet_plan. Equal rows per
+Who gets which rows, how shuffling works and why resume is exact are in runtime.data.parquet_plan. Equal rows per
 rank: padded by wrapping around (default) or, with drop_last=True, the tail dropped. The position is
 (epoch, batches consumed); it survives a change of the worker count between save and resume.
 """
@@ -33,9 +33,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from runtime.errors import VolumeError
-from runtime.loader import _dist_rank_world
-from runtime.parquet_files import MANIFEST, list_parquet, read_manifest
-from runtime.parquet_plan import RankPlan, consumed_after, from_ranges, pass_runs, to_ranges
+from runtime.data.loader import _dist_rank_world
+from runtime.data.parquet_files import MANIFEST, list_parquet, read_manifest
+from runtime.data.parquet_plan import RankPlan, consumed_after, from_ranges, pass_runs, to_ranges
 
 __all__ = ["MANIFEST", "ParquetConfig", "ParquetDataset", "read_manifest"]  # the last two: parquet_files
 
@@ -92,7 +92,7 @@ class ParquetConfig:
 class _Position:
     """What the loader publishes to its workers before each pass: epoch, rank, world, workers, and the
     batches already consumed as ranges. Persistent workers only see it through memory shared before they
-    start, so `share()` moves it into an anonymous shared array (the same trick as runtime.loader._Spec)."""
+    start, so `share()` moves it into an anonymous shared array (the same trick as runtime.data.loader._Spec)."""
 
     HEAD = 6  # valid, epoch, rank, world, workers, number of ranges
 
@@ -117,7 +117,7 @@ class _Position:
             return None
         epoch, rank, world, workers, n = list(self._values[1:self.HEAD])
         flat = list(self._values[self.HEAD:self.HEAD + 2 * n])
-        # `start` and `world` are what runtime.loader.DataLoader reads back and hands to _advance.
+        # `start` and `world` are what runtime.data.loader.DataLoader reads back and hands to _advance.
         return {"epoch": epoch, "rank": rank, "world": world, "workers": workers, "start": 0,
                 "consumed": [flat[i:i + 2] for i in range(0, len(flat), 2)]}
 
@@ -158,9 +158,9 @@ class ParquetDataset(IterableDataset):
             raise VolumeError(f"no rows in {self.config.paths}")
         self._epoch = 0
         self._consumed: set[int] = set()  # batches of this rank already delivered in this epoch
-        self._workers = 1  # set by runtime.loader.DataLoader: the delivery order depends on it
+        self._workers = 1  # set by runtime.data.loader.DataLoader: the delivery order depends on it
         self._pass: tuple[list[list[int]], int] | None = None  # this pass's per-worker runs and deliveries
-        self._spec = _Position()  # named like VolumeDataset's: runtime.loader.DataLoader shares it
+        self._spec = _Position()  # named like VolumeDataset's: runtime.data.loader.DataLoader shares it
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
 
@@ -208,7 +208,7 @@ class ParquetDataset(IterableDataset):
                               "epoch is not exactly the unseen rows", stacklevel=2)
         self._epoch, self._consumed, self._pass = epoch, consumed, None
 
-    # -- hooks for runtime.loader.DataLoader ------------------------------------------------------------------
+    # -- hooks for runtime.data.loader.DataLoader ------------------------------------------------------------------
     def _begin(self, block: int, trail: int) -> int:
         """Publish this pass for the workers; returns the batches this rank will deliver."""
         if block != 1:

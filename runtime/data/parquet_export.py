@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runtime.errors import ExportError, ExportInputError
-from runtime.parquet_files import EXPORT_FORMAT, MANIFEST
+from runtime.data.parquet_files import EXPORT_FORMAT, MANIFEST
 
 __all__ = ["ExportConfig", "export_delta"]
 

@@ -7,7 +7,7 @@ consumed set is exactly the first c*W files of the order: a resume needs only (e
 globally), whatever the number of workers. Every rank gets the same count per epoch: by default the order
 is padded by wrapping around to its start (up to W-1 files seen twice per epoch, as with torch's
 DistributedSampler); with drop_last=True the last N mod W files of the order are skipped instead (a
-different few each epoch). How workers share a rank's order is in runtime.loader.
+different few each epoch). How workers share a rank's order is in runtime.data.loader.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from runtime.cache import FileCache, Pin
+from runtime.data.cache import FileCache, Pin
 from runtime.errors import VolumeError
-from runtime.sources import FileInfo, open_source
-from runtime.loader import (_dist_rank_world, _Spec, epoch_order, rank_length, rank_order, samples_per_rank,
+from runtime.data.sources import FileInfo, open_source
+from runtime.data.loader import (_dist_rank_world, _Spec, epoch_order, rank_length, rank_order, samples_per_rank,
                             worker_positions)
 
 __all__ = ["VolumeConfig", "VolumeDataset", "FileInfo", "WarmReport", "warm", "epoch_order", "rank_order",
@@ -101,7 +101,7 @@ class VolumeDataset(IterableDataset):
             raise VolumeError(f"no files match {cfg.pattern!r} under {cfg.source}")
         self._epoch = 0
         self._consumed = 0  # global samples consumed in this epoch (all ranks)
-        self._spec = _Spec()  # set by runtime.loader.DataLoader, which then keeps the position
+        self._spec = _Spec()  # set by runtime.data.loader.DataLoader, which then keeps the position
         self._cache: FileCache | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
@@ -135,7 +135,7 @@ class VolumeDataset(IterableDataset):
                               "so the rest of the epoch is not exactly the unseen samples", stacklevel=2)
         self._epoch, self._consumed = epoch, consumed
 
-    # -- hooks for runtime.loader.DataLoader ----------------------------------------------------------
+    # -- hooks for runtime.data.loader.DataLoader ----------------------------------------------------------
     def _begin(self, block: int, trail: int) -> int:
         """Publish this iteration's spec for the workers; returns the samples this rank will deliver."""
         rank, world = _dist_rank_world()
@@ -297,9 +297,9 @@ def warm(dataset: VolumeDataset, *, threads: int = 64, progress: Callable[[int],
 
 
 def __getattr__(name: str) -> Any:
-    # `runtime.data.ParquetDataset`, as the issue names it; it lives in runtime.parquet (which imports this).
+    # `runtime.data.dataset.ParquetDataset`, as the issue names it; it lives in runtime.data.parquet (which imports this).
     if name == "ParquetDataset":
-        from runtime.parquet import ParquetDataset
+        from runtime.data.parquet import ParquetDataset
 
         return ParquetDataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Checkpoint I/O under `runtime.checkpoint`: DCP storage for a slow shared volume.
+"""Checkpoint I/O under `runtime.checkpoint.manager`: DCP storage for a slow shared volume.
 
 - `VolumeWriter` writes each rank's DCP files on local disk first, then moves them onto the volume (a rename
   when both are on one filesystem, else a copy), fsyncs them, and only then commits ``.metadata`` (tmp +
@@ -6,7 +6,7 @@
 - `VolumeReader` reads a checkpoint and can `validate()` it cheaply first (metadata unpickles, every data
   file it names exists and is long enough), so torn checkpoints are skipped before any tensor is touched.
 
-The stager that keeps the save cheap for the training loop is in `runtime.checkpoint_stage`.
+The stager that keeps the save cheap for the training loop is in `runtime.checkpoint.stage`.
 """
 
 from __future__ import annotations

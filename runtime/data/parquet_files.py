@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runtime.data import FileInfo, VolumeDataset
+from runtime.data.dataset import FileInfo, VolumeDataset
 from runtime.errors import VolumeError
 
 __all__ = ["EXPORT_FORMAT", "MANIFEST", "Listing", "list_parquet", "read_manifest"]

@@ -1,4 +1,4 @@
-"""Checkpoint staging under `runtime.checkpoint`: `SnapshotStager`, a DCP AsyncStager with a low stall.
+"""Checkpoint staging under `runtime.checkpoint.manager`: `SnapshotStager`, a DCP AsyncStager with a low stall.
 
 `SnapshotStager` is the part that keeps `CheckpointManager.maybe_save` cheap for the training loop. The
 out-of-the-box async path copies the whole state to fresh CPU memory before returning (about half of a
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from runtime import faults
-from runtime.checkpoint_io import lower_this_thread
+from runtime.checkpoint.io import lower_this_thread
 from runtime.errors import CheckpointError
 
 

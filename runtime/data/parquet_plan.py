@@ -1,5 +1,5 @@
 """Where every row of a Parquet epoch goes: pure functions of (row-group sizes, seed, epoch, rank, world,
-workers), property-tested, used by runtime.parquet.ParquetDataset.
+workers), property-tested, used by runtime.data.parquet.ParquetDataset.
 
 The unit of reading is a row group. An epoch's global row sequence is the row groups in an order fixed by
 (seed, epoch), concatenated. Rank r takes the contiguous slab [r*n, (r+1)*n) of that sequence, n rows per

@@ -1,7 +1,7 @@
 """Checkpoint and resume with torch.distributed.checkpoint (DCP): `TrainState` and `CheckpointManager`.
 
 Layout: ``<dir>/step_0000000100/`` holds one DCP checkpoint; it counts only once its ``.metadata`` is
-committed (see `runtime.checkpoint_io.VolumeWriter`). The newest `keep_last` complete checkpoints are kept;
+committed (see `runtime.checkpoint.io.VolumeWriter`). The newest `keep_last` complete checkpoints are kept;
 the only loadable one is never deleted. Typical loop::
 
     state = TrainState(model, optimizer, loader)
@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoint_io import METADATA, VolumeReader, VolumeWriter, sweep_stage
-from runtime.checkpoint_stage import SnapshotStager
+from runtime.checkpoint.io import METADATA, VolumeReader, VolumeWriter, sweep_stage
+from runtime.checkpoint.stage import SnapshotStager
 from runtime.errors import CheckpointError
 
 __all__ = ["CheckpointConfig", "CheckpointManager", "TrainState", "VolumeReader", "VolumeWriter"]
