@@ -24,7 +24,7 @@ State is plain JSON-able data (the checkpoint); live resources (store, tracker, 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, Callable
 
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds, is_final
@@ -32,7 +32,7 @@ from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
-from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
+from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
 
 if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
     from experiments.registry import ExperimentSpec
@@ -45,23 +45,6 @@ if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
 S, P = TrialStatus, Phase
 
 HEARTBEAT = 15.0
-
-
-class State(TypedDict, total=False):
-    """The checkpointed state of a session."""
-
-    session: str
-    config: dict
-    parent_run: str
-    phase: str  # search | confirm | done
-    trials: list[dict]  # `Trial.to_dict()` of each trial
-    elapsed: float  # seconds this session has been alive (time while killed does not count)
-    best: dict | None
-    candidates: list[int]  # search trials whose configuration is being re-run on fresh seeds
-    confirm_planned: bool  # the confirmation re-runs have been recorded (possibly none: no candidate)
-    usage: dict
-    stop_reason: str
-    route: str
 
 
 class Agent(Phases):
@@ -215,7 +198,7 @@ class Agent(Phases):
                                idempotency_key=t.key, image=self.spec.image)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
-                    from orchestrator.api.jobenv import image_tags
+                    from orchestrator.tracking.jobruns import image_tags
 
                     self.tracker.set_tags(run_id, image_tags(job))
             t.update(job_id=job.id, run_id=job.mlflow_run_id or run_id, status=S.QUEUED, submitted_at=time.time())

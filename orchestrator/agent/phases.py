@@ -9,13 +9,8 @@ when the session is done. The winner is decided afterwards by the noise gate aga
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from orchestrator.agent import search
-from orchestrator.agent.trial import Phase, Trial, TrialStatus, dump, load
-
-if TYPE_CHECKING:  # the annotations only
-    from orchestrator.agent.graph import State
+from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
 
 S, P = TrialStatus, Phase
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 
 
 class Phase(str, Enum):
@@ -108,3 +108,20 @@ def load(trials: list[Mapping[str, Any] | Trial]) -> list[Trial]:
 def dump(trials: list[Trial]) -> list[dict[str, Any]]:
     """Trials for the checkpointed state."""
     return [t.to_dict() for t in trials]
+
+
+class State(TypedDict, total=False):
+    """The checkpointed state of a session."""
+
+    session: str
+    config: dict
+    parent_run: str
+    phase: str  # search | confirm | done
+    trials: list[dict]  # `Trial.to_dict()` of each trial
+    elapsed: float  # seconds this session has been alive (time while killed does not count)
+    best: dict | None
+    candidates: list[int]  # search trials whose configuration is being re-run on fresh seeds
+    confirm_planned: bool  # the confirmation re-runs have been recorded (possibly none: no candidate)
+    usage: dict
+    stop_reason: str
+    route: str

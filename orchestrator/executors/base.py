@@ -146,21 +146,6 @@ class Executor(ABC):
         """Stop watching (running jobs keep running; a restarted service adopts them)."""
 
 
-def executor_class(name: str) -> type[Executor]:
-    """The executor class called `name` (local or ray), without starting it."""
-    if name == "local":
-        from orchestrator.executors.local.executor import LocalExecutor
-
-        return LocalExecutor
-    if name == "ray":
-        from orchestrator.executors.ray.executor import RayExecutor  # Ray itself is imported when one is made
-
-        return RayExecutor
-    from orchestrator.core.errors import BadInput
-
-    raise BadInput(f"unknown executor {name!r}; expected local or ray")
-
-
 def owed_signal(since: Optional[float], grace: float) -> Optional[signal.Signals]:
     """What a stopping attempt is owed now: SIGTERM when no stop was sent yet (`since` None), SIGKILL once
     `grace` seconds have passed since the SIGTERM, nothing in between."""

@@ -294,12 +294,3 @@ def warm(dataset: VolumeDataset, *, threads: int = 64, progress: Callable[[int],
                 progress(size)
     return WarmReport(len(dataset.files), sum(f.size for f in dataset.files), copied_files, copied_bytes,
                       time.perf_counter() - t0)
-
-
-def __getattr__(name: str) -> Any:
-    # `runtime.data.dataset.ParquetDataset`, as the issue names it; it lives in runtime.data.parquet (which imports this).
-    if name == "ParquetDataset":
-        from runtime.data.parquet import ParquetDataset
-
-        return ParquetDataset
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

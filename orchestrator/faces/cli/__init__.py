@@ -26,22 +26,7 @@ _USAGE_ERROR = (click.UsageError, _tclick.UsageError)
 
 from orchestrator.core.errors import BadInput, OrchestratorError
 
-app = typer.Typer(
-    name="autoresearch",
-    help="Autonomous research agents and a GPU job queue with priorities and preemption.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-@app.callback()
-def _settings_first() -> None:
-    """Autonomous research agents and a GPU job queue with priorities and preemption."""
-    from orchestrator.faces.cli.common import load_settings
-
-    load_settings()  # every command: a bad config.toml or setting is one line, exit 2, before any work
-
+from orchestrator.faces.cli.app import app  # noqa: E402
 
 # Imported for their side effect of adding commands to `app`.
 from orchestrator.faces.cli import agent, cache, data, faces, gpus, jobs, preflight, programs, serve  # noqa: E402,F401

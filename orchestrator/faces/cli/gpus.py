@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from orchestrator.api import jobs as api
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import print_json, print_table, settings
 
 gpus_app = typer.Typer(help="Devices and their health.", invoke_without_command=True, no_args_is_help=False)

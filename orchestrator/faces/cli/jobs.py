@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from orchestrator.api import jobs as api
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_columns, print_json, print_table, settings
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.listing import DEFAULT_LIMIT, Listing, check_limit

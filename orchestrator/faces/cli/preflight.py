@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import print_json, print_table
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_json, print_table
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, settings
 from orchestrator.core.errors import BadInput
 
