@@ -2,7 +2,7 @@
 
 `autoresearch start` runs a session in the foreground. An outside agent (over MCP) cannot hold a terminal for
 the minutes a session takes, so `start_session` runs the same `runner.start` in a detached child process
-(`python -m orchestrator.agent.background CONFIG_JSON SESSION_ID`, an argv list, never a shell) whose output goes to
+(`python -m orchestrator.faces.detached CONFIG_JSON SESSION_ID`, an argv list, never a shell) whose output goes to
 `AUTORESEARCH_HOME/agent/logs/SESSION.log`. `stop_session` interrupts it (SIGINT, as Ctrl-C would: the
 session is left resumable) and cancels its unfinished trials. `progress` reads what a session has recorded:
 its trials in the queue (jobs owned by the session id) and, from its LangGraph checkpoint, the best value so
@@ -47,7 +47,7 @@ def start_session(config: Any, settings: Optional[Settings] = None, devices: Opt
     _ready_tracking(settings)
     session_id = new_id()
     log = log_path(settings.home, session_id)
-    argv = [sys.executable, "-m", "orchestrator.agent.background", json.dumps(config.to_dict()), session_id]
+    argv = [sys.executable, "-m", "orchestrator.faces.detached", json.dumps(config.to_dict()), session_id]
     if devices:
         argv.append(devices)
     env = {**os.environ, "AUTORESEARCH_HOME": str(settings.home)}
@@ -219,25 +219,3 @@ def _gone(pid: int, wait: float) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _main(argv: list[str]) -> None:
-    """The detached session process: `python -m orchestrator.agent.background CONFIG_JSON SESSION_ID [DEVICES]`."""
-    from orchestrator.agent import runner
-    from orchestrator.agent.session import SessionConfig
-    from orchestrator.faces.cli.agent import progress as print_progress
-
-    # Started from a background shell, SIGINT may be ignored (and that is inherited): make it Ctrl-C again.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    config = SessionConfig.from_dict(json.loads(argv[0]))
-    summary = runner.start(config, session_id=argv[1], devices=argv[2] if len(argv) > 2 else None,
-                           on_event=print_progress)
-    print(json.dumps(summary, default=str), flush=True)
-
-
-if __name__ == "__main__":
-    try:
-        _main(sys.argv[1:])
-    except KeyboardInterrupt:
-        print("session interrupted; resume it with `autoresearch resume`", file=sys.stderr)
-        sys.exit(130)

@@ -17,18 +17,6 @@ from orchestrator.core.errors import BadInput
 from orchestrator.queue.models import JobSpec
 
 
-TAG_IMAGE = "autoresearch.image"
-TAG_IMAGE_DIGEST = "autoresearch.image_digest"
-
-
-def image_tags(job) -> dict[str, str]:
-    """MLflow tags naming the environment a result came from: the image as given and the content id that
-    ran (empty for a job in the service's own environment). `job`: a Job or a JobSpec."""
-    if not getattr(job, "image", None):
-        return {}
-    return {TAG_IMAGE: job.image, TAG_IMAGE_DIGEST: job.image_id or ""}
-
-
 def read_env_file(path: str) -> dict[str, str]:
     """The variables of a dotenv file (`KEY=VALUE`, `export KEY=VALUE`, quotes, comments; python-dotenv's
     format). BadInput naming the file (and a key, never a value) when it cannot be used."""

@@ -180,19 +180,6 @@ class Settings:
         return replace(self, extra=extra, **given)
 
     @property
-    def health(self) -> Any:
-        """The service's device-health configuration (`orchestrator.service.health.HealthConfig`)."""
-        from orchestrator.service.health import HealthConfig
-
-        try:
-            return HealthConfig(preflight=self.preflight, preflight_ttl=self.preflight_ttl,
-                                recheck_level=self.recheck_level, recheck_every=self.recheck_every,
-                                monitor_every=self.monitor_every, hang_timeout=self.hang_timeout,
-                                monitor_hits=self.monitor_hits, nvml_timeout=self.nvml_timeout)
-        except ValueError as exc:
-            raise BadInput(str(exc)) from None
-
-    @property
     def logs_dir(self) -> Path:
         from orchestrator.core.layout import Layout  # the one owner of where a job's files live
 

@@ -171,7 +171,8 @@ class Loop(Judge):
                            env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
                            idempotency_key=t["key"], time_limit=self.spec.time_limit, image=self.spec.image)
             if spec.image:  # pinned to the image's content id; the run says which
-                from orchestrator.api.jobenv import image_tags, prepare
+                from orchestrator.api.jobenv import prepare
+                from orchestrator.tracking.jobruns import image_tags
 
                 spec = prepare(spec)
                 self.tracker.set_tags(run_id, image_tags(spec))

@@ -35,7 +35,8 @@ from orchestrator.service import homelock
 from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_services
 from orchestrator.core.config import Settings
-from orchestrator.executors.base import Exit, Executor, executor_class, job_env
+from orchestrator.executors import executor_class
+from orchestrator.executors.base import Exit, Executor, job_env
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
 from orchestrator.core.layout import Layout
@@ -112,7 +113,7 @@ class Service:
         self._base_env = dict(os.environ)
         # For executors whose starts block on something else (Ray's job submission): several at once.
         self._launchers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="launch")
-        config = health or settings.health
+        config = health or HealthConfig.from_settings(settings)
         if not self._local_devices:
             # Devices of a cluster live on other nodes: Ray places jobs and watches its nodes itself.
             config = replace(config, preflight="off", hang_timeout=0, recheck_every=0, monitor_every=0)

@@ -11,12 +11,14 @@ faults for drills come from AUTORESEARCH_FAULTS in the service's environment.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Sequence
+
+from orchestrator.core.config import Settings
+from orchestrator.core.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +35,15 @@ class HealthConfig:
     counts only after `monitor_hits` consecutive failing samples (ECC and row-remap faults count at once).
     """
 
-    preflight: str = "quick"
-    preflight_ttl: float = 30.0
-    recheck_level: str = "full"
-    recheck_every: float = 600.0
-    monitor_every: float = 5.0
-    hang_timeout: float = 1800.0
-    monitor_hits: int = 3
-    nvml_timeout: float = 5.0
+    # The defaults are the settings' own (declared once, in `Settings`).
+    preflight: str = Settings.preflight
+    preflight_ttl: float = Settings.preflight_ttl
+    recheck_level: str = Settings.recheck_level
+    recheck_every: float = Settings.recheck_every
+    monitor_every: float = Settings.monitor_every
+    hang_timeout: float = Settings.hang_timeout
+    monitor_hits: int = Settings.monitor_hits
+    nvml_timeout: float = Settings.nvml_timeout
 
     def __post_init__(self) -> None:
         if self.preflight not in ("quick", "off"):
@@ -53,16 +56,12 @@ class HealthConfig:
             raise ValueError("monitor_hits must be >= 1 and nvml_timeout > 0")
 
     @classmethod
-    def from_env(cls) -> "HealthConfig":
-        env = os.environ
-        return cls(preflight=env.get("AUTORESEARCH_PREFLIGHT", "quick"),
-                   preflight_ttl=float(env.get("AUTORESEARCH_PREFLIGHT_TTL", 30.0)),
-                   recheck_level=env.get("AUTORESEARCH_RECHECK_LEVEL", "full"),
-                   recheck_every=float(env.get("AUTORESEARCH_RECHECK_EVERY", 600.0)),
-                   monitor_every=float(env.get("AUTORESEARCH_MONITOR_EVERY", 5.0)),
-                   hang_timeout=float(env.get("AUTORESEARCH_HANG_TIMEOUT", 1800.0)),
-                   monitor_hits=int(env.get("AUTORESEARCH_MONITOR_HITS", 3)),
-                   nvml_timeout=float(env.get("AUTORESEARCH_NVML_TIMEOUT", 5.0)))
+    def from_settings(cls, settings: Settings) -> "HealthConfig":
+        """The health settings of `settings` (flags, `AUTORESEARCH_*`, config.toml); BadInput when one is bad."""
+        try:
+            return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
 
 
 @dataclass
