@@ -38,7 +38,7 @@ _PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
 _PY_VALUED = {"-X", "-W", "-Q"}  # interpreter options that take the next word
 _BUDGET = re.compile(r"(^|_)(epochs?|iters?|iterations?|steps?|updates|budget)$")
 _SEED = re.compile(r"^(seed|random_seed|rng_seed|manual_seed)$")
-_OUTDIR = re.compile(r"^(out|output|save|checkpoint|ckpt|run|model)_?dir$|^(output|save)_?path$")
+_OUTDIR = re.compile(r"^(out|output|save|checkpoint|ckpt|run)_?dir$")
 _INFRA = {"worker", "workers", "device", "devices", "gpu", "gpus", "cuda", "rank", "world", "port", "host",
           "interval", "every", "freq", "frequency", "log", "logging", "verbose", "verbosity", "debug", "print",
           "wandb", "compile", "profile", "proc", "threads", "jobs", "cache", "prefetch", "pin"}
@@ -106,7 +106,8 @@ class _Command:
         words = list(argv)
         at = next((i for i, w in enumerate(words) if _PYTHON.fullmatch(os.path.basename(w))), None)
         if at is not None:
-            interpreter = shutil.which(words[at], path=_path_with(cwd)) or words[at]
+            named = words[at]
+            interpreter = (str(cwd / named) if os.sep in named else shutil.which(named)) or named
             i = at + 1
             while i < len(words) and words[i].startswith("-") and words[i] not in ("-m", "-c"):
                 i += 2 if words[i] in _PY_VALUED else 1
@@ -131,20 +132,19 @@ class _Command:
         return cls(words, interpreter, [str(script)], words[i + 1:], script.parent, script.name)
 
 
-def _path_with(cwd: Path) -> str:
-    return os.environ.get("PATH", "") + os.pathsep + str(cwd)
-
-
 def _probe(command: _Command, cwd: Path, timeout: float) -> dict:
     """Run the script up to its parser in a subprocess; the parser's options as the probe wrote them."""
     probe = Path(__file__).with_name("starter_probe.py")
     with tempfile.TemporaryDirectory(prefix="autoresearch-init-") as tmp:
         out = Path(tmp) / "parser.json"
-        proc = subprocess.Popen(
-            [command.interpreter, str(probe), str(out), *command.target, *command.script_args],
-            cwd=str(cwd if command.target[0] == "-m" else command.folder), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, "AUTORESEARCH_INIT": "1"})
+        try:
+            proc = subprocess.Popen(
+                [command.interpreter, str(probe), str(out), *command.target, *command.script_args],
+                cwd=str(cwd if command.target[0] == "-m" else command.folder), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                env={**os.environ, "AUTORESEARCH_INIT": "1"})
+        except OSError as exc:
+            raise StarterError(f"cannot run {command.interpreter}: {exc.strerror or exc}") from None
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -323,10 +323,10 @@ def _classify(plan: _Plan, opt: dict, name: str, flag: str) -> None:
         plan.fixed.append((name, flag, default, "the budget, never searched"))
     elif _INFRA & set(name.lower().split("_")):
         plan.notes.append(f"{shown}: looks like a setting of the run, not of the model")
-    elif kind == "int":
-        plan.space.append((name, flag, _int_range(int(default), opt["range"])))
     else:
-        plan.space.append((name, flag, _float_range(name, float(default), opt["range"])))
+        span = opt["range"] if opt["range"] and opt["range"][0] <= default <= opt["range"][1] else None
+        entry = _int_range(int(default), span) if kind == "int" else _float_range(name, float(default), span)
+        plan.space.append((name, flag, entry))
 
 
 def _int_range(d: int, span) -> dict:
