@@ -324,7 +324,9 @@ def _classify(plan: _Plan, opt: dict, name: str, flag: str) -> None:
     elif _INFRA & set(name.lower().split("_")):
         plan.notes.append(f"{shown}: looks like a setting of the run, not of the model")
     else:
-        span = opt["range"] if opt["range"] and opt["range"][0] <= default <= opt["range"][1] else None
+        span = opt["range"]
+        if span and not span[0] <= default <= span[1] or span and not span[0] < span[1]:
+            span = None  # a declared range that misses the default (or is one point) is no range to search
         entry = _int_range(int(default), span) if kind == "int" else _float_range(name, float(default), span)
         plan.space.append((name, flag, entry))
 
