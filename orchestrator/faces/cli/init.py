@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from orchestrator.faces.cli import app
+from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info
 from orchestrator.core.errors import BadInput
 
