@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from orchestrator.agent import search
-from orchestrator.agent.history import Results, device_seconds, is_final
+from orchestrator.agent.history import Results, device_seconds
 from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
@@ -218,7 +218,7 @@ class Agent(Phases):
                 if t.status not in (S.QUEUED, S.RUNNING, S.PAUSED) or t.ended:
                     continue
                 job = self.store.get(t.job_id)
-                if is_final(job):
+                if job.final:
                     t.ended = True
                     changed = True
                     continue
@@ -293,11 +293,11 @@ class Agent(Phases):
         deadline = time.time() + 90
         waiting = list(pending)
         while waiting and time.time() < deadline:
-            waiting = [t for t in waiting if not is_final(self.store.get(t.job_id))]
+            waiting = [t for t in waiting if not self.store.get(t.job_id).final]
             time.sleep(self.cfg.poll if waiting else 0)
         for t in trials:
             if t.status in (*ACTIVE, S.PAUSED):
-                if t.job_id is not None and is_final(self.store.get(t.job_id)):
+                if t.job_id is not None and self.store.get(t.job_id).final:
                     # A job that finished its budget before the cancel landed still counts.
                     self.outcomes.record_end(t, self.cfg.early_stopping)
                     continue

@@ -22,14 +22,6 @@ if TYPE_CHECKING:
 S = JobState
 
 
-def is_final(job: Job) -> bool:
-    """Whether a job will never run again (a FAILED job with attempts left is retried by the service)."""
-    state = job.job_state
-    if state is S.FAILED:
-        return job.failures >= job.max_attempts
-    return state in (S.SUCCEEDED, S.CANCELLED)
-
-
 def device_seconds(store: JobStore, job: Job, now: float | None = None) -> float:
     """Device-seconds a job has held (every attempt; STARTING through CANCELLING), times its device count."""
     import time
@@ -92,7 +84,7 @@ class Results:
         if job.id in self._values:
             return self._values[job.id]
         value = None
-        if job.mlflow_run_id and (job.job_state is S.SUCCEEDED or is_final(job)):
+        if job.mlflow_run_id and (job.job_state is S.SUCCEEDED or job.final):
             try:
                 if job.job_state is S.SUCCEEDED:
                     value = self.tracker.final(job.mlflow_run_id, self.spec.metric)
@@ -100,7 +92,7 @@ class Results:
                     value = completed_value(self.tracker, self.spec, job.mlflow_run_id)
             except Exception:  # a run deleted by hand, or an MLflow hiccup: not worth failing a session
                 value = None
-        if is_final(job):
+        if job.final:
             self._values[job.id] = value
         return value
 
@@ -122,9 +114,9 @@ class Results:
                 value = self.value(job)
                 if value is not None:
                     out.append(Observation(dict(job.params), "complete", value, source=source(job)))
-            elif job.job_state is S.FAILED and is_final(job):
+            elif job.job_state is S.FAILED and job.final:
                 out.append(Observation(dict(job.params), "failed", source=source(job), error=job.reason[:200]))
-            elif not is_final(job):
+            elif not job.final:
                 out.append(Observation(dict(job.params), "running", source=source(job)))
         for t in session_trials:
             out.append(trial_observation(t))
@@ -135,7 +127,7 @@ class Results:
         search-phase runs are marked `selection` (they rank a configuration but never gate it)."""
         rows = []
         for job in self.jobs() if jobs is None else jobs:
-            if is_final(job) and job.params is not None:
+            if job.final and job.params is not None:
                 value = self.value(job)
                 if value is not None:
                     rows.append({"params": dict(job.params), "value": value, "job_id": job.id,

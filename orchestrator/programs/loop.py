@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator.agent.history import device_seconds, is_final
+from orchestrator.agent.history import device_seconds
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
@@ -210,7 +210,7 @@ class Loop(Judge):
             if t["status"] not in ("queued", "running"):
                 continue
             job = self.store.get(t["job_id"])
-            if is_final(job):
+            if job.final:
                 self._finish(t, job)
             elif t["status"] == "queued" and job.state == "RUNNING":
                 t["status"] = "running"
@@ -225,7 +225,7 @@ class Loop(Judge):
                 t["error"] = f"no {self.spec.metric} in MLflow or in the output"
         elif job.state == "FAILED":
             t["status"] = "failed"
-            timed_out = job.reason.startswith(TIME_LIMIT)  # the queue stopped it at the program's time_limit
+            timed_out = job.timed_out  # the queue stopped it at the program's time_limit
             t["error"] = TIME_LIMIT if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
         else:
             t["status"], t["error"] = "cancelled", job.reason[:300]

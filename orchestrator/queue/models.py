@@ -12,7 +12,7 @@ from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 from orchestrator.core.errors import BadInput
-from orchestrator.queue.states import FINISHED, JobState
+from orchestrator.queue.states import FINISHED, JobState, StopCause
 
 # Stated bounds of what a submitter may ask for: both backends store these as 32-bit integers, and a number
 # beyond them is a typo, not a plan.
@@ -146,6 +146,7 @@ class Job(SQLModel, table=True):
     not_before: Optional[float] = None  # retry backoff: not requeued before this time
     stop_sent_at: Optional[float] = None  # SIGTERM sent for PREEMPTING/CANCELLING; SIGKILL after grace
     run_open_at: Optional[float] = None  # the service made this job's MLflow run then, and has not ended it
+    stop_cause: Optional[str] = None  # why the service stopped it, as data (`StopCause`); None: it was not
 
     @property
     def job_state(self) -> JobState:
@@ -157,6 +158,21 @@ class Job(SQLModel, table=True):
     def retrying(self) -> bool:
         """FAILED with attempts left: it goes back in line after its backoff (Contract 2)."""
         return self.state == JobState.FAILED.value and self.failures < self.max_attempts
+
+    @property
+    def timed_out(self) -> bool:
+        """Stopped (or being stopped) for running past its time limit: FAILED for good once it has exited."""
+        return self.stop_cause == StopCause.TIME_LIMIT.value
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the attempt's handle is a remote executor's (`ray:SID@ADDRESS`), not a local process's."""
+        return bool(self.proc_start) and ":" in str(self.proc_start)
+
+    @property
+    def needs_run(self) -> bool:
+        """Tracked and without its MLflow run yet: the service makes the run before the job starts."""
+        return bool(self.track) and self.mlflow_run_id is None
 
     @property
     def final(self) -> bool:

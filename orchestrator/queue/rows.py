@@ -51,9 +51,10 @@ class Moving(LightRow):
     are the job's own: `Job`'s properties, shared."""
 
     COLUMNS = ("id", "state", "reason", "host", "attempts", "failures", "max_attempts", "preemptions",
-               "checkpoint_dir")
+               "checkpoint_dir", "stop_cause")
     __slots__ = COLUMNS
     final = Job.__dict__["final"]
+    timed_out = Job.__dict__["timed_out"]
     retrying = Job.__dict__["retrying"]
     retries_after_failure = Job.__dict__["retries_after_failure"]
 

@@ -57,7 +57,13 @@ FINISHED = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
 ACTIVE = frozenset(set(JobState) - FINISHED)
 
 
-TIME_LIMIT = "time limit exceeded"  # the reason of a job stopped at its time limit
+TIME_LIMIT = "time limit exceeded"  # the reason text of a job stopped at its time limit (for people)
+
+
+class StopCause(str, Enum):
+    """Why the service stopped a job, kept as data on the job (`Job.stop_cause`) so no rule reads reason text."""
+
+    TIME_LIMIT = "time_limit"
 
 
 def allowed(src: JobState, dst: JobState) -> bool:

@@ -25,7 +25,7 @@ from orchestrator.core.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
 from orchestrator.queue.runs import RunRecords
 from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values
-from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, allowed
+from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, StopCause, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
 
 S = JobState
@@ -231,7 +231,7 @@ class JobStore(RunRecords):
                 detail: str) -> Job:
         state = job.job_state
         how = detail or f"exit code {code}"
-        if state is S.CANCELLING and job.reason == TIME_LIMIT:  # stopped by expire(): a failure, never retried
+        if state is S.CANCELLING and job.timed_out:  # stopped by expire(): a failure, never retried
             return self._move(writes, job, S.FAILED, f"{TIME_LIMIT} ({how})", host, now, exit_code=code,
                               failures=job.max_attempts, not_before=None)
         if state is S.CANCELLING:
@@ -356,7 +356,8 @@ class JobStore(RunRecords):
             job = self._lock(session, job_id)
             if job.job_state is not S.RUNNING:
                 return None
-            return self._move(writes, job, S.CANCELLING, TIME_LIMIT, None, now, stop_sent_at=None)
+            return self._move(writes, job, S.CANCELLING, TIME_LIMIT, None, now, stop_sent_at=None,
+                              stop_cause=StopCause.TIME_LIMIT.value)
 
     def demote(self, job_id: int, priority: int, reason: str = "demoted") -> Job:
         """Lower a job's priority; a running job is preempted (it checkpoints and waits in line)."""

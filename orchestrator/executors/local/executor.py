@@ -164,7 +164,7 @@ class LocalExecutor(Executor):
 
     def _foreign(self, job: Job) -> bool:
         """Whether the job's handle is another executor's (e.g. `ray:SID@ADDRESS`): not ours to judge."""
-        return bool(job.proc_start) and ":" in str(job.proc_start)
+        return job.is_remote
 
     def _tree(self, job: Job, layout: Layout) -> procs.ProcessTree:
         """The processes of the job's current attempt on this machine, from the watch, the recorded pid, the
