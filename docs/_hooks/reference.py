@@ -98,8 +98,7 @@ def cli_reference() -> str:
         text = "\n".join(line.rstrip() for line in out.getvalue().strip("\n").splitlines())
         title = " ".join(("autoresearch",) + path)
         level = "#" * min(2 + max(len(path) - 1, 0), 4)
-        summary = (cmd.help or "").strip().split("\n\n")[0].replace("\n", " ")
-        parts.append(f"{level} `{title}`\n\n{summary}\n\n```text\n{text}\n```\n")
+        parts.append(f"{level} `{title}`\n\n```text\n{text}\n```\n")
     return "\n".join(parts)
 
 
