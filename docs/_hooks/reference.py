@@ -150,7 +150,7 @@ def job_json_reference() -> str:
     from orchestrator.queue.models import job_dict
 
     keys = list(job_dict(defaultdict(lambda: None)))
-    rows = ["| field | |", "|---|---|"]
+    rows = ["| field | meaning |", "|---|---|"]
     rows += [f"| `{key}` | {_JSON_FIELDS.get(key, '')} |" for key in keys]
     return "\n".join(rows) + "\n"
 
