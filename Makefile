@@ -22,9 +22,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# The user documentation (docs/, mkdocs.yml) into build/site; --strict: a broken link or a missing page fails.
+# The user documentation (docs/, mkdocs.yml) into build/site; --strict: a broken link or a missing page fails
+# (NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2, not a warning about these documents).
 docs: install
-	$(PY) -m mkdocs build --strict -d build/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
 bench: install
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -38,8 +38,9 @@ def test_the_walk_finds_every_command_and_its_subcommands():
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: " ".join(p) or "autoresearch")
-def test_help_is_clean_at_80_columns(path, capsys, monkeypatch):
+def test_help_is_clean_at_80_columns(path, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("AUTORESEARCH_HOME", str(tmp_path))  # the CLI resolves settings, never the user's home
     code, out = _help(capsys, path)
     assert code == 0
     assert "Usage: autoresearch" in out
