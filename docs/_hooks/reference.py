@@ -71,15 +71,21 @@ _JSON_FIELDS = {
 }
 
 
+_home: tempfile.TemporaryDirectory | None = None
+
+
 def _import_code() -> None:
-    """Import this checkout's packages with a throwaway home: the CLI resolves settings, and the build must
-    neither read nor create the reader's own home."""
+    """Import this checkout's packages with a throwaway home (removed when the build ends): the CLI resolves
+    settings, and the build must neither read nor create the reader's own home, nor see their settings."""
+    global _home
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    os.environ["AUTORESEARCH_HOME"] = tempfile.mkdtemp(prefix="autoresearch-docs-")
+    if _home is None:
+        _home = tempfile.TemporaryDirectory(prefix="autoresearch-docs-")
     for name in list(os.environ):
-        if name.startswith("AUTORESEARCH_") and name != "AUTORESEARCH_HOME":
+        if name.startswith("AUTORESEARCH_") or name in ("MLFLOW_TRACKING_URI", "OPENAI_BASE_URL"):
             del os.environ[name]
+    os.environ["AUTORESEARCH_HOME"] = _home.name
 
 
 def cli_reference() -> str:
