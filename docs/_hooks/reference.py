@@ -104,7 +104,7 @@ def cli_reference() -> str:
             main([*path, "--help"])
         text = "\n".join(line.rstrip() for line in out.getvalue().strip("\n").splitlines())
         title = " ".join(("autoresearch",) + path)
-        level = "#" * min(2 + max(len(path) - 1, 0), 4)
+        level = "###" if len(path) <= 1 else "####"  # under the page's "Commands"
         parts.append(f"{level} `{title}`\n\n```text\n{text}\n```\n")
     return "\n".join(parts)
 
