@@ -3,9 +3,9 @@ TORCH_SPEC ?= torch
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,ray
+EXTRAS ?= dev,ray,docs
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The user documentation (docs/, mkdocs.yml) into build/site; --strict: a broken link or a missing page fails
+# (NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2, not a warning about these documents).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
 bench: install
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -41,8 +41,10 @@ def _is_input_error(exc: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    from orchestrator.faces.cli.helpfmt import command
+
     try:
-        rv = app(args=argv, prog_name="autoresearch", standalone_mode=False)
+        rv = command(app).main(args=argv, prog_name="autoresearch", standalone_mode=False)
     except _EXIT as exc:
         sys.exit(exc.exit_code)
     except _ABORT:
