@@ -147,7 +147,7 @@ class Executor(ABC):
 
 
 def executor_class(name: str) -> type[Executor]:
-    """The executor class called `name` (local or ray), without starting it."""
+    """The executor class called `name` (local, ray or slurm), without starting it."""
     if name == "local":
         from orchestrator.executors.local.executor import LocalExecutor
 
@@ -156,9 +156,13 @@ def executor_class(name: str) -> type[Executor]:
         from orchestrator.executors.ray.executor import RayExecutor  # Ray itself is imported when one is made
 
         return RayExecutor
+    if name == "slurm":
+        from orchestrator.executors.slurm.executor import SlurmExecutor
+
+        return SlurmExecutor
     from orchestrator.core.errors import BadInput
 
-    raise BadInput(f"unknown executor {name!r}; expected local or ray")
+    raise BadInput(f"unknown executor {name!r}; expected local, ray or slurm")
 
 
 def owed_signal(since: Optional[float], grace: float) -> Optional[signal.Signals]:
