@@ -4,7 +4,8 @@
 # daemons on this machine, with no slurmdbd (accounting_storage/none).
 #
 #   .ci/slurm-setup.sh          install what is missing, write the configs, start what is not running,
-#                               wait until the node is idle; prints one line of what it did
+#                               wait until the node is idle; prints one line of what it did, e.g.
+#                               `slurm-setup: ready on vm in 3s (installed munge ..., started slurmd)`
 #
 # Idempotent: a cluster that already answers with the node idle (or busy) is left as it is. The node is this
 # machine's hostname with 4 CPUs (more than the host may have: SlurmdParameters=config_overrides), so the
@@ -127,7 +128,7 @@ case "$state" in
   idle|mixed|allocated) ;;
   *) echo "slurm-setup: node $node is not up (sinfo says '${state:-nothing}'); see /var/log/slurm/" >&2; exit 1 ;;
 esac
-join() { local IFS='|' all; all="$*"; echo "${all//|/; }"; }
-what="slurm ready on $node (partitions debug, lab; $(( $(date +%s) - started ))s)"
-[ ${#did[@]} -gt 0 ] && what="$what: $(join "${did[@]}")"
+join() { local IFS='|' all; all="$*"; echo "${all//|/, }"; }
+what="ready on $node in $(( $(date +%s) - started ))s"
+[ ${#did[@]} -gt 0 ] && what="$what ($(join "${did[@]}"))"
 echo "slurm-setup: $what"

@@ -72,14 +72,7 @@ class SlurmExecutor(Executor):
         self.cpu_slots = self.device_spec.startswith("cpu:")
         self.poll = poll
         self._on_exit = on_exit
-        try:
-            self.nodes = sj.partition_nodes(self.partition)
-            if not self.nodes:
-                what = f"partition {self.partition!r}" if self.partition else "a default partition"
-                raise BadInput(f"the Slurm cluster has no {what} with nodes (see `sinfo`)")
-            sj.check_submit(self._placement_options())
-        except sj.SlurmError as exc:
-            raise BadInput(f"slurm refuses {self._describe_target()}: {exc}") from None
+        self.nodes = check_target(settings)
         self.layout.ensure()
         self.wrapper = sj.write_wrapper(self.layout.home / "slurm" / "wrapper.sh")
         self._watches: dict[str, _Watch] = {}
@@ -95,16 +88,10 @@ class SlurmExecutor(Executor):
     # ---- capacity -----------------------------------------------------------------------------------------
 
     def inventory(self) -> Optional[list[str]]:
+        """cpu:N: N slots of one Slurm CPU each; auto: one slot per GPU of the partition (read at start)."""
         if self.cpu_slots:
             return devspec.parse(self.device_spec)
-        if self.device_spec != "auto":
-            raise BadInput(f"with --executor slurm, --devices is auto (the partition's GPUs) or cpu:N, not "
-                           f"{self.device_spec!r}: Slurm picks the GPUs itself")
-        gpus = sum(n[2] for n in self.nodes)
-        if gpus < 1:
-            raise BadInput(f"{self._describe_target()} has no GPUs (gres gpu); use --devices cpu:N for N "
-                           "slots of one Slurm CPU each")
-        return [f"{GPU_PREFIX}{i}" for i in range(gpus)]
+        return [f"{GPU_PREFIX}{i}" for i in range(sum(n[2] for n in self.nodes))]
 
     def _per_node(self) -> int:
         """The most slots one job can get on one node (CPUs on cpu slots, else GPUs)."""
@@ -152,9 +139,12 @@ class SlurmExecutor(Executor):
         if slurm_id is None:
             return
         try:
-            if sig == signal.SIGKILL:
-                sj.cancel(slurm_id)  # Slurm's end of the job: every process on the node, however it forked
-            else:
+            row = sj.queue([slurm_id]).get(slurm_id)
+            if sig == signal.SIGKILL or (row is not None and row.state == "PENDING"):
+                # Slurm's end of the job: every process on the node, however it forked; a pending job has no
+                # shell to signal and is simply cancelled.
+                sj.cancel(slurm_id)
+            elif row is not None and not row.terminal:
                 sj.cancel(slurm_id, sig)
         except sj.SlurmError as exc:  # the watcher reports what became of it
             log.warning("scancel of slurm job %s (job %s): %s", slurm_id, job.id, exc)
@@ -273,24 +263,14 @@ class SlurmExecutor(Executor):
 
     # ---- internals --------------------------------------------------------------------------------------
 
-    def _slurm_id(self, job: Job) -> Optional[str]:
-        return sj.parse_handle(job.proc_start)
-
     def _placement_options(self) -> list[str]:
-        options = []
-        if self.partition:
-            options.append(f"--partition={self.partition}")
-        if self.account:
-            options.append(f"--account={self.account}")
-        if self.qos:
-            options.append(f"--qos={self.qos}")
-        return options
+        return placement_options(self.partition, self.account, self.qos)
 
     def _describe_target(self) -> str:
-        parts = [f"partition {self.partition}" if self.partition else "the default partition"]
-        parts += [f"account {self.account}"] if self.account else []
-        parts += [f"qos {self.qos}"] if self.qos else []
-        return ", ".join(parts)
+        return describe_target(self.partition, self.account, self.qos)
+
+    def _slurm_id(self, job: Job) -> Optional[str]:
+        return sj.parse_handle(job.proc_start)
 
     def _env(self, job: Job, env: dict[str, str], exit_file: Path) -> dict[str, str]:
         """sbatch's environment, which it exports to the job: the attempt's, without a surrounding job's
@@ -301,3 +281,43 @@ class SlurmExecutor(Executor):
             out.pop(protocol.VISIBLE_DEVICES, None)
         out[sj.EXIT_VAR] = str(exit_file)
         return out
+
+
+def placement_options(partition: Optional[str], account: Optional[str], qos: Optional[str]) -> list[str]:
+    """The sbatch options that say where attempts go."""
+    options = [f"--partition={partition}"] if partition else []
+    options += [f"--account={account}"] if account else []
+    return options + ([f"--qos={qos}"] if qos else [])
+
+
+def describe_target(partition: Optional[str], account: Optional[str], qos: Optional[str]) -> str:
+    """`partition P, account A, qos Q` for messages."""
+    parts = [f"partition {partition}" if partition else "the default partition"]
+    parts += [f"account {account}"] if account else []
+    return ", ".join(parts + ([f"qos {qos}"] if qos else []))
+
+
+def check_target(settings: Any) -> list[tuple[str, int, int]]:
+    """The nodes (name, CPUs, GPUs) of the partition the settings name, once the controller has said that a
+    job there under the account and QoS would be accepted (`sbatch --test-only`); BadInput (one line)
+    when it would not, or when Slurm cannot be asked."""
+    target = (getattr(settings, "slurm_partition", None), getattr(settings, "slurm_account", None),
+              getattr(settings, "slurm_qos", None))
+    try:
+        nodes = sj.partition_nodes(target[0])
+        if not nodes:
+            what = f"partition {target[0]!r}" if target[0] else "default partition"
+            raise BadInput(f"the Slurm cluster has no {what} with nodes (see `sinfo`)")
+        sj.check_submit(placement_options(*target))
+    except sj.SlurmError as exc:
+        raise BadInput(f"slurm refuses {describe_target(*target)}: {exc}") from None
+    spec = str(settings.devices or "auto")
+    if spec.startswith("cpu:"):
+        devspec.parse(spec)
+    elif spec != "auto":
+        raise BadInput(f"with --executor slurm, --devices is auto (the partition's GPUs) or cpu:N, not "
+                       f"{spec!r}: Slurm picks the GPUs itself")
+    elif sum(n[2] for n in nodes) < 1:
+        raise BadInput(f"{describe_target(*target)} has no GPUs (gres gpu); use --devices cpu:N for N slots "
+                       "of one Slurm CPU each")
+    return nodes

@@ -189,9 +189,6 @@ def cancel(slurm_id: str, sig: Optional[int] = None) -> None:
         text = str(exc)
         if "already completing" in text or "Invalid job id" in text or "completed" in text.lower():
             return  # nothing left to signal
-        if sig is not None and "pending" in text.lower():
-            run(["scancel", slurm_id])  # a pending job has no shell to signal: it is simply cancelled
-            return
         raise
 
 

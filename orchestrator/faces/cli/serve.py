@@ -43,6 +43,10 @@ def serve(
                       slurm_partition=partition, slurm_account=account, slurm_qos=qos, preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
     if chosen.executor == "local":
         devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
+    if chosen.executor == "slurm":
+        from orchestrator.executors.slurm.executor import check_target
+
+        check_target(chosen)  # a partition, account or QoS Slurm refuses: exit 2 before anything is touched
     chosen.health  # bad health settings: exit 2 before anything is touched
     service = Service(chosen)
     info(f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
