@@ -49,7 +49,7 @@ def service(home, node, monkeypatch):
             for job in svc.store.list(HOLDING):
                 svc.executor.signal(job, signal.SIGKILL)
             svc.stop()
-    cluster.cancel_named()
+        cluster.cancel_jobs(svc.store)
 
 
 def log_of(svc, job_id) -> str:
@@ -169,7 +169,7 @@ def test_kill_9_of_the_service_and_adoption(home, node, tmp_path):
     finally:
         if first.poll() is None:
             first.kill()
-        cluster.cancel_named()
+        cluster.cancel_jobs(store)
 
 
 def test_an_attempt_never_recorded_is_found_by_its_name(service, home):

@@ -32,7 +32,7 @@ def test_preempted_digits_trial_resumes_bitwise_through_slurm(home, monkeypatch)
         for job in svc.store.list(HOLDING):
             svc.executor.signal(job, signal.SIGKILL)
         svc.stop()
-        cluster.cancel_named()
+        cluster.cancel_jobs(svc.store)
     victim, reference = outcome["victim"], outcome["reference"]
     assert reference is not None, f"the victim was {victim.state} before it reported progress: {log_text(victim)}"
     log = log_text(victim)

@@ -1,7 +1,7 @@
 """The one-host Slurm cluster the Slurm executor's tests use (`.ci/slurm-setup.sh` sets it up).
 
 `slurm_node()` is the fixture body: the node's name once `sinfo` shows it up, else the test is skipped
-with the reason (failed under CI, tests/support/requires.py). `cancel_all(prefix)` ends what a test left in
+with the reason (failed under CI, tests/support/requires.py). `cancel_jobs(store)` ends what a test left in
 Slurm; `node_state`/`set_node` drain and resume the node.
 """
 
@@ -49,9 +49,10 @@ def node_state(node: str) -> str:
                           timeout=20).stdout.split("\n")[0].strip()
 
 
-def cancel_named(prefix: str = "autoresearch-") -> None:
-    """Cancel every Slurm job whose name starts with `prefix` (what a test left behind)."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%j"], capture_output=True, text=True, timeout=20).stdout
-    ids = [i for i, _, name in (ln.partition("|") for ln in out.splitlines()) if name.startswith(prefix)]
+def cancel_jobs(store) -> None:
+    """Cancel the Slurm jobs of every job in `store` (what a test left behind; other tests' jobs are not
+    touched, so test runs may share the cluster)."""
+    ids = [job.proc_start.split(":", 1)[1] for job in store.list()
+           if (job.proc_start or "").startswith("slurm:") and not job.final]
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True, timeout=20)
