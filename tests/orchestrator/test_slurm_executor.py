@@ -79,6 +79,7 @@ def test_slurm_requeue_of_a_running_job_gives_it_a_new_attempt_from_its_checkpoi
     job_id = api.submit(ckpt_job(2000))[0].id
     wait_for(lambda: "starts at step 0" in log_of(svc, job_id), timeout=60, what="the job to start")
     sid = slurm_id(svc, job_id)
+    assert svc.store.record(job_id)["cluster_job"] == f"slurm:{sid}"  # what `show` prints
     cluster.scontrol("requeue", sid)  # Slurm kills it (SIGTERM first) and would run it again later
     wait_for(lambda: "attempt 2 starts" in log_of(svc, job_id), timeout=60, what="our second attempt")
     job = svc.store.get(job_id)

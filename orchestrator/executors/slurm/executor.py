@@ -222,12 +222,16 @@ class SlurmExecutor(Executor):
                     continue
                 with self._lock:
                     self._watches.pop(watch.slurm_id, None)
-                self._settle(watch, row)
+                try:
+                    self._settle(watch, row)
+                except Exception:  # (scancel of a requeued job failed): try again on the next poll
+                    log.exception("slurm: could not settle job %s (slurm job %s)", watch.job_id, watch.slurm_id)
+                    self._watch(watch)
 
     def _settle(self, watch: _Watch, row: Optional[sj.Row]) -> None:
         """Report how a watched attempt ended (a requeued one is cancelled in Slurm first)."""
         if row is not None and not row.terminal:  # Slurm requeued it: the queue gives it a new attempt
-            sj.cancel(watch.slurm_id)
+            sj.cancel(watch.slurm_id)  # first: it must not run again under this attempt
             code, detail = protocol.EX_TEMPFAIL, (f"slurm requeued job {watch.slurm_id} ({row.reason}); "
                                                   "back in our queue")
         else:
@@ -251,7 +255,7 @@ class SlurmExecutor(Executor):
         if row is not None and row.state in sj.NOT_THE_JOBS_FAULT:
             return protocol.EX_TEMPFAIL, f"slurm job {slurm_id} {row.state.lower()} ({row.reason}); requeued"
         try:
-            fields = sj.show(slurm_id)
+            fields = sj.show(slurm_id) if slurm_id else {}  # (no id: `scontrol show job` would list them all)
         except sj.SlurmError:
             fields = {}
         shown = sj.exit_of_show(fields) if fields else None
