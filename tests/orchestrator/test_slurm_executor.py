@@ -117,9 +117,28 @@ def test_drained_node_lets_a_running_job_finish_and_a_pending_job_can_be_cancell
         assert "finished" in log_of(svc, running)
         assert slurm_state(slurm_id(svc, waiting)).startswith("PENDING")  # still held: the node is drained
     finally:
-        cluster.scontrol("update", f"nodename={node}", "state=resume")
+        cluster.resume(node)
     wait_for(lambda: svc.store.get(waiting).state == "SUCCEEDED", timeout=60, what="the held job after resume")
     assert "later" in log_of(svc, waiting)
+
+
+def test_a_node_that_goes_down_under_a_job_puts_it_back_in_line(service, node):
+    """A failed node (set DOWN): Slurm kills and requeues its jobs; ours goes back in our line with the reason,
+    without spending an attempt, and runs again once the node is back."""
+    svc = service("cpu:1")
+    job_id = api.submit(ckpt_job(100))[0].id
+    wait_for(lambda: "starts at step 0" in log_of(svc, job_id), timeout=60, what="the job to start")
+    sid = slurm_id(svc, job_id)
+    try:
+        cluster.scontrol("update", f"nodename={node}", "state=down", "reason=autoresearch-test")
+        wait_for(lambda: any(e.dst == "QUEUED" and sid in e.reason for e in svc.store.events(job_id)),
+                 timeout=60, what="the job back in our line")
+    finally:
+        cluster.resume(node)
+    wait_for(lambda: svc.store.get(job_id).state == "SUCCEEDED", timeout=90, what="the job after the node is back")
+    job = svc.store.get(job_id)
+    assert job.attempts == 2 and job.failures == 0
+    assert int(log_of(svc, job_id).split("attempt 2 starts at step ")[1].split()[0]) > 0  # from its checkpoint
 
 
 def serve(home: Path) -> subprocess.Popen:

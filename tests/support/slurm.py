@@ -56,3 +56,12 @@ def cancel_jobs(store) -> None:
            if (job.proc_start or "").startswith("slurm:") and not job.final]
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True, timeout=20)
+
+
+def resume(node: str) -> None:
+    """Put the node back in service after a test drained it or set it down (nothing when it is back already:
+    `ReturnToService=2` returns a DOWN node whose slurmd answers)."""
+    done = subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0 and not node_state(node).startswith(("idle", "mixed", "alloc")):
+        raise RuntimeError(f"could not resume node {node}: {done.stderr.strip()}")
