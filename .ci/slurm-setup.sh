@@ -106,7 +106,8 @@ if [ "$changed" = 1 ] && running slurmctld; then
   did+=("reconfigured slurm")
 fi
 if ! running slurmctld; then
-  as_root /usr/sbin/slurmctld || { echo "slurm-setup: slurmctld did not start; see /var/log/slurm/slurmctld.log" >&2; exit 1; }
+  as_root /usr/sbin/slurmctld \
+    || { echo "slurm-setup: slurmctld did not start; see /var/log/slurm/slurmctld.log" >&2; exit 1; }
   did+=("started slurmctld")
 fi
 if ! running slurmd; then

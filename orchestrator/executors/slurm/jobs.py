@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from orchestrator.core.errors import BadInput
 from orchestrator.queue.models import Job
 
 PREFIX = "slurm:"
@@ -39,7 +38,8 @@ WRAPPER = f"""#!/bin/bash
 ef=${EXIT_VAR}; unset {EXIT_VAR}
 record() {{ printf '%s' "$1" > "$ef.tmp" && mv -f "$ef.tmp" "$ef"; }}
 if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then
-  printf '\\n=== autoresearch: slurm started this attempt again (restart %s): back to the queue\\n' "$SLURM_RESTART_COUNT"
+  printf '\\n=== autoresearch: slurm started this attempt again (restart %s): back to the queue\\n' \\
+    "$SLURM_RESTART_COUNT"
   record 75; exit 75
 fi
 cd -- "$1" 2>/dev/null || cd; shift

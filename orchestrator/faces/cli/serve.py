@@ -40,7 +40,8 @@ def serve(
     if preempt_after is not None and preempt_after < 0:
         raise BadInput("--preempt-after must be >= 0")
     chosen = settings(devices=devices, executor=executor, preempt_after=preempt_after, ray_address=ray_address,
-                      slurm_partition=partition, slurm_account=account, slurm_qos=qos, preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
+                      slurm_partition=partition, slurm_account=account, slurm_qos=qos, preflight=preflight,
+                      hang_timeout=hang_timeout, recheck_every=recheck_every)
     if chosen.executor == "local":
         devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
     if chosen.executor == "slurm":
