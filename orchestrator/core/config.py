@@ -83,6 +83,9 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "devices": ("AUTORESEARCH_DEVICES", _text),
     "executor": ("AUTORESEARCH_EXECUTOR", _text),
     "ray_address": ("AUTORESEARCH_RAY_ADDRESS", _text),
+    "slurm_partition": ("AUTORESEARCH_SLURM_PARTITION", _text),
+    "slurm_account": ("AUTORESEARCH_SLURM_ACCOUNT", _text),
+    "slurm_qos": ("AUTORESEARCH_SLURM_QOS", _text),
     "preempt_after": ("AUTORESEARCH_PREEMPT_AFTER", _number),
     "retry_backoff": ("AUTORESEARCH_RETRY_BACKOFF", _number),
     "retry_backoff_cap": ("AUTORESEARCH_RETRY_BACKOFF_CAP", _number),
@@ -111,6 +114,11 @@ class Settings:
     devices: str = "auto"
     executor: str = "local"
     ray_address: Optional[str] = None
+    # --executor slurm: where attempts are submitted (None: the cluster's default partition, the user's
+    # default account and QoS)
+    slurm_partition: Optional[str] = None
+    slurm_account: Optional[str] = None
+    slurm_qos: Optional[str] = None
     preempt_after: float = 60.0  # minimum runtime (s) before a job may be preempted
     retry_backoff: float = 5.0  # first retry of a failed job after this many seconds, doubling ...
     retry_backoff_cap: float = 300.0  # ... up to this
@@ -134,8 +142,8 @@ class Settings:
         for name in ("preempt_after", "retry_backoff", "retry_backoff_cap"):
             if getattr(self, name) < 0:
                 raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.executor not in ("local", "ray"):
-            raise BadInput(f"unknown executor {self.executor!r}; expected local or ray")
+        if self.executor not in ("local", "ray", "slurm"):
+            raise BadInput(f"unknown executor {self.executor!r}; expected local, ray or slurm")
 
     @classmethod
     def load(cls, **flags: Any) -> "Settings":

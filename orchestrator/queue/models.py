@@ -212,6 +212,8 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
         # Names only: values may be secrets (--env-file), and `show`/`queue` never print them.
         "env": sorted((job["env"] or {}).keys()), "env_file": job["env_file"],
         "image": job["image"], "image_id": job["image_id"], "mounts": list(job["mounts"] or []),
+        # The attempt's job on a cluster executor (`slurm:ID`, `ray:SID@ADDRESS`); None for local processes.
+        "cluster_job": job["proc_start"] if ":" in str(job["proc_start"] or "") else None,
     }
 
 

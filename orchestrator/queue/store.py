@@ -250,7 +250,9 @@ class JobStore(RunRecords):
         if code == 0:
             return self._move(writes, job, S.SUCCEEDED, how, host, now, exit_code=code)
         if code == EX_TEMPFAIL:
-            return self._move(writes, job, S.QUEUED, f"exit 75: requeued without spending an attempt", host,
+            # An executor's own reason (Slurm requeued it, a node failed) is kept; a plain exit 75 needs none.
+            why = f" ({detail})" if detail and not detail.startswith("exit code") else ""
+            return self._move(writes, job, S.QUEUED, f"exit 75: requeued without spending an attempt{why}", host,
                               now, exit_code=code, devices=[])
         failures = job.failures + 1
         if job.retries_after_failure:

@@ -1,8 +1,11 @@
-"""One contract for every executor: the same scenarios pass on the local executor and on a real Ray cluster.
+"""One contract for every executor: the same scenarios pass on the local executor, on a real Ray cluster and
+on a real Slurm cluster.
 
 The Ray cluster is a local head started once for the session (`ray start --head` on free ports, 2 CPUs and
 2 logical GPUs); it is skipped with a reason when Ray is not installed. Services run in-process on cpu:2
-slots (one Ray CPU per slot), except the GPU-inventory test, which uses the cluster's logical GPUs.
+slots (one Ray CPU per slot), except the GPU-inventory test, which uses the cluster's logical GPUs. The
+Slurm cluster is the one-host cluster `.ci/slurm-setup.sh` starts (one Slurm CPU per slot); without it the
+Slurm cases skip with the reason (and fail under CI).
 """
 
 from __future__ import annotations
@@ -81,7 +84,15 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-@pytest.fixture(params=["local", "ray"])
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The node of the one-host Slurm cluster (skips, or fails under CI, when there is none)."""
+    from tests.support.slurm import slurm_node
+
+    return slurm_node()
+
+
+@pytest.fixture(params=["local", "ray", "slurm"])
 def kind(request):
     return request.param
 
@@ -95,6 +106,8 @@ def start_service(home, kind, request, monkeypatch):
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
 
     address = request.getfixturevalue("ray_head") if kind == "ray" else None
+    if kind == "slurm":
+        request.getfixturevalue("slurm_cluster")
     started = []
 
     def start(devices="cpu:2"):
@@ -112,6 +125,9 @@ def start_service(home, kind, request, monkeypatch):
         if kind == "ray":  # stop what the test left running on the cluster
             for job in service.store.list(HOLDING):
                 service.executor.stop(job)
+        elif kind == "slurm":
+            for job in service.store.list(HOLDING):
+                service.executor.signal(job, signal.SIGKILL)
         else:
             kill_leftovers(service.store)
         service.stop()

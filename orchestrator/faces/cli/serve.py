@@ -15,10 +15,13 @@ from orchestrator.core.errors import BadInput
 @app.command()
 def serve(
     devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu:N | a list like 0,1,3"),
-    executor: Optional[str] = typer.Option(None, "--executor", help="local | ray"),
+    executor: Optional[str] = typer.Option(None, "--executor", help="local | ray | slurm"),
     preempt_after: Optional[float] = typer.Option(None, "--preempt-after",
                                                   help="Minimum runtime (s) before a job may be preempted."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (with --executor slurm)."),
+    account: Optional[str] = typer.Option(None, "--account", help="Slurm account (with --executor slurm)."),
+    qos: Optional[str] = typer.Option(None, "--qos", help="Slurm QoS (with --executor slurm)."),
     preflight: Optional[str] = typer.Option(None, "--preflight", help="quick (before every start, default) | off"),
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout", help="Seconds without a heartbeat before a job is stopped and requeued "
@@ -37,9 +40,14 @@ def serve(
     if preempt_after is not None and preempt_after < 0:
         raise BadInput("--preempt-after must be >= 0")
     chosen = settings(devices=devices, executor=executor, preempt_after=preempt_after, ray_address=ray_address,
-                      preflight=preflight, hang_timeout=hang_timeout, recheck_every=recheck_every)
+                      slurm_partition=partition, slurm_account=account, slurm_qos=qos, preflight=preflight,
+                      hang_timeout=hang_timeout, recheck_every=recheck_every)
     if chosen.executor == "local":
         devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
+    if chosen.executor == "slurm":
+        from orchestrator.executors.slurm.executor import check_target
+
+        check_target(chosen)  # a partition, account or QoS Slurm refuses: exit 2 before anything is touched
     chosen.health  # bad health settings: exit 2 before anything is touched
     service = Service(chosen)
     info(f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# A real one-host Slurm for the tests of the Slurm executor (tests/orchestrator/test_slurm_*.py and the
+# executor contract suite's slurm parameter): munged, slurmctld and slurmd from Debian packages, run as root
+# daemons on this machine, with no slurmdbd (accounting_storage/none).
+#
+#   .ci/slurm-setup.sh          install what is missing, write the configs, start what is not running,
+#                               wait until the node is idle; prints one line of what it did, e.g.
+#                               `slurm-setup: ready on vm in 3s (installed munge ..., started slurmd)`
+#
+# Idempotent: a cluster that already answers with the node idle (or busy) is left as it is. The node is this
+# machine's hostname with 4 CPUs (more than the host may have: SlurmdParameters=config_overrides), so the
+# tests' parallel one-CPU jobs fit. Two partitions: `debug` (the default, any account) and `lab` (only
+# accounts `lab` and `ml`: what a bad --account is checked against without a database). Scheduling is tuned
+# to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
+# (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo -n "$@"; fi; }
+did=()
+started=$(date +%s)
+
+# -- packages -----------------------------------------------------------------------------------------------
+pkgs=()
+command -v munged >/dev/null || pkgs+=(munge)
+command -v slurmctld >/dev/null || pkgs+=(slurmctld)
+command -v slurmd >/dev/null || pkgs+=(slurmd)
+command -v sbatch >/dev/null || pkgs+=(slurm-client)
+if [ ${#pkgs[@]} -gt 0 ]; then
+  { as_root apt-get update -q && as_root apt-get install -y -q --no-install-recommends "${pkgs[@]}"; } \
+    >/dev/null 2>&1 || { echo "slurm-setup: could not install ${pkgs[*]} with apt-get" >&2; exit 1; }
+  did+=("installed ${pkgs[*]}")
+fi
+
+node=$(hostname -s)
+conf=/etc/slurm/slurm.conf
+
+# -- munge -------------------------------------------------------------------------------------------------
+if [ ! -s /etc/munge/munge.key ]; then
+  as_root sh -c 'dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null'
+  did+=("made a munge key")
+fi
+as_root chown munge:munge /etc/munge/munge.key
+as_root chmod 400 /etc/munge/munge.key
+as_root mkdir -p /run/munge /var/log/munge /var/lib/munge
+as_root chown munge:munge /run/munge /var/log/munge /var/lib/munge
+if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
+  as_root runuser -u munge -- /usr/sbin/munged --force
+  for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  did+=("started munged")
+fi
+
+# -- slurm.conf ---------------------------------------------------------------------------------------------
+want=$(cat <<EOF
+# Written by .ci/slurm-setup.sh: a one-host test cluster.
+ClusterName=autoresearch
+SlurmctldHost=$node
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmctldPort=6817
+SlurmdPort=6818
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+SchedulerType=sched/backfill
+SchedulerParameters=sched_min_interval=100000,batch_sched_delay=0,default_queue_depth=200,defer_batch=0
+MessageTimeout=5
+KillWait=5
+MinJobAge=600
+ReturnToService=2
+JobRequeue=1
+EnforcePartLimits=ALL
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MpiDefault=none
+NodeName=$node CPUs=4 RealMemory=1024 State=UNKNOWN
+PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PreemptMode=REQUEUE
+PartitionName=lab Nodes=$node Default=NO MaxTime=INFINITE State=UP AllowAccounts=lab,ml PreemptMode=REQUEUE
+EOF
+)
+as_root mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+if [ "$(cat "$conf" 2>/dev/null)" != "$want" ]; then
+  printf '%s\n' "$want" | as_root tee "$conf" >/dev/null
+  did+=("wrote $conf")
+  changed=1
+else
+  changed=0
+fi
+
+# -- daemons ------------------------------------------------------------------------------------------------
+running() { pgrep -x "$1" >/dev/null; }
+if [ "$changed" = 1 ] && running slurmctld; then
+  as_root scontrol reconfigure >/dev/null 2>&1 || true
+  did+=("reconfigured slurm")
+fi
+if ! running slurmctld; then
+  as_root /usr/sbin/slurmctld \
+    || { echo "slurm-setup: slurmctld did not start; see /var/log/slurm/slurmctld.log" >&2; exit 1; }
+  did+=("started slurmctld")
+fi
+if ! running slurmd; then
+  as_root /usr/sbin/slurmd || { echo "slurm-setup: slurmd did not start (run slurmd -D -vv to see why)" >&2; exit 1; }
+  did+=("started slurmd")
+fi
+
+# -- wait for the node --------------------------------------------------------------------------------------
+state=""
+for _ in $(seq 120); do
+  state=$(sinfo -h -n "$node" -p debug -o %T 2>/dev/null | head -1 || true)
+  case "$state" in idle|mixed|allocated) break ;; esac
+  case "$state" in down*|drain*|drng*)  # left down by an earlier run (a test's drain, a reboot): back to service
+    as_root scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true ;;
+  esac
+  sleep 0.5
+done
+case "$state" in
+  idle|mixed|allocated) ;;
+  *) echo "slurm-setup: node $node is not up (sinfo says '${state:-nothing}'); see /var/log/slurm/" >&2; exit 1 ;;
+esac
+join() { local IFS='|' all; all="$*"; echo "${all//|/, }"; }
+what="ready on $node in $(( $(date +%s) - started ))s"
+[ ${#did[@]} -gt 0 ] && what="$what ($(join "${did[@]}"))"
+echo "slurm-setup: $what"

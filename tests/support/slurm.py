@@ -1,0 +1,67 @@
+"""The one-host Slurm cluster the Slurm executor's tests use (`.ci/slurm-setup.sh` sets it up).
+
+`slurm_node()` is the fixture body: the node's name once `sinfo` shows it up, else the test is skipped
+with the reason (failed under CI, tests/support/requires.py). `cancel_jobs(store)` ends what a test left in
+Slurm; `node_state`/`set_node` drain and resume the node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from tests.support.requires import require
+
+
+def _sinfo() -> tuple[str | None, str | None]:
+    """(node name, None) when the cluster's debug partition has a usable node, else (None, why not)."""
+    if shutil.which("sinfo") is None:
+        return None, "no `sinfo` on PATH (run .ci/slurm-setup.sh)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N|%T"], capture_output=True,
+                             text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return None, "sinfo did not answer within 20 s (slurmctld down? run .ci/slurm-setup.sh)"
+    if out.returncode != 0:
+        return None, (out.stderr.strip().splitlines() or ["sinfo failed"])[0] + " (run .ci/slurm-setup.sh)"
+    for line in out.stdout.splitlines():
+        node, _, state = line.partition("|")
+        if state.rstrip("*~#") in ("idle", "mixed", "allocated", "completing"):
+            return node, None
+    return None, f"no node of partition debug is up (sinfo: {out.stdout.strip() or 'nothing'})"
+
+
+def slurm_node() -> str:
+    """The cluster's node, or skip (fail under CI) with the reason it is unusable."""
+    node, reason = _sinfo()
+    require("a Slurm cluster (slurmctld, slurmd, munge)", reason)
+    return node  # type: ignore[return-value]
+
+
+def scontrol(*args: str) -> str:
+    """Run scontrol; its stdout (raises on failure)."""
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def node_state(node: str) -> str:
+    """The node's state as sinfo prints it (idle, mixed, drained, draining ...)."""
+    return subprocess.run(["sinfo", "-h", "-n", node, "-N", "-o", "%T"], capture_output=True, text=True,
+                          timeout=20).stdout.split("\n")[0].strip()
+
+
+def cancel_jobs(store) -> None:
+    """Cancel the Slurm jobs of every job in `store` (what a test left behind; other tests' jobs are not
+    touched, so test runs may share the cluster)."""
+    ids = [job.proc_start.split(":", 1)[1] for job in store.list()
+           if (job.proc_start or "").startswith("slurm:") and not job.final]
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=20)
+
+
+def resume(node: str) -> None:
+    """Put the node back in service after a test drained it or set it down (nothing when it is back already:
+    `ReturnToService=2` returns a DOWN node whose slurmd answers)."""
+    done = subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0 and not node_state(node).startswith(("idle", "mixed", "alloc")):
+        raise RuntimeError(f"could not resume node {node}: {done.stderr.strip()}")
