@@ -20,6 +20,7 @@ from typing import Callable
 from orchestrator.service.reaper import reap_dead_hosts
 from orchestrator.executors.base import Executor, Exit, owed_signal
 from orchestrator.queue.models import Job
+from orchestrator.queue.rows import Held
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.queue.store import JobStore
 
@@ -77,7 +78,7 @@ class Supervisor:
         self.executor.stop(job)
         self.store.mark_stop_sent(job.id)
 
-    def expire(self, mine: list[Job]) -> list[Job]:
+    def expire(self, mine: list[Job | Held]) -> list[Job | Held]:
         """Jobs running past their time limit start stopping (`mine` returned, those jobs updated)."""
         now = time.time()
         out = []
@@ -88,7 +89,7 @@ class Supervisor:
             out.append(job)
         return out
 
-    def enforce_stops(self, mine: list[Job]) -> None:
+    def enforce_stops(self, mine: list[Job | Held]) -> None:
         """Stops owed to this host's stopping jobs: the first SIGTERM, or SIGKILL after the grace."""
         for job in mine:
             if job.job_state not in (S.PREEMPTING, S.CANCELLING) or job.pid is None:

@@ -14,6 +14,7 @@ them idempotent: a resumed session asks for the same run and gets the one it mad
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import tempfile
@@ -21,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
 
 TAG_KIND = "autoresearch.kind"  # "session" or "trial"
 TAG_SESSION = "autoresearch.session"
@@ -164,13 +167,18 @@ class Tracker:
         """Log params (values as text, clipped to MLflow's limit)."""
         from mlflow.entities import Param
 
+        from mlflow.exceptions import MlflowException
+
         items = [Param(str(k), _clip(v, 6000)) for k, v in params.items()]
         if items:
             try:
                 self.client.log_batch(run_id, params=items)
-            except Exception:
-                # A resumed caller may log the same params again; MLflow refuses changed values only.
-                pass
+            except MlflowException as exc:
+                # Logging the same values again is accepted; a changed value is refused, and a resumed caller
+                # keeps the run's first (the run records what it started with). Anything else is an error.
+                if exc.error_code != "INVALID_PARAMETER_VALUE":
+                    raise
+                log.warning("run %s keeps its logged params: %s", run_id, str(exc).splitlines()[0][:200])
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         """Set tags on a run (values clipped)."""
