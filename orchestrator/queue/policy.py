@@ -47,7 +47,7 @@ the plan that preempts it; the job it was preempted for starts on a later tick.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from orchestrator.queue.backfill import shadow
@@ -149,6 +149,7 @@ class Plan:
     starts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     preempt: tuple[int, ...] = ()
     expired: tuple[int, ...] = ()
+    why: tuple[str, ...] = field(default=(), compare=False)  # per preempted job: "priority", "reclaim" (its project borrows) or "scavenger"
 
 
 def _line_key(job: Waiting) -> tuple[int, float, float, int]:
@@ -254,6 +255,7 @@ def plan(
     pos = dict.fromkeys(lines, 0)  # each project's next job in its line
     starts: list[tuple[int, tuple[str, ...]]] = []
     preempt: list[int] = []
+    why: list[str] = []
     blocked: Optional[Waiting] = None
     while True:
         # The next job: the head of the project that goes first now (few projects: a scan beats a heap whose
@@ -282,6 +284,8 @@ def plan(
         for victim in victims:
             candidates.remove(victim)
             preempt.append(victim.id)
+            why.append("scavenger" if victim.scavenger else "reclaim" if victim.project != job.project
+                       else "priority")
             coming += usable_count(victim)
             if not victim.scavenger:
                 books.held[victim.project] -= usable_count(victim)
@@ -304,7 +308,7 @@ def plan(
             if job.gpus <= len(free):
                 starts.append((job.id, tuple(free[: job.gpus])))
                 del free[: job.gpus]
-    return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired)
+    return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired, why=tuple(why))
 
 
 def _victims_for(job: Waiting, candidates: list[Running], books: _Books, usable_count, shortfall: int
