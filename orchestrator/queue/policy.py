@@ -96,6 +96,7 @@ class Waiting:
     scavenger: bool = False
     deadline: Optional[float] = None
     time_limit: Optional[float] = None
+    preemptible: bool = True
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -190,7 +191,7 @@ class _Books:
             return True
         if p.borrow_limit is not None and over > p.borrow_limit:
             return False
-        return not (self.quotas and job.preemptible is False)
+        return not (self.quotas and not job.preemptible)
 
     def order(self, name: str, head: Waiting) -> tuple:
         p = self.project(name)

@@ -25,7 +25,7 @@ JOBS = Job.__table__
 # ix_jobs_line), a declared project's line (ix_jobs_project_line), the scavengers' line, and the held jobs.
 _WAITING_COLUMNS = (JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus,
                     JOBS.c.track & JOBS.c.mlflow_run_id.is_(None), JOBS.c.project, JOBS.c.scavenger,
-                    JOBS.c.deadline, JOBS.c.time_limit)
+                    JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible)
 _LINE_ORDER = (JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id)
 _WAITING = (core_select(*_WAITING_COLUMNS)
             .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"),
@@ -141,7 +141,7 @@ class JobQueries(HostRecords):
     def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
                  skip: Iterable[int] = (), projects: Sequence[str] = ()) -> tuple[list[tuple], list[Held]]:
         """What one dispatch pass needs: QUEUED jobs as light (id, priority, submitted_at, gpus, needs an MLflow
-        run, project, scavenger, deadline, time_limit) rows, and the jobs this host holds devices for (`Held`).
+        run, project, scavenger, deadline, time_limit, preemptible) rows, and the jobs this host holds devices for (`Held`).
 
         The first `limit` jobs of the whole line in line order, then the first `limit` of each of `projects`'
         lines and of the scavengers' (each its own indexed read: fair sharing may pick a project's head from far

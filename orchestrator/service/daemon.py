@@ -314,7 +314,7 @@ class Service:
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
         now = time.time()
         waiting = [scheduling.Waiting(row[0], row[1], row[2], row[3], row[5] or scheduling.DEFAULT_PROJECT,
-                                      bool(row[6]), row[7], row[8]) for row in queued]
+                                      bool(row[6]), row[7], row[8], bool(row[9])) for row in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
                                       j.preemptible or bool(j.scavenger), j.job_state in (S.PREEMPTING, S.CANCELLING),
                                       j.project or scheduling.DEFAULT_PROJECT, bool(j.scavenger),

@@ -97,7 +97,7 @@ def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
 
 def _waiting(j: Any) -> scheduling.Waiting:
     return scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus, j.project or scheduling.DEFAULT_PROJECT,
-                              bool(j.scavenger), j.deadline, j.time_limit)
+                              bool(j.scavenger), j.deadline, j.time_limit, bool(j.preemptible))
 
 
 def _running(j: Any, now: float) -> scheduling.Running:
