@@ -46,9 +46,11 @@ the plan that preempts it; the job it was preempted for starts on a later tick.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from orchestrator.queue.backfill import shadow
 
@@ -157,6 +159,10 @@ def _line_key(job: Waiting) -> tuple[int, float, float, int]:
     return (-job.priority, math.inf if job.deadline is None else job.deadline, job.submitted_at, job.id)
 
 
+def _plain_key(job: Waiting) -> tuple[int, float, int]:
+    return (-job.priority, job.submitted_at, job.id)  # `_line_key` when no job has a deadline: the same order
+
+
 def _victim_key(job: Running) -> tuple[int, float, int]:
     # Cheapest to lose first: lowest priority, then youngest (least work lost), then id for determinism.
     return (job.priority, -job.started_at, job.id)
@@ -245,14 +251,30 @@ def plan(
     candidates = sorted((job for job in running if job.preemptible and not job.releasing and usable_count(job) > 0
                          and (job.scavenger or now - job.started_at >= preempt_after)), key=_victim_key)
 
-    expired = tuple(sorted(job.id for job in waiting if misses_deadline(job.deadline, job.time_limit, now)))
+    expired = tuple(sorted(job.id for job in waiting
+                           if job.deadline is not None and misses_deadline(job.deadline, job.time_limit, now)))
     gone = set(expired)
+    capacity = len(usable)
+    # Jobs that can never run on this host (the capacity rule, `fits`, inline) or cannot be started must not
+    # block the line. Grouped in one loop, then each project's line sorted (cheaper than sorting them all).
     lines: dict[str, list[Waiting]] = {}
     scavengers: list[Waiting] = []
-    for job in sorted(waiting, key=_line_key):
-        if job.id in gone or not fits(job.gpus, len(usable)):
-            continue  # cannot be started, or can never run on this host: must not block the line
-        (scavengers if job.scavenger else lines.setdefault(job.project, [])).append(job)
+    dated = False
+    for job in waiting:
+        if job.gpus > capacity or (gone and job.id in gone):
+            continue
+        if job.deadline is not None:
+            dated = True
+        if job.scavenger:
+            scavengers.append(job)
+        elif job.project in lines:
+            lines[job.project].append(job)
+        else:
+            lines[job.project] = [job]
+    key = _line_key if dated else _plain_key
+    for line in lines.values():
+        line.sort(key=key)
+    scavengers.sort(key=key)
     pos = dict.fromkeys(lines, 0)  # each project's next job in its line
     starts: list[tuple[int, tuple[str, ...]]] = []
     preempt: list[int] = []
@@ -299,7 +321,9 @@ def plan(
 
     if blocked is not None:
         if backfill:
-            rest = sorted((j for name, line in lines.items() for j in line[pos[name]:]), key=_line_key)
+            # The jobs behind, in line order across projects, read lazily: most passes stop at the first few.
+            rest = heapq.merge(*(itertools.islice(line, pos[name], None) for name, line in lines.items()),
+                               key=_line_key)
             gone_now = set(preempt)
             ends = [(job.ends_at, usable_count(job)) for job in running
                     if not job.releasing and job.id not in gone_now and usable_count(job)]
@@ -329,7 +353,7 @@ def _victims_for(job: Waiting, candidates: list[Running], books: _Books, usable_
     return None if rest is None else scav + rest
 
 
-def _backfill(blocked: Waiting, rest: Sequence[Waiting], ends: list[tuple[Optional[float], int]], free: list[str],
+def _backfill(blocked: Waiting, rest: Iterable[Waiting], ends: list[tuple[Optional[float], int]], free: list[str],
               coming: int, books: _Books, now: float) -> list[tuple[int, tuple[str, ...]]]:
     """EASY backfill behind `blocked`: the starts on `free` that cannot delay its start (the module's rules).
     `ends`: (latest end or None, usable devices) of the running jobs not already being released."""
@@ -339,6 +363,8 @@ def _backfill(blocked: Waiting, rest: Sequence[Waiting], ends: list[tuple[Option
     when, surplus = at
     starts = []
     for job in rest:
+        if not free:
+            break
         if job.gpus > len(free) or not books.may_start(job):
             continue
         ends_first = job.time_limit is not None and now + job.time_limit <= when
