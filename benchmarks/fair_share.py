@@ -2,7 +2,7 @@
 
 Three projects with shares 2:1:1 (quotas 2, 1, 1) submit more than the box can run; project c's work is mostly
 an agent session's short trials; scavengers wait for idle devices all week; project b goes quiet for a few
-hours on day 3 and then comes back (its reclaim latency is measured). A pass runs every PASS seconds of
+hours on day 3 (it withdraws its waiting jobs) and then comes back (its reclaim latency is measured). A pass runs every PASS seconds of
 simulated time; a preempted job releases after GRACE and resumes where it stopped (a checkpoint); the decayed
 usage fair sharing weighs is kept per project with the default 24 h half-life.
 
@@ -93,6 +93,8 @@ def simulate(days: float, seed: int, backfill: bool) -> dict:
                 del running[job.id]
         for project in SHARES:
             if project == "b" and QUIET[0] <= now < QUIET[1]:
+                for job in [j for j in waiting.values() if j.project == "b" and not j.scavenger]:
+                    del waiting[job.id]  # b withdraws its waiting work: its quota is lent to the others
                 continue
             if project == "b" and now >= QUIET[1] and quiet_returned is None:
                 # The owner comes back with a one-device job within its quota of 1, the first in its line:

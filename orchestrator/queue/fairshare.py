@@ -31,23 +31,28 @@ class ProjectBook:
         self.names: tuple[str, ...] = ()  # declared projects: each has its own window of the line
 
     def projects(self) -> tuple[scheduling.Project, ...]:
-        """The `Project`s of the next pass (cached)."""
-        if time.monotonic() - self._at >= REFRESH:
-            try:
-                self._refresh()
-            except Exception:  # the queue still runs on the last known numbers
-                log.exception("could not read the projects")
-            self._at = time.monotonic()
+        """The `Project`s of the next pass: the last refresh's (a pass never reads the event log itself)."""
         return self._projects
+
+    def refresh_if_due(self) -> None:
+        """Read the declarations, usage and other hosts' holdings again when REFRESH has passed (housekeeping's
+        thread, outside the dispatch pass's transaction: the usage reads the event log)."""
+        if time.monotonic() - self._at < REFRESH:
+            return
+        try:
+            self._refresh()
+        except Exception:  # the queue still runs on the last known numbers
+            log.exception("could not read the projects")
+        self._at = time.monotonic()
 
     def _refresh(self) -> None:
         declared = proj.declared(self.store, self.extra)
+        if not declared and not proj.others_active(self.store):
+            self._projects, self.names = (), ()  # one default project: the single-line plan, no usage to read
+            return
         now = time.time()
         spent = usage.decayed_by_project(usage.attempts(self.store, since=now - USAGE_HORIZON * self.half_life,
                                                         now=now), now, self.half_life)
-        if not declared and set(spent) <= {scheduling.DEFAULT_PROJECT}:
-            self._projects, self.names = (), ()
-            return
         elsewhere = proj.held_by_project(self.store, exclude_host=self.host)
         names = sorted(set(declared) | set(spent) | set(elsewhere))
         self._projects = tuple(

@@ -128,6 +128,16 @@ def held_by_project(store: Any, *, exclude_host: Optional[str] = None) -> dict[s
         return {(name or DEFAULT_PROJECT): int(n or 0) for name, n in conn.execute(stmt)}
 
 
+def others_active(store: Any) -> bool:
+    """Whether any waiting or holding job is in a project other than the default one (one indexed read)."""
+    from orchestrator.queue.states import ACTIVE
+
+    stmt = (core_select(JOBS.c.id).where(JOBS.c.state.in_([s.value for s in ACTIVE]),
+                                         JOBS.c.project != DEFAULT_PROJECT).limit(1))
+    with store._lone_read() as conn:
+        return conn.execute(stmt).first() is not None
+
+
 def queued_by_project(store: Any) -> dict[str, int]:
     """QUEUED jobs of each project (scavengers counted apart, under `(scavenger)`)."""
     stmt = (core_select(JOBS.c.project, JOBS.c.scavenger, func.count())

@@ -155,6 +155,7 @@ class Service:
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             self.supervisor.reconcile()
+            self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
             self.run_preparer = RunPreparer(self.store, self.tracking, lambda: self._capacity, self._wake.set,
@@ -406,6 +407,7 @@ class Service:
         try:
             requeued = self.store.requeue_due()
             self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
+            self.projects.refresh_if_due()
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             if requeued:
                 self.wake()
