@@ -153,3 +153,21 @@ def test_usage_matches_the_event_log(db_url, monkeypatch, tmp_path):
     # --since cuts attempts at that time: nothing before it counts.
     later = sharing.usage(settings, by="project", since="0.001s", store=store, now=now)
     assert sum(r["device_seconds"] for r in later) <= 0.001 * 2 + 1e-9
+
+
+def test_usage_by_session_adds_the_llm_tokens_and_cost_the_session_recorded(home):
+    from orchestrator.agent.session import Registry, SessionConfig
+
+    settings = Settings.load()
+    store = JobStore.from_settings(settings)
+    job = store.submit(spec(owner="s-0000beef")).id
+    _attempt(store, job, "h", 0.01)
+    registry = Registry(home)
+    registry.create("s-0000beef", SessionConfig(goal="g", experiment="digits"))
+    registry.update("s-0000beef", status="finished", summary={"usage": {"calls": 3, "prompt_tokens": 1200,
+                                                                         "completion_tokens": 300,
+                                                                         "cost_usd": 0.0042}})
+    registry.close()
+    [row] = sharing.usage(settings, by="session", store=store)
+    assert row["session"] == "s-0000beef" and row["attempts"] == 1
+    assert (row["llm_calls"], row["prompt_tokens"], row["completion_tokens"], row["cost_usd"]) == (3, 1200, 300, 0.0042)
