@@ -186,6 +186,7 @@ class Agent(Phases):
                 tags = {"autoresearch.session": self.session_id, "autoresearch.proposer": t.proposer,
                         "autoresearch.phase": t.phase.value, "autoresearch.rationale": t.rationale,
                         "autoresearch.owner": self.session_id,
+                        "autoresearch.project": getattr(self.cfg, "project", "default"),
                         **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {})}
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
@@ -195,7 +196,8 @@ class Agent(Phases):
                                priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
                                preemptible=True, owner=self.session_id, experiment=self.spec.name,
                                params=t.params, env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t.key, image=self.spec.image)
+                               idempotency_key=t.key, image=self.spec.image,
+                               project=getattr(self.cfg, "project", "default"))
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
                     from orchestrator.tracking.jobruns import image_tags

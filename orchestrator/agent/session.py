@@ -50,6 +50,7 @@ class SessionConfig:
     max_attempts: int = 2
     poll: float = 1.0  # seconds between looks at the queue and MLflow while trials run
     llm: dict[str, Any] = field(default_factory=dict)  # LLMProposer options (timeouts, re-asks, backoff)
+    project: str = "default"  # the project its trials are charged to (orchestrator.queue.projects)
 
     def __post_init__(self) -> None:
         if not self.goal.strip():

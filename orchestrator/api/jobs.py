@@ -6,12 +6,13 @@ Import-light on purpose (no torch, no mlflow): `autoresearch submit` runs throug
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
-from orchestrator.queue.policy import unplaceable_reason
+from orchestrator.queue.policy import DEFAULT_PROJECT, unplaceable_reason
 from orchestrator.queue.models import Job, JobEvent, JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.core.wakeup import notify
@@ -66,6 +67,12 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
 
         spec = prepare(spec, settings.container_engine)
     store = store or JobStore.from_settings(settings)
+    if spec.project != DEFAULT_PROJECT:  # the default project needs no look-up: submits stay one insert
+        from orchestrator.api.sharing import resolve_project
+
+        spec = replace(spec, project=resolve_project(spec.project, settings, store))
+    if spec.deadline is not None and spec.deadline <= time.time():
+        raise BadInput("--deadline is in the past")
     capacities = store.live_capacities(SERVICE_STALE_AFTER)
     largest = max(capacities, default=0)
     why = unplaceable_reason(spec.gpus, largest) if largest else None

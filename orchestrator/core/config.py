@@ -101,6 +101,8 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "llm_base_url": ("OPENAI_BASE_URL", _text),
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
     "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
+    "usage_half_life": ("AUTORESEARCH_USAGE_HALF_LIFE", _number),
+    "backfill": ("AUTORESEARCH_BACKFILL", _text),
 }
 
 
@@ -136,12 +138,20 @@ class Settings:
     llm_base_url: Optional[str] = None
     llm_price: Optional[str] = None
     container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
+    # Projects sharing the devices (orchestrator.queue.projects): the half-life (s) of the usage fair sharing
+    # weighs, and whether jobs with a time limit may backfill behind a blocked job ("on" | "off").
+    usage_half_life: float = 86400.0
+    backfill: str = "on"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("preempt_after", "retry_backoff", "retry_backoff_cap"):
             if getattr(self, name) < 0:
                 raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.usage_half_life <= 0:
+            raise BadInput(f"usage_half_life must be more than 0 seconds, got {self.usage_half_life!r}")
+        if self.backfill not in ("on", "off"):
+            raise BadInput(f"backfill must be on or off, got {self.backfill!r}")
         if self.executor not in ("local", "ray", "slurm"):
             raise BadInput(f"unknown executor {self.executor!r}; expected local, ray or slurm")
 

@@ -149,8 +149,10 @@ def run_metrics(job: Any, settings: Settings, metric: Optional[str] = None) -> d
             "metrics": {name: [list(p) for p in tracker.history(job.mlflow_run_id, name)] for name in names}}
 
 
-def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY) -> MCPServer:
-    """The MCP server over this home's queue (tools and search-space resources)."""
+def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY,
+                 project: Optional[str] = None) -> MCPServer:
+    """The MCP server over this home's queue (tools and search-space resources). `project`: the project every
+    job and session of its clients is charged to (None: the one each names, else the default project)."""
     check_priority(max_priority)
     server = Server("autoresearch", log_level="WARNING", instructions=(
         "A GPU job queue with priorities and preemption, and research agents. Submit commands (argv lists) or "
@@ -167,25 +169,42 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
                            f"(a person may raise it: autoresearch mcp --max-priority N)")
         return priority
 
+    def charged(name: Optional[str]) -> str:
+        from orchestrator.api.sharing import resolve_project
+
+        if project is not None and name not in (None, "", project):
+            raise BadInput(f"project {name!r}: this server charges its clients' work to {project!r} "
+                           "(a person may change it: autoresearch mcp --project P)")
+        return resolve_project(project or name, settings, store())
+
     @server.tool()
     @_tool
     def submit_job(ctx: Context, command: Optional[list[str]] = None, experiment: Optional[str] = None,
                    params: Optional[dict[str, Any]] = None, name: str = "", priority: int = DEFAULT_PRIORITY,
                    gpus: int = 1, max_attempts: int = 1, grace: float = 30.0, preemptible: bool = True,
                    time_limit: Optional[str] = None, env: Optional[dict[str, str]] = None,
-                   cwd: Optional[str] = None) -> dict[str, Any]:
+                   cwd: Optional[str] = None, project: Optional[str] = None, scavenger: bool = False,
+                   deadline: Optional[str] = None) -> dict[str, Any]:
         """Queue a job: `command` (an argv list, run without a shell) or `experiment` with `params`.
+
+        project: the project charged (see the usage tool); scavenger: only idle devices, preempted first, not
+        charged; deadline: finish by then ("2026-12-03 18:00", ISO, or "2h"), else it is not started.
 
         priority: higher wins (people's jobs default to 10; this server caps what it accepts).
         time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory (default:
         the server's working directory). env: extra environment variables for the job.
         Returns the job (id, state, ...) and whether a service is running to pick it up."""
         from orchestrator.core.durations import parse_duration
+        from orchestrator.api.sharing import parse_deadline
 
+        if scavenger and not preemptible:
+            raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
         if cwd is not None and not os.path.isdir(cwd):
             raise BadInput(f"cwd {cwd!r} is not a directory")
         options = dict(name=name, priority=capped(priority), gpus=gpus, max_attempts=max_attempts, grace=grace,
                        preemptible=preemptible, env=dict(env or {}), owner=client_owner(ctx), cwd=cwd,
+                       project=charged(project), scavenger=scavenger,
+                       deadline=None if deadline is None else parse_deadline(deadline),
                        time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
         if experiment:
             if command:
@@ -256,7 +275,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     def start_session(goal: str, experiment: str, trials: Optional[int] = None, parallel: Optional[int] = None,
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
-                      baseline: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                      baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None) -> dict[str, Any]:
         """Start a research-agent session in the background (it proposes, runs and ranks trials through the
         queue; every result is judged against a baseline run on several seeds first). params: values held
         fixed; baseline: overrides of the experiment's defaults for the baseline. Watch it with session_status;
@@ -268,8 +287,19 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         config = SessionConfig(goal=goal, experiment=experiment, proposer=proposer or default_name(),
                                trials=trials, budget_minutes=budget_minutes, parallel=parallel,
                                priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
-                               baseline=dict(baseline or {}))
+                               baseline=dict(baseline or {}), project=charged(project))
         return sessions.start_session(config, settings)
+
+    @server.tool(name="usage")
+    @_tool
+    def usage_tool(by: str = "project", since: Optional[str] = None) -> dict[str, Any]:
+        """Who used the devices: device-seconds per project, owner or session (`by`) from the event log, since
+        e.g. "7d" (default: ever); scavenger use apart; by session, LLM calls, tokens and cost. Also the
+        projects (share, quota, decayed usage, devices held, jobs queued)."""
+        from orchestrator.agent.usage import usage
+        from orchestrator.api import sharing
+
+        return {"usage": usage(settings, by=by, since=since), "projects": sharing.projects_table(settings)}
 
     @server.tool()
     @_tool
@@ -311,9 +341,9 @@ def _add_space_resources(server: MCPServer) -> None:
 
 
 def serve(settings: Settings, *, http_port: Optional[int] = None, host: str = "127.0.0.1",
-          max_priority: int = DEFAULT_MAX_PRIORITY) -> None:
+          max_priority: int = DEFAULT_MAX_PRIORITY, project: Optional[str] = None) -> None:
     """Run the server until the client hangs up (stdio) or the process is stopped (HTTP)."""
-    server = build_server(settings, max_priority=max_priority)
+    server = build_server(settings, max_priority=max_priority, project=project)
     if http_port is None:
         server.run("stdio")
     else:

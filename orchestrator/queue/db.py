@@ -156,6 +156,9 @@ def add_missing_columns(engine: Engine) -> list[str]:
                 raise StoreUnavailable(f"queue table {table.name} lacks the non-null column {column.name}; "
                                        "it was made by an incompatible release")
             kind = column.type.compile(dialect=engine.dialect)
+            default = column.server_default
+            if default is not None and isinstance(getattr(default, "arg", None), str):
+                kind += " DEFAULT '" + default.arg.replace("'", "''") + "'"  # the old rows get it too
             try:
                 with engine.connect() as conn:
                     conn.execute(text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))

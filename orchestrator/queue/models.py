@@ -13,6 +13,7 @@ from sqlmodel import Field, SQLModel
 
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.states import FINISHED, JobState, StopCause
+from orchestrator.queue.policy import DEFAULT_PROJECT
 
 # Stated bounds of what a submitter may ask for: both backends store these as 32-bit integers, and a number
 # beyond them is a typo, not a plan.
@@ -52,6 +53,11 @@ class JobSpec:
     image: Optional[str] = None
     image_id: Optional[str] = None
     mounts: Optional[list[str]] = None
+    # Sharing the devices (orchestrator.queue.projects): the project charged for the job, whether it only uses
+    # idle devices (never charged, preempted first), and the time (UNIX seconds) it must finish by.
+    project: str = DEFAULT_PROJECT
+    scavenger: bool = False
+    deadline: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -72,6 +78,13 @@ class JobSpec:
             raise BadInput("env overrides must map strings to strings")
         if self.mounts and not self.image:
             raise BadInput("--mount needs --image (a job without an image sees the host's files already)")
+        if self.scavenger and not self.preemptible:
+            raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
+        if not isinstance(self.project, str) or not self.project.strip():
+            raise BadInput("--project must be a non-empty name")
+        if self.deadline is not None and not (isinstance(self.deadline, (int, float))
+                                              and not isinstance(self.deadline, bool)):
+            raise BadInput(f"--deadline must be a time, got {self.deadline!r}")
 
 
 def check_priority(priority: Any) -> int:
@@ -102,6 +115,12 @@ class Job(SQLModel, table=True):
         # Jobs whose MLflow run the service made and has not ended (orchestrator.queue.runs): a few at any time.
         Index("ix_jobs_runs_open", "finished_at", sqlite_where=text("run_open_at IS NOT NULL"),
               postgresql_where=text("run_open_at IS NOT NULL")),
+        # A project's line (a pass reads the first few of each project's, orchestrator.queue.projects).
+        Index("ix_jobs_project_line", "state", "project", "scavenger", text("priority DESC"), "submitted_at",
+              "id"),
+        # Queued jobs with a deadline (housekeeping ends those that can no longer meet it): a partial index.
+        Index("ix_jobs_deadline", "state", "deadline", sqlite_where=text("deadline IS NOT NULL"),
+              postgresql_where=text("deadline IS NOT NULL")),
         UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
     )
 
@@ -125,6 +144,10 @@ class Job(SQLModel, table=True):
     image_id: Optional[str] = None  # the image's content id at submit (sha256:...): what runs
     mounts: Optional[list] = Field(default=None, sa_column=Column(JSON, nullable=True))
     env_file: Optional[str] = None  # where `env` values came from (shown instead of them)
+    # Added by issue 28 (nullable, with server defaults: `add_missing_columns` fills them in older databases).
+    project: Optional[str] = Field(default=DEFAULT_PROJECT, sa_column_kwargs={"server_default": DEFAULT_PROJECT})
+    scavenger: Optional[bool] = Field(default=False, sa_column_kwargs={"server_default": "0"})
+    deadline: Optional[float] = None  # UNIX seconds the job must finish by (not started when it cannot)
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -214,7 +237,21 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
         "image": job["image"], "image_id": job["image_id"], "mounts": list(job["mounts"] or []),
         # The attempt's job on a cluster executor (`slurm:ID`, `ray:SID@ADDRESS`); None for local processes.
         "cluster_job": job["proc_start"] if ":" in str(job["proc_start"] or "") else None,
+        "project": job["project"] or DEFAULT_PROJECT, "scavenger": bool(job["scavenger"]), "deadline": job["deadline"],
     }
+
+
+class ProjectRecord(SQLModel, table=True):
+    """A project sharing the devices (`autoresearch projects set`): its fair-share weight, its guaranteed
+    devices and how many devices beyond them it may borrow (None: no cap). config.toml may declare more."""
+
+    __tablename__ = "projects"
+
+    name: str = Field(primary_key=True)
+    share: float = 1.0
+    quota: int = 0
+    borrow_limit: Optional[int] = None
+    updated_at: float = 0.0
 
 
 class JobEvent(SQLModel, table=True):

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from sqlalchemy import bindparam, func, or_, select as core_select
 from sqlmodel import select
@@ -21,11 +21,25 @@ S = JobState
 JOBS = Job.__table__
 
 
-# A pass's two reads, built once: building a statement cost more than running it.
-_WAITING = (core_select(JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus,
-                        JOBS.c.track & JOBS.c.mlflow_run_id.is_(None))
-            .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"))
-            .order_by(JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id).limit(bindparam("limit")))
+# A pass's reads, built once: building a statement cost more than running it. The line (every project, through
+# ix_jobs_line), a declared project's line (ix_jobs_project_line), the scavengers' line, and the held jobs.
+_WAITING_COLUMNS = (JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus,
+                    JOBS.c.track & JOBS.c.mlflow_run_id.is_(None), JOBS.c.project, JOBS.c.scavenger,
+                    JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible)
+_LINE_ORDER = (JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id)
+_WAITING = (core_select(*_WAITING_COLUMNS)
+            .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"),
+                   JOBS.c.scavenger.isnot(True))
+            .order_by(*_LINE_ORDER).limit(bindparam("limit")))
+_PROJECT_WAITING = (core_select(*_WAITING_COLUMNS)
+                    .where(JOBS.c.state == S.QUEUED.value, JOBS.c.project == bindparam("project"),
+                           JOBS.c.scavenger == False,  # noqa: E712 - SQL, through the index
+                           JOBS.c.gpus <= bindparam("capacity"))
+                    .order_by(*_LINE_ORDER).limit(bindparam("limit")))
+_SCAVENGERS = (core_select(*_WAITING_COLUMNS)
+               .where(JOBS.c.state == S.QUEUED.value, JOBS.c.scavenger == True,  # noqa: E712
+                      JOBS.c.gpus <= bindparam("capacity"))
+               .order_by(*_LINE_ORDER).limit(bindparam("limit")))
 _HELD = (core_select(*(JOBS.c[name] for name in Held.COLUMNS))
          .where(JOBS.c.state.in_([s.value for s in HOLDING]), JOBS.c.host == bindparam("host")))
 NO_LIMIT = 2 ** 62
@@ -125,18 +139,31 @@ class JobQueries(HostRecords):
             return list(session.exec(stmt.order_by(Job.id)))
 
     def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
-                 skip: Iterable[int] = ()) -> tuple[list[tuple], list[Held]]:
-        """What one dispatch pass needs: QUEUED jobs in line order as light (id, priority, submitted_at, gpus,
-        needs an MLflow run) rows, and the jobs this host holds devices for (`Held`).
+                 skip: Iterable[int] = (), projects: Sequence[str] = ()) -> tuple[list[tuple], list[Held]]:
+        """What one dispatch pass needs: QUEUED jobs as light (id, priority, submitted_at, gpus, needs an MLflow
+        run, project, scavenger, deadline, time_limit, preemptible) rows, and the jobs this host holds devices for (`Held`).
 
-        `capacity`: only jobs needing at most this many devices (the others can never run here and must not
-        take places in the window); `limit`: at most this many rows; `skip`: ids left out (held back).
-        Two statements without a write lock (a pass only reads here; its changes re-read under the lock)."""
+        The first `limit` jobs of the whole line in line order, then the first `limit` of each of `projects`'
+        lines and of the scavengers' (each its own indexed read: fair sharing may pick a project's head from far
+        back in the whole line). `capacity`: only jobs needing at most this many devices (the others can never
+        run here and must not take places in the window); `skip`: ids left out (held back).
+        Statements without a write lock (a pass only reads here; its changes re-read under the lock)."""
         skip = set(skip)
         wanted = NO_LIMIT if limit is None else limit + len(skip)
+        params = {"capacity": NO_LIMIT if capacity is None else capacity, "limit": wanted}
+        seen: set[int] = set()
+        waiting: list[tuple] = []
+
+        def take(rows) -> None:
+            part = [tuple(row) for row in rows if row[0] not in skip and row[0] not in seen]
+            part = part[:limit] if limit is not None else part
+            seen.update(row[0] for row in part)
+            waiting.extend(part)
+
         with self._lone_read() as conn:
-            waiting = [tuple(row) for row in conn.execute(_WAITING, {"capacity": NO_LIMIT if capacity is None
-                                                                     else capacity, "limit": wanted})
-                       if row[0] not in skip]
+            take(conn.execute(_WAITING, params))
+            for name in projects:
+                take(conn.execute(_PROJECT_WAITING, {**params, "project": name}))
+            take(conn.execute(_SCAVENGERS, params))
             mine = [Held(row) for row in conn.execute(_HELD, {"host": host})]
-        return waiting[:limit] if limit is not None else waiting, mine
+        return waiting, mine

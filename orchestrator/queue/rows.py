@@ -42,7 +42,7 @@ class Held(LightRow):
     Whoever signals the job loads the whole `Job` (`JobQueries.get`)."""
 
     COLUMNS = ("id", "state", "priority", "devices", "started_at", "preemptible", "pid", "stop_sent_at",
-               "time_limit", "attempts", "grace")
+               "time_limit", "attempts", "grace", "project", "scavenger")
     __slots__ = COLUMNS
 
 

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
-from sqlalchemy import bindparam, insert, select as core_select, update
+from sqlalchemy import bindparam, func, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
@@ -44,6 +44,9 @@ DEVICES = Device.__table__
 _DEVICE_STATES = core_select(DEVICES.c.name, DEVICES.c.state).where(DEVICES.c.host == bindparam("host"))
 _CLAIMABLE = core_select(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True)),
                                     JOBS.c.state == S.QUEUED.value)
+# Queued jobs past the point where they could meet their deadline (through the partial index ix_jobs_deadline).
+_LATE = core_select(JOBS.c.id).where(JOBS.c.state == S.QUEUED.value, JOBS.c.deadline.isnot(None),
+                                     JOBS.c.deadline < bindparam("now") + func.coalesce(JOBS.c.time_limit, 0.0))
 _JOBS_BY_ID = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)))
 _ROWS_BY_ID = (core_select(*(JOBS.c[name] for name in Moving.COLUMNS))
                .where(JOBS.c.id.in_(bindparam("ids", expanding=True))))
@@ -126,6 +129,7 @@ class JobStore(RunRecords):
                       mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
                       time_limit=spec.time_limit, image=spec.image, image_id=spec.image_id,
                       mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
+                      project=spec.project, scavenger=spec.scavenger, deadline=spec.deadline,
                       state=S.QUEUED.value, reason="submitted", submitted_at=now, devices=[])
         try:
             with self._tx() as session:
@@ -360,6 +364,28 @@ class JobStore(RunRecords):
                 return None
             return self._move(writes, job, S.CANCELLING, TIME_LIMIT, None, now, stop_sent_at=None,
                               stop_cause=StopCause.TIME_LIMIT.value)
+
+    def miss_deadlines(self, job_ids: Iterable[int] = (), now: Optional[float] = None) -> list[Job]:
+        """QUEUED jobs that can no longer finish by their deadline -> CANCELLED ("deadline"): those given (the
+        plan's `expired`) and any other queued job whose deadline is before now plus its time limit. The rule
+        is the policy's (`scheduling.misses_deadline`), checked again under the lock."""
+        from orchestrator.queue.policy import DEADLINE, misses_deadline
+
+        now = time.time() if now is None else now
+        given = list(job_ids)
+        with self._lone_read() as conn:  # most seconds find none: no write lock for that
+            late = [row[0] for row in conn.execute(_LATE, {"now": now})]
+        if not late and not given:
+            return []
+        with self._moving() as (session, writes):
+            due = self._lock_many(session, sorted(set(late) | set(given)))
+            out = []
+            for job in due.values():
+                if job.job_state is S.QUEUED and misses_deadline(job.deadline, job.time_limit, now):
+                    limit = f" + its time limit {job.time_limit:g}s" if job.time_limit else ""
+                    out.append(self._move(writes, job, S.CANCELLED, f"{DEADLINE}: cannot finish by it (now{limit} "
+                                          "is past it)", None, now))
+            return out
 
     def demote(self, job_id: int, priority: int, reason: str = "demoted") -> Job:
         """Lower a job's priority; a running job is preempted (it checkpoints and waits in line)."""

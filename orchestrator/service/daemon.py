@@ -37,6 +37,7 @@ from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_se
 from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, job_env
+from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
 from orchestrator.core.layout import Layout
@@ -57,6 +58,10 @@ SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch ser
 # takes the CPU from the jobs starting up; any wake-up meanwhile, an exit or a submit, records it sooner).
 RECORD_STARTS_WITHIN = 0.02
 TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
+BACKFILL_WINDOW = 32  # queued jobs read past the first blocked one, as backfill candidates
+PREEMPT_REASONS = {"priority": "preempted for a higher-priority job",
+                   "reclaim": "preempted: its project borrowed devices another project's quota reclaims",
+                   "scavenger": "preempted: a scavenger gives way to any waiting job"}
 
 
 def node_name(home: Path) -> str:
@@ -128,6 +133,8 @@ class Service:
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
+        self.projects = ProjectBook(self.store, settings.extra, self.host, settings.usage_half_life)
+        self._backfill = settings.backfill == "on"
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -149,6 +156,7 @@ class Service:
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             self.supervisor.reconcile()
+            self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
             self.run_preparer = RunPreparer(self.store, self.tracking, lambda: self._capacity, self._wake.set,
@@ -293,22 +301,34 @@ class Service:
             self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
         # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
         # at most one per usable device plus the first it must stop at (each start or reservation uses at least
-        # one device that is free, being released, or preemptible; a job that finds none ends the pass). So
-        # the pass reads O(devices) rows whatever the queue's length, and no job that could start is hidden.
+        # one device that is free, being released, or preemptible; a job that finds none ends the pass), and
+        # fair sharing picks each project's head: so a window of the whole line and one of each declared
+        # project's line (orchestrator.queue.queries.snapshot). The pass reads O(devices x projects) rows
+        # whatever the queue's length.
         capacity = self._capacity = len(set(usable))
-        queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
-                                           skip=self._tracking_blocked)
+        projects = self.projects.projects()
+        # Backfill looks past the first blocked job: a few more rows than the devices.
+        window = capacity + 1 + (BACKFILL_WINDOW if self._backfill else 0)
+        queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=window,
+                                           skip=self._tracking_blocked, projects=self.projects.names)
         if self.run_preparer is not None and any(row[4] for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
         now = time.time()
-        waiting = [scheduling.Waiting(job_id, prio, submitted, gpus) for job_id, prio, submitted, gpus, _ in queued]
+        waiting = [scheduling.Waiting(row[0], row[1], row[2], row[3], row[5] or scheduling.DEFAULT_PROJECT,
+                                      bool(row[6]), row[7], row[8], bool(row[9])) for row in queued]
         running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
-                                      j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
+                                      j.preemptible or bool(j.scavenger), j.job_state in (S.PREEMPTING, S.CANCELLING),
+                                      j.project or scheduling.DEFAULT_PROJECT, bool(j.scavenger),
+                                      (j.started_at or now) + j.time_limit if j.time_limit else None)
                    for j in mine]
-        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
-        preempted = (self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host)
-                     if plan.preempt else [])
+        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
+        preempted = []
+        for why in dict.fromkeys(plan.why):  # one batch per reason, each victim's event saying why
+            preempted += self.store.preempt([job_id for job_id, w in zip(plan.preempt, plan.why) if w == why],
+                                            PREEMPT_REASONS[why], self.host)
+        if plan.expired:
+            self.store.miss_deadlines(plan.expired)
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
         return mine, preempted, claimed
 
@@ -387,6 +407,8 @@ class Service:
     def _housekeeping(self) -> None:
         try:
             requeued = self.store.requeue_due()
+            self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
+            self.projects.refresh_if_due()
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
             if requeued:
                 self.wake()

@@ -44,9 +44,10 @@ def image_tags(job) -> dict[str, str]:
 
 def run_request(job: Job) -> dict[str, Any]:
     """What the run of `job` is made of: its MLflow experiment (the job's experiment or `jobs`), run name,
-    tags (job id, owner, experiment, container image name and digest) and params (as text, clipped)."""
+    tags (job id, owner, project, experiment, container image name and digest) and params (as text, clipped)."""
     name = f"{job.name}-{job.id}"
-    tags = {TAG_JOB: str(job.id), "autoresearch.owner": job.owner, "mlflow.runName": name}
+    tags = {TAG_JOB: str(job.id), "autoresearch.owner": job.owner, "mlflow.runName": name,
+            "autoresearch.project": getattr(job, "project", None) or "default"}
     if job.experiment:
         tags[TAG_EXPERIMENT] = job.experiment
     tags.update(image_tags(job))

@@ -17,7 +17,7 @@ from mcp_types import Implementation
 from tests.faces.conftest import SCRIPTS
 
 TOOLS = {"submit_job", "list_jobs", "get_job", "job_logs", "cancel_job", "list_devices", "run_metrics",
-         "leaderboard", "start_session", "session_status", "stop_session"}
+         "leaderboard", "start_session", "session_status", "stop_session", "usage"}
 
 
 def with_client(env, body, *args: str, name: str = "test-agent"):
@@ -56,6 +56,27 @@ def test_tools_have_schemas_and_search_spaces_are_resources(child_env):
     assert tools["get_job"].input_schema["required"] == ["job_id"]
     assert "autoresearch://experiments/digits" in resources
     assert digits["metric"] == "val_accuracy" and {"lr", "epochs"} <= {p["name"] for p in digits["space"]}
+
+
+def test_the_servers_project_bounds_its_clients_and_the_usage_tool_reads_the_ledger(child_env):
+    from orchestrator.api import sharing
+    from orchestrator.core.config import Settings
+
+    sharing.set_project(Settings.load(), "vision", share=2)
+    sharing.set_project(Settings.load(), "nlp", share=1)
+
+    async def body(session):
+        named = await call(session, "submit_job", command=["true"], project="nlp")
+        plain = await call(session, "submit_job", command=["true"], scavenger=True)
+        stuck = await call(session, "submit_job", command=["true"], scavenger=True, preemptible=False)
+        used = await call(session, "usage", by="project")
+        return named, plain, stuck, used
+
+    named, plain, stuck, used = with_client(child_env, body, "--project", "vision")
+    assert named[0] and "charges its clients' work to 'vision'" in named[1]
+    assert not plain[0] and plain[1]["project"] == "vision" and plain[1]["scavenger"] is True
+    assert stuck[0] and "always preemptible" in stuck[1]
+    assert not used[0] and {p["name"] for p in used[1]["projects"]} >= {"vision", "nlp", "default"}
 
 
 @pytest.mark.slow

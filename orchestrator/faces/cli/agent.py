@@ -120,6 +120,8 @@ def start(
     baseline_seeds: int = typer.Option(3, "--baseline-seeds", help="Seeds the baseline runs on, first of all."),
     no_early_stop: bool = typer.Option(False, "--no-early-stop", help="Let every trial run its full budget."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    project: Optional[str] = typer.Option(None, "--project", help="The project the trials are charged to "
+                                          "(`autoresearch projects`; default: the default project)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
@@ -143,13 +145,24 @@ def start(
                            model=model or Settings.load().llm_model, fixed=api.parse_params(param),
                            confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                            baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
-                           early_stopping=not no_early_stop)
+                           early_stopping=not no_early_stop, project=_project(project))
     runner.check(config, devices=devices)
     session_id = new_id()
     info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
     info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
     summary = runner.start(config, session_id=session_id, devices=devices, on_event=progress)
     print_json(summary) if as_json else _print_summary(summary)
+
+
+def _project(name: Optional[str]) -> str:
+    """The session's project, checked like a submit's (an undeclared one while projects exist: exit 2)."""
+    from orchestrator.api import jobs as api
+    from orchestrator.faces.cli.common import settings
+    from orchestrator.api.sharing import resolve_project
+
+    if not name:
+        return "default"
+    return resolve_project(name, settings(), api.open_store(settings()))
 
 
 @app.command()

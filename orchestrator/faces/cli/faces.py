@@ -18,6 +18,8 @@ def mcp(
     host: str = typer.Option("127.0.0.1", "--host", help="Address for --http (default: loopback only)."),
     max_priority: int = typer.Option(5, "--max-priority",
                                      help="Highest priority an outside agent may ask for (people's default is 10)."),
+    project: Optional[str] = typer.Option(None, "--project", help="Charge every job and session of the "
+                                          "server's clients to this project (they may not name another)."),
 ) -> None:
     """The MCP server for outside agents (stdio; --http PORT for streamable HTTP)."""
     from orchestrator.queue.models import check_priority
@@ -31,7 +33,12 @@ def mcp(
     if http is not None and host not in ("127.0.0.1", "localhost", "::1"):
         info(f"note: the MCP server has no authentication and listens on {host}:{http}")
 
-    serve(settings(), http_port=http, host=host, max_priority=max_priority)
+    if project is not None:
+        from orchestrator.api import jobs as api
+        from orchestrator.api.sharing import resolve_project
+
+        project = resolve_project(project, settings(), api.open_store(settings()))
+    serve(settings(), http_port=http, host=host, max_priority=max_priority, project=project)
 
 
 @app.command()

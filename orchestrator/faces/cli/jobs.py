@@ -43,12 +43,23 @@ def submit(
     no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Stop an attempt that runs longer "
                                              "(90s, 5m, 2h): SIGTERM, SIGKILL after --grace, then FAILED."),
+    project: Optional[str] = typer.Option(None, "--project", help="The project charged for the job "
+                                          "(`autoresearch projects`; default: the default project)."),
+    scavenger: bool = typer.Option(False, "--scavenger", help="Use only idle devices; preempted by any job, "
+                                   "first; not charged to the project."),
+    deadline: Optional[str] = typer.Option(None, "--deadline", help="Finish by this time (\"2026-12-03 18:00\", "
+                                           "ISO, or 2h): not started when it can no longer (now + --time-limit)."),
     as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
     from orchestrator.core.durations import parse_duration
+    from orchestrator.api.sharing import parse_deadline
 
-    options = dict(name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
+    if scavenger and no_preempt:
+        raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
+    sharing = dict(project=project or "default", scavenger=scavenger,
+                   deadline=None if deadline is None else parse_deadline(deadline))
+    options = dict(**sharing, name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
                    preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
                    env_file=env_file, cwd=workdir, image=image, mounts=list(mount) or None,
                    time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))

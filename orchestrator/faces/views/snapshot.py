@@ -65,6 +65,7 @@ class Snapshot:
     events: list[tuple[JobEvent, str]]  # (event, job name)
     sessions: list[dict] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # unfinished jobs by state, all of them (not only shown)
+    projects: list[dict] = field(default_factory=list)  # `projects --json` rows; empty with only the default one
 
 
 def _heartbeat(layout: Layout, job_id: int) -> tuple[Optional[float], Optional[int]]:
@@ -94,27 +95,44 @@ def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
         nv.close()
 
 
+def _waiting(j: Any) -> scheduling.Waiting:
+    return scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus, j.project or scheduling.DEFAULT_PROJECT,
+                              bool(j.scavenger), j.deadline, j.time_limit, bool(j.preemptible))
+
+
+def _running(j: Any, now: float) -> scheduling.Running:
+    return scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
+                              j.preemptible or bool(j.scavenger), j.job_state in (S.PREEMPTING, S.CANCELLING),
+                              j.project or scheduling.DEFAULT_PROJECT, bool(j.scavenger),
+                              (j.started_at or now) + j.time_limit if j.time_limit else None)
+
+
+def plan_projects(rows: list[dict]) -> tuple[scheduling.Project, ...]:
+    """The policy's `Project`s from `projects --json` rows (decayed usage back in device-seconds)."""
+    return tuple(scheduling.Project(r["name"], share=r["share"], quota=r["quota"], borrow_limit=r["borrow_limit"],
+                                    usage=r["usage_device_hours"] * 3600)
+                 for r in rows if r.get("source") != "scavenger")
+
+
 def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], services: list[ServiceRecord],
-               now: float, preempt_after: float) -> tuple[list[QueueRow], dict[int, int]]:
+               now: float, preempt_after: float, projects: tuple = ()) -> tuple[list[QueueRow], dict[int, int]]:
     """Each waiting job's fate in the next plan of the live services, and who is preempted for whom.
 
     The policy is run on growing prefixes of the line: the preemptions that appear when job k joins are the
     ones made for job k (the policy serves the line in order, so earlier jobs' choices do not change)."""
     starting: dict[int, tuple[str, ...]] = {}
     victims: dict[int, int] = {}
-    line = [scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus) for j in waiting]
+    line = [_waiting(j) for j in waiting]
     for svc in services:
         usable = [d.name for d in devices if d.host == svc.host and d.state == "available"]
-        running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now, j.preemptible,
-                                      j.job_state in (S.PREEMPTING, S.CANCELLING))
-                   for j in holding if j.host == svc.host]
-        full = scheduling.plan(line, running, usable, now, preempt_after)
+        running = [_running(j, now) for j in holding if j.host == svc.host]
+        full = scheduling.plan(line, running, usable, now, preempt_after, projects)
         starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
         seen: set[int] = set()
         for k in range(len(line)):
             if not set(full.preempt) - seen:
                 break
-            step = scheduling.plan(line[: k + 1], running, usable, now, preempt_after)
+            step = scheduling.plan(line[: k + 1], running, usable, now, preempt_after, projects)
             for victim in step.preempt:
                 if victim not in seen:
                     seen.add(victim)
@@ -163,7 +181,16 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
     held = {j.id for j in holding}
     waiting = [row for row in waiting if row.id not in held]
     counts = store.state_counts()
-    queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after)
+    try:
+        from orchestrator.api.sharing import projects_table
+
+        shared = projects_table(settings, store, now)
+    except Exception:  # a view: a bad [projects] table is `projects`' to report, not a reason to go blank
+        shared = []
+    if len(shared) <= 1:
+        shared = []  # only the default project: nothing to say
+    queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after,
+                                plan_projects(shared))
 
     layout = Layout(settings.home)
     on: dict[tuple[str, str], Job] = {}
@@ -187,4 +214,4 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
         progress = []
     return Snapshot(at=now, home=str(settings.home), services=services, devices=rows, queue=queue, victims=victims,
                     running=sorted(holding, key=lambda j: j.id), events=[(e, names.get(e.job_id, "")) for e in recent],
-                    sessions=progress, counts=counts)
+                    sessions=progress, counts=counts, projects=shared)

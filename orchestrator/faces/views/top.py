@@ -162,13 +162,26 @@ def header(snap: Snapshot, live: bool) -> Text:
     return text
 
 
+def projects_line(snap: Snapshot) -> Text:
+    """One line: each project's share, quota, decayed usage (device-hours), devices running and jobs queued."""
+    parts = []
+    for r in snap.projects:
+        if r["source"] == "scavenger":
+            parts.append(f"scavengers q{r['queued']}")
+            continue
+        quota = f"/{r['quota']}" if r["quota"] else ""
+        parts.append(f"{r['name']} x{r['share']:g}{quota} {r['usage_device_hours']:.1f}h "
+                     f"run {r['running_devices']} q{r['queued']}")
+    return Text.assemble(("projects ", "bold"), "  ".join(parts), no_wrap=True, overflow="ellipsis")
+
+
 def budget(snap: Snapshot, height: Optional[int]) -> dict[str, Optional[int]]:
     """Rows each section may show in `height` lines (None: all). Devices first, then queue, sessions, events."""
     need = {"devices": max(1, len(snap.devices)), "queue": max(1, len(snap.queue)),
             "sessions": len(snap.sessions), "events": len(snap.events)}
     if height is None:
         return {k: None for k in need}
-    left = height - 1  # the header line
+    left = height - 1 - bool(snap.projects)  # the header line, and the projects line when there is one
     shown = {k: 0 for k in need}
     # First pass: a little of everything that exists; then the rest in priority order.
     for key, first in (("devices", 4), ("queue", 4), ("sessions", 2), ("events", 3)):
@@ -188,6 +201,8 @@ def render(snap: Snapshot, height: Optional[int] = None, live: bool = False) -> 
     """One frame, fitted to `height` lines (None: every row)."""
     rows = budget(snap, height)
     parts: list[Any] = [header(snap, live)]
+    if snap.projects:
+        parts.append(projects_line(snap))
     drawn = {"devices": devices_table, "queue": queue_table, "sessions": sessions_table, "events": events_table}
     for key, make in drawn.items():
         if height is None or rows[key] or (key in ("devices", "queue") and height - 1 > SECTION_OVERHEAD):

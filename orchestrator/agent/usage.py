@@ -1,0 +1,51 @@
+"""`autoresearch usage` (and MCP `usage`): device-seconds per project, owner or session from the queue's event
+log (`orchestrator.queue.usage`), and by session the agent's LLM calls, tokens and cost from the sessions'
+records. Here, above the API, because the LLM side is the agent's."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from orchestrator.api.sharing import parse_since
+from orchestrator.core.config import Settings
+from orchestrator.queue import usage as ledger_rules
+from orchestrator.queue.store import JobStore
+
+
+def usage(settings: Settings, *, by: str = "project", since: Optional[str] = None,
+          store: Optional[JobStore] = None, now: Optional[float] = None) -> list[dict]:
+    """`autoresearch usage`: device-seconds per project, owner or session from the event log (scavengers
+    apart); by session, the agent's LLM calls, tokens and estimated cost where the session recorded them."""
+    store = store or JobStore.from_settings(settings)
+    now = time.time() if now is None else now
+    start = parse_since(since, now)
+    rows = ledger_rules.ledger(ledger_rules.attempts(store, since=start, now=now), by=by, since=start)
+    if by == "session":
+        llm = _llm_usage(settings)
+        for row in rows:
+            row.update(llm.pop(row["session"], {}))
+        rows += [{"session": sid, "device_seconds": 0.0, "scavenger_device_seconds": 0.0, "attempts": 0,
+                  "jobs": 0, "running": 0, "device_hours": 0.0, **u} for sid, u in sorted(llm.items())]
+    return rows
+
+
+def _llm_usage(settings: Settings) -> dict[str, dict]:
+    """LLM calls, tokens and cost per session, from the sessions' summaries (empty when none recorded any)."""
+    path = settings.home / "agent" / "agent.db"
+    if not path.exists():
+        return {}
+    from orchestrator.agent.session import Registry
+
+    registry = Registry(settings.home)
+    try:
+        out = {}
+        for row in registry.all():
+            u = (row.get("summary") or {}).get("usage") or {}
+            if u.get("calls"):
+                out[row["id"]] = {"llm_calls": u.get("calls", 0), "prompt_tokens": u.get("prompt_tokens", 0),
+                                  "completion_tokens": u.get("completion_tokens", 0),
+                                  "cost_usd": round(float(u.get("cost_usd") or 0.0), 6)}
+        return out
+    finally:
+        registry.close()
