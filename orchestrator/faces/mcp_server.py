@@ -253,7 +253,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
     @server.tool()
     @_tool
-    def start_session(goal: str, experiment: str, trials: Optional[int] = None, parallel: Optional[int] = None,
+    def start_session(experiment: str, goal: str = "", trials: Optional[int] = None, parallel: Optional[int] = None,
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
                       baseline: Optional[dict[str, Any]] = None) -> dict[str, Any]:

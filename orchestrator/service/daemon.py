@@ -214,8 +214,9 @@ class Service:
             log.exception("could not remove the service record")
         self._home_lock.release()
 
-    def serve_forever(self) -> None:
-        """Run until SIGINT or SIGTERM."""
+    def serve_forever(self, on_started: Optional[Callable[[], None]] = None) -> None:
+        """Run until SIGINT or SIGTERM. `on_started` is called once the service holds the home and runs (so
+        `serve` says "serving" only when it is: a second service on a home is refused before that)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
         # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
@@ -224,6 +225,8 @@ class Service:
         sys.setswitchinterval(SWITCH_INTERVAL)
         self.start()
         try:
+            if on_started is not None:
+                on_started()
             while not self._stop.wait(1.0):
                 pass
         finally:

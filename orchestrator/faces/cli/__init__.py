@@ -11,6 +11,7 @@ import sys
 
 import click
 import typer
+import typer.core
 
 try:  # typer >= 0.16 vendors its own click; its exceptions are not click's
     from typer._click import exceptions as _tclick
@@ -26,7 +27,34 @@ _USAGE_ERROR = (click.UsageError, _tclick.UsageError)
 
 from orchestrator.core.errors import BadInput, OrchestratorError
 
+# `--help` lists commands in the order a new user meets them: run the service, queue work and watch it, then
+# the agent, then results and the other faces. Commands not named here follow, in registration order.
+COMMAND_ORDER = ("serve", "submit", "queue", "show", "logs", "cancel", "gpus", "top", "preflight",
+                 "start", "sessions", "resume", "tree", "leaderboard", "ui", "mcp", "cache", "data")
+
+
+class _OrderedGroup(typer.core.TyperGroup):
+    """The command group, listing its commands in `COMMAND_ORDER`."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = list(super().list_commands(ctx))
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda n: (rank.get(n, len(rank)), names.index(n)))
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"autoresearch {version('autoresearch')}")
+        except PackageNotFoundError:  # a checkout that was never installed
+            print("autoresearch (not installed)")
+        raise typer.Exit(0)
+
+
 app = typer.Typer(
+    cls=_OrderedGroup,
     name="autoresearch",
     help="Autonomous research agents and a GPU job queue with priorities and preemption.",
     no_args_is_help=True,
@@ -36,7 +64,10 @@ app = typer.Typer(
 
 
 @app.callback()
-def _settings_first() -> None:
+def _settings_first(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                 help="Print the version and exit."),
+) -> None:
     """Autonomous research agents and a GPU job queue with priorities and preemption."""
     from orchestrator.faces.cli.common import load_settings
 
@@ -52,6 +83,23 @@ def _is_input_error(exc: BaseException) -> bool:
     from experiments.space import SpaceError
 
     return isinstance(exc, (BadInput, SpaceError, UnknownExperiment))
+
+
+def _given(argv: list[str], param) -> str | None:
+    """The value the user gave an option that was refused (`--priority abc` -> 'abc'), to echo it back."""
+    opts = set(getattr(param, "opts", None) or ()) if param is not None else set()
+    if not opts or getattr(param, "is_flag", False):
+        return None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        if name in opts:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(exc.format_message().split())
         param = getattr(exc, "param", None)
         hint = f" (option {param.opts[0]})" if param is not None and param.opts and param.opts[0] not in message else ""
+        given = _given(sys.argv[1:] if argv is None else argv, param)
+        if given is not None and repr(given) not in message:
+            hint += f" (got {given!r})"
         print(f"autoresearch: {message}{hint}", file=sys.stderr)
         sys.exit(2 if isinstance(exc, _USAGE_ERROR) else exc.exit_code)
     except (OrchestratorError, ValueError) as exc:

@@ -22,6 +22,13 @@ def _when(ts: Optional[float]) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S") if ts else ""
 
 
+def _date(ts: object) -> str:
+    """A UNIX time as a date and time in the local zone, for people (`--json` keeps the seconds)."""
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        return str(ts)
+    return dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def submit(
     argv: Optional[List[str]] = typer.Argument(None, help="The command to run, after `--`."),
@@ -115,9 +122,9 @@ def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.
     events = job.pop("events")
     for key, value in job.items():
         if value not in (None, "", [], {}):
-            print(f"{key:>16}: {value}")
+            print(f"{key:>16}: {_date(value) if key.endswith('_at') or key == 'not_before' else value}")
     print_table("events", ["time", "from", "to", "reason"],
-                [(_when(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
+                [(_date(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
 
 
 @app.command()
@@ -140,6 +147,8 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
         stream_logs(job, sys.stdout.buffer, follow=follow)
         return
     if follow:
+        if not path or not os.path.exists(path):
+            info(f"job {job_id} is {job.state}: waiting for it to start (Ctrl-C stops waiting)")
         while not path or not os.path.exists(path):
             if job.final:
                 raise BadInput(f"job {job_id} produced no output")
