@@ -9,7 +9,8 @@ Rules for outside agents:
   before exiting 2); the server keeps running.
 - Nothing an agent sends reaches a shell: a command is an argv list, executed as is by the executor.
 - Jobs are owned by `mcp:<client name>` (shown by `queue`), and their priority is capped (`--max-priority`,
-  default 5, below the manual default 10) so an outside agent cannot preempt people's jobs unless allowed.
+  default 5, below the manual default 10; sessions' trials too) so an outside agent cannot preempt people's
+  jobs unless allowed. A client cancels only the jobs it owns unless the server runs with `--allow-cancel-any`.
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ def run_metrics(job: Any, settings: Settings, metric: Optional[str] = None) -> d
             "metrics": {name: [list(p) for p in tracker.history(job.mlflow_run_id, name)] for name in names}}
 
 
-def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY) -> MCPServer:
-    """The MCP server over this home's queue (tools and search-space resources)."""
+def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY,
+                 allow_cancel_any: bool = False) -> MCPServer:
+    """The MCP server over this home's queue (tools and search-space resources). `allow_cancel_any`: clients
+    may cancel any job, not only those they own."""
     check_priority(max_priority)
     server = Server("autoresearch", log_level="WARNING", instructions=(
         "A GPU job queue with priorities and preemption, and research agents. Submit commands (argv lists) or "
@@ -223,8 +226,13 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
     @server.tool()
     @_tool
-    def cancel_job(job_id: int) -> dict[str, Any]:
-        """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
+    def cancel_job(ctx: Context, job_id: int) -> dict[str, Any]:
+        """Cancel one of your own jobs (owner mcp:<client name>); a running one gets SIGTERM, then SIGKILL after
+        its grace. Other people's jobs are refused unless the server was started with --allow-cancel-any."""
+        me, owner = client_owner(ctx), store().get(job_id).owner
+        if not allow_cancel_any and owner != me:
+            raise BadInput(f"job {job_id} belongs to {owner or 'nobody'}, not {me}: this server lets a client "
+                           "cancel only its own jobs (a person may allow more: autoresearch mcp --allow-cancel-any)")
         return api.cancel(job_id, settings).to_dict()
 
     @server.tool()
@@ -311,9 +319,9 @@ def _add_space_resources(server: MCPServer) -> None:
 
 
 def serve(settings: Settings, *, http_port: Optional[int] = None, host: str = "127.0.0.1",
-          max_priority: int = DEFAULT_MAX_PRIORITY) -> None:
+          max_priority: int = DEFAULT_MAX_PRIORITY, allow_cancel_any: bool = False) -> None:
     """Run the server until the client hangs up (stdio) or the process is stopped (HTTP)."""
-    server = build_server(settings, max_priority=max_priority)
+    server = build_server(settings, max_priority=max_priority, allow_cancel_any=allow_cancel_any)
     if http_port is None:
         server.run("stdio")
     else:

@@ -18,6 +18,8 @@ def mcp(
     host: str = typer.Option("127.0.0.1", "--host", help="Address for --http (default: loopback only)."),
     max_priority: int = typer.Option(5, "--max-priority",
                                      help="Highest priority an outside agent may ask for (people's default is 10)."),
+    allow_cancel_any: bool = typer.Option(False, "--allow-cancel-any",
+                                          help="Let clients cancel any job (default: only jobs they own)."),
 ) -> None:
     """The MCP server for outside agents (stdio; --http PORT for streamable HTTP)."""
     from orchestrator.queue.models import check_priority
@@ -31,7 +33,7 @@ def mcp(
     if http is not None and host not in ("127.0.0.1", "localhost", "::1"):
         info(f"note: the MCP server has no authentication and listens on {host}:{http}")
 
-    serve(settings(), http_port=http, host=host, max_priority=max_priority)
+    serve(settings(), http_port=http, host=host, max_priority=max_priority, allow_cancel_any=allow_cancel_any)
 
 
 @app.command()
