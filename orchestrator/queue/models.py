@@ -256,3 +256,5 @@ class ServiceRecord(SQLModel, table=True):
     devices: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    # The service's --preempt-after: what `top` and `queue` plan with for its devices (None: an older release).
+    preempt_after: Optional[float] = Field(default=None, nullable=True)

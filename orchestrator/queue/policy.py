@@ -87,10 +87,12 @@ class Running:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to do now: jobs to start, as (job id, devices) in start order, and running jobs to preempt."""
+    """What to do now: jobs to start, as (job id, devices) in start order, and running jobs to preempt, with
+    the waiting job each is preempted for (`preempt_for`: (victim id, job id), in `preempt` order)."""
 
     starts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     preempt: tuple[int, ...] = ()
+    preempt_for: tuple[tuple[int, int], ...] = ()
 
 
 def _line_key(job: Waiting) -> tuple[int, float, int]:
@@ -147,6 +149,7 @@ def plan(
 
     starts: list[tuple[int, tuple[str, ...]]] = []
     preempt: list[int] = []
+    preempt_for: list[tuple[int, int]] = []
     for job in sorted(waiting, key=_line_key):
         if not fits(job.gpus, len(usable)):
             continue  # can never run on this host; must not block the line
@@ -164,6 +167,7 @@ def plan(
             for victim in victims:
                 candidates.remove(victim)
                 preempt.append(victim.id)
+                preempt_for.append((victim.id, job.id))
                 coming += usable_count(victim)
 
         # Reserve: take what is coming first, so that as many free devices as possible stay usable
@@ -172,7 +176,7 @@ def plan(
         coming -= from_coming
         del free[: job.gpus - from_coming]
 
-    return Plan(starts=tuple(starts), preempt=tuple(preempt))
+    return Plan(starts=tuple(starts), preempt=tuple(preempt), preempt_for=tuple(preempt_for))
 
 
 def _choose_victims(

@@ -146,7 +146,8 @@ class Service:
             if inventory is not None:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 preempt_after=self.preempt_after)
             self.supervisor.reconcile()
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
@@ -309,8 +310,10 @@ class Service:
                                       j.preemptible, j.job_state in (S.PREEMPTING, S.CANCELLING))
                    for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
-        preempted = (self.store.preempt(plan.preempt, "preempted for a higher-priority job", self.host)
-                     if plan.preempt else [])
+        # Each victim's event names the job it yields to (what `show` on the victim says).
+        priority = {w.id: w.priority for w in waiting}
+        reasons = {victim: f"preempted for #{job_id} (priority {priority[job_id]})" for victim, job_id in plan.preempt_for}
+        preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
         return mine, preempted, claimed
 
@@ -389,7 +392,8 @@ class Service:
     def _housekeeping(self) -> None:
         try:
             requeued = self.store.requeue_due()
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 preempt_after=self.preempt_after)
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs

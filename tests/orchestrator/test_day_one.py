@@ -124,3 +124,27 @@ def test_a_second_serve_refuses_before_it_says_serving(home, make_service):
     make_service("cpu:1")
     out = cli("serve", "--devices", "cpu:1")
     assert out.returncode == 2 and "already running" in out.stderr and "serving" not in out.stderr, out.stderr
+
+
+def test_a_job_that_will_preempt_says_when_and_its_victim_names_the_job_it_yielded_to(home, make_service):
+    from orchestrator.faces.views import snapshot
+
+    service = make_service("cpu:1", preempt_after=60)
+    low = service.store.submit(ckpt_job(100_000, priority=0))  # runs until preempted
+    wait_for(lambda: service.store.get(low.id).state == "RUNNING", what="the low-priority job running")
+    high = service.store.submit(JobSpec(argv=["true"], priority=90, track=False))
+    said = re.compile(rf"will preempt #{low.id} in (\d+) s \(its minimum runtime, --preempt-after 60\)")
+    frame = {row.job.id: row.plan for row in snapshot.take(Settings.load(), with_gpus=False).queue}
+    found = said.fullmatch(frame[high.id])
+    assert found and 0 < int(found.group(1)) <= 60, frame  # what `top` shows
+    queue = cli("queue", env={"COLUMNS": "200"}).stdout
+    assert said.search(queue), queue
+    shown = cli("show", str(high.id)).stdout
+    assert re.search(r"next: " + said.pattern, shown), shown
+    assert service.store.get(low.id).state == "RUNNING"  # nothing was preempted early
+
+    service.preempt_after = 0  # the victim comes of age now: the next pass preempts it for the waiting job
+    service.wake()
+    wait_for(lambda: service.store.get(high.id).state == "SUCCEEDED", what="the urgent job done")
+    reasons = [e.reason for e in service.store.events(low.id) if e.dst == "PREEMPTING"]
+    assert reasons == [f"preempted for #{high.id} (priority 90)"], reasons

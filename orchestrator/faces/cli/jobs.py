@@ -94,20 +94,31 @@ def queue(
     as_json: bool = typer.Option(False, "--json", help="The jobs as a JSON list (the same first N)."),
 ) -> None:
     """List jobs: running ones, then the waiting line in the order jobs will start (default: not finished)."""
-    listed = api.open_store(settings()).listing(finished=all_jobs, limit=check_limit(limit))
+    store = api.open_store(settings())
+    listed = store.listing(finished=all_jobs, limit=check_limit(limit))
     if as_json:
         print_json(listed.jobs)
         if listed.more:
             info(listed.more_line())
         return
-    print_listing(listed)
+    print_listing(listed, _plans(store) if any(j["state"] == "QUEUED" for j in listed.jobs) else {})
 
 
-def print_listing(listed: Listing) -> None:
-    """A listing as a table for people (one line per job, fitted to the terminal), then what it left out."""
+def _plans(store) -> dict[int, str]:
+    from orchestrator.faces.views.snapshot import line_plans  # the plan `top` shows, for waiting jobs
+
+    return line_plans(settings(), store)
+
+
+def print_listing(listed: Listing, plans: Optional[dict] = None) -> None:
+    """A listing as a table for people (one line per job, fitted to the terminal), then what it left out. A
+    waiting job's reason is what the next plan does about it (`plans`, by id), as `top` says it."""
+    plans = plans or {}
     print_columns(QUEUE_COLUMNS, [(j["id"], j["name"], j["owner"], j["state"], j["priority"], j["gpus"],
                                    ",".join(j["devices"]), j["attempts"], j["preemptions"], j["exit_code"],
-                                   _when(j["submitted_at"]), j["reason"]) for j in listed.jobs])
+                                   _when(j["submitted_at"]),
+                                   plans.get(j["id"], j["reason"]) if j["state"] == "QUEUED" else j["reason"])
+                                  for j in listed.jobs])
     if listed.more:
         print(listed.more_line())
 
@@ -115,10 +126,13 @@ def print_listing(listed: Listing) -> None:
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    job = api.open_store(settings()).record(job_id)
+    store = api.open_store(settings())
+    job = store.record(job_id)
     if as_json:
         print_json(job)
         return
+    if job["state"] == "QUEUED" and job_id in (plans := _plans(store)):
+        job["next"] = plans[job_id]  # what the next plan does about it, as `queue` and `top` say
     events = job.pop("events")
     for key, value in job.items():
         if value not in (None, "", [], {}):
