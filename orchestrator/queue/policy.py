@@ -31,7 +31,7 @@ the plan that preempts it; the job it was preempted for starts on a later tick.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ["Waiting", "Running", "Plan", "plan", "fits", "unplaceable_reason", "UNPLACEABLE"]
@@ -92,7 +92,8 @@ class Plan:
 
     starts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     preempt: tuple[int, ...] = ()
-    preempt_for: tuple[tuple[int, int], ...] = ()
+    # Which job each victim is for: an explanation of `preempt`, so not part of a plan's identity.
+    preempt_for: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 def _line_key(job: Waiting) -> tuple[int, float, int]:
