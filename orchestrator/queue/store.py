@@ -303,7 +303,8 @@ class JobStore(RunRecords):
             return [self._move(writes, job, S.QUEUED, f"retry {job.failures + 1}/{job.max_attempts}", None,
                                now, devices=[], not_before=None) for job in session.exec(stmt)]
 
-    def preempt(self, job_ids: Iterable[int], reason: "str | Mapping[int, str]", host: Optional[str] = None) -> list[Job]:
+    def preempt(self, job_ids: Iterable[int], reason: "str | Mapping[int, str]",
+                host: Optional[str] = None) -> list[Job]:
         """RUNNING -> PREEMPTING; the service then signals the process group. `reason`: one for all, or each
         job's (by id; a job without one gets "preempted for a higher-priority job")."""
         now = time.time()
@@ -316,7 +317,8 @@ class JobStore(RunRecords):
                 if job is None:
                     raise JobNotFound(job_id)
                 if job.job_state is S.RUNNING:
-                    why = reason if isinstance(reason, str) else reason.get(job_id, "preempted for a higher-priority job")
+                    why = (reason if isinstance(reason, str)
+                           else reason.get(job_id, "preempted for a higher-priority job"))
                     out.append(self._move(writes, job, S.PREEMPTING, why, host, now))
         return out
 

@@ -312,7 +312,8 @@ class Service:
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after)
         # Each victim's event names the job it yields to (what `show` on the victim says).
         priority = {w.id: w.priority for w in waiting}
-        reasons = {victim: f"preempted for #{job_id} (priority {priority[job_id]})" for victim, job_id in plan.preempt_for}
+        reasons = {victim: f"preempted for #{job_id} (priority {priority[job_id]})"
+                   for victim, job_id in plan.preempt_for}
         preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
         return mine, preempted, claimed
