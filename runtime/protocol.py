@@ -21,6 +21,11 @@ RUN_ID = "MLFLOW_RUN_ID"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 DEVICE_ORDER = "CUDA_DEVICE_ORDER"
 
+# The variables the executor sets for every attempt: a job's own `--env` (or env file) may not name them, since
+# the executor's value would silently win (FAULTS is a test hook inherited from the service, not set per job).
+SET_BY_EXECUTOR = (JOB_ID, ATTEMPT, CHECKPOINT_DIR, PARAMS, HOME, HEARTBEAT_FILE, TRACKING_URI, RUN_ID,
+                   VISIBLE_DEVICES, DEVICE_ORDER)
+
 # A job exits with this code to be requeued without spending an attempt (e.g. it found a GPU fault).
 EX_TEMPFAIL = 75
 

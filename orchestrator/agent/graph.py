@@ -119,8 +119,11 @@ class Agent(Phases):
     # -- nodes -----------------------------------------------------------------------------------------------------
 
     def propose(self, state: State) -> State:
-        """The baseline first; then fill free slots: promoted paused trials, new proposals, or re-runs (confirm)."""
+        """The baseline first; then fill free slots: promoted paused trials, new proposals, or re-runs (confirm).
+        Nothing once the time budget is spent (the session's setup counts: it may use it all on a busy host)."""
         self._elapsed(state)
+        if self._time_up(state):
+            return {"trials": state["trials"], "elapsed": state["elapsed"], "usage": state.get("usage", {})}
         trials = load(state["trials"])
         if not any(t.phase is P.BASELINE for t in trials):
             # Every later result is judged against these runs, so they go in before any proposal, all at once.

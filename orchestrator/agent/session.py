@@ -20,6 +20,10 @@ from typing import Any
 from orchestrator.core.errors import BadInput
 
 
+NO_GOAL = "no goal given"  # what a sampler session without --goal records (only the LLM reads a goal)
+LLM_PROPOSERS = ("llm", "hybrid")
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """What `autoresearch start` asked for.
@@ -54,7 +58,9 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if not self.goal.strip():
-            raise BadInput("--goal must not be empty")
+            if self.proposer in LLM_PROPOSERS:  # the samplers never read the goal; the LLM is told nothing else
+                raise BadInput(f"--goal is required with the {self.proposer} proposer (it is what the LLM is told)")
+            object.__setattr__(self, "goal", NO_GOAL)  # recorded as such, so a listing never shows a blank
         if self.trials is not None and self.trials < 1:
             raise BadInput(f"--trials must be >= 1, got {self.trials}")
         if self.budget_minutes is not None and not self.budget_minutes > 0:

@@ -15,7 +15,12 @@ config.toml uses the field names below as flat keys, e.g.::
     llm_model = "gpt-4o-mini"
 
 A malformed file, or a value of the wrong type from any source, is `BadInput`: one line naming where the
-value came from (exit 2 from every command). Unknown keys are kept in `extra` for parts that read their own.
+value came from (exit 2 from every command). So is a key or table no release knows (`preemt_after = 5`,
+`[serve]`): an error, not a warning, because a misspelled setting silently falls back to its default (a
+`preempt_after` of 60 s where the user wrote 5) and a warning on stderr scrolls away under `serve`'s log. A key of a
+newer release met by an older one fails the same way, naming the key, which is one edit to fix; guessing it
+harmless is not safe for settings that decide what gets preempted. The keys that parts read themselves (not
+`Settings` fields) are listed in `EXTRA_KEYS` and kept in `extra`.
 """
 
 from __future__ import annotations
@@ -106,6 +111,35 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 
 
+# config.toml keys that are not Settings fields but that a part reads from `Settings.extra` itself (the local
+# executor's process-tree mode). Any other key is refused (see the module docstring for why an error).
+EXTRA_KEYS = frozenset({"cgroup"})
+
+
+def known_keys() -> frozenset[str]:
+    """Every key config.toml may hold (fastcli checks a file against these before it answers without us)."""
+    return frozenset(_SOURCES) | EXTRA_KEYS
+
+
+def _check_keys(file: dict[str, Any], cfg: Path) -> None:
+    known = known_keys()
+    for key, value in file.items():
+        if key in known:
+            continue
+        hint = _close(key, known)
+        if isinstance(value, dict):
+            raise BadInput(f"{cfg}: unknown table [{key}]; config.toml takes flat setting names "
+                           "(devices = \"cpu:4\", preempt_after = 120)")
+        raise BadInput(f"{cfg}: unknown key {key!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+
+
+def _close(key: str, known: frozenset[str]) -> Optional[str]:
+    import difflib
+
+    found = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
 @dataclass(frozen=True)
 class Settings:
     """Resolved settings for one home. Build with `Settings.load(**flags)`; derive with `with_flags`."""
@@ -161,6 +195,7 @@ class Settings:
         root = home()
         file = _file_settings(root)
         cfg_path = root / "config.toml"
+        _check_keys(file, cfg_path)
         defaults = {f.name: f.default for f in fields(cls) if f.name in _SOURCES}
         defaults["db_url"] = f"sqlite:///{root / 'queue.db'}"
         defaults["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"

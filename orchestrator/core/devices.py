@@ -16,7 +16,10 @@ def parse(spec: str) -> list[str]:
     try:
         return parse_devices(spec)
     except DeviceSpecError as exc:
-        raise BadInput(f"bad --devices: {exc}") from None
+        # The runtime's message starts "bad devices 'x': ..."; say which flag once, not "bad --devices: bad devices".
+        text = str(exc)
+        raise BadInput("bad --devices " + text[len("bad devices "):] if text.startswith("bad devices ")
+                       else f"bad --devices: {text}") from None
 
 
 def is_cpu_slot(name: str) -> bool:

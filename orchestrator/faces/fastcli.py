@@ -57,16 +57,19 @@ def _home() -> Path:
 
 
 def _config_parses(home: Path) -> bool:
+    """Whether config.toml (if any) parses and holds only known keys; if not, the full CLI says why."""
     import tomllib
 
     try:
         with open(home / "config.toml", "rb") as fh:
-            tomllib.load(fh)
+            file = tomllib.load(fh)
     except FileNotFoundError:
         return True
     except (OSError, ValueError):
         return False
-    return True
+    from orchestrator.core.config import known_keys  # standard library only, like this module
+
+    return set(file) <= known_keys()  # an unknown key: the full CLI names it (exit 2)
 
 
 def fast_submit(args: list[str]) -> Optional[int]:

@@ -9,7 +9,8 @@ Rules for outside agents:
   before exiting 2); the server keeps running.
 - Nothing an agent sends reaches a shell: a command is an argv list, executed as is by the executor.
 - Jobs are owned by `mcp:<client name>` (shown by `queue`), and their priority is capped (`--max-priority`,
-  default 5, below the manual default 10) so an outside agent cannot preempt people's jobs unless allowed.
+  default 5, below the manual default 10; sessions' trials too) so an outside agent cannot preempt people's
+  jobs unless allowed. A client cancels only the jobs it owns unless the server runs with `--allow-cancel-any`.
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ def run_metrics(job: Any, settings: Settings, metric: Optional[str] = None) -> d
 
 
 def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY,
-                 project: Optional[str] = None) -> MCPServer:
+                 project: Optional[str] = None, allow_cancel_any: bool = False) -> MCPServer:
     """The MCP server over this home's queue (tools and search-space resources). `project`: the project every
-    job and session of its clients is charged to (None: the one each names, else the default project)."""
+    job and session of its clients is charged to (None: the one each names, else the default project);
+    `allow_cancel_any`: clients may cancel any job, not only those they own."""
     check_priority(max_priority)
     server = Server("autoresearch", log_level="WARNING", instructions=(
         "A GPU job queue with priorities and preemption, and research agents. Submit commands (argv lists) or "
@@ -242,8 +244,13 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
     @server.tool()
     @_tool
-    def cancel_job(job_id: int) -> dict[str, Any]:
-        """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
+    def cancel_job(ctx: Context, job_id: int) -> dict[str, Any]:
+        """Cancel one of your own jobs (owner mcp:<client name>); a running one gets SIGTERM, then SIGKILL after
+        its grace. Other people's jobs are refused unless the server was started with --allow-cancel-any."""
+        me, owner = client_owner(ctx), store().get(job_id).owner
+        if not allow_cancel_any and owner != me:
+            raise BadInput(f"job {job_id} belongs to {owner or 'nobody'}, not {me}: this server lets a client "
+                           "cancel only its own jobs (a person may allow more: autoresearch mcp --allow-cancel-any)")
         return api.cancel(job_id, settings).to_dict()
 
     @server.tool()
@@ -272,7 +279,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
     @server.tool()
     @_tool
-    def start_session(goal: str, experiment: str, trials: Optional[int] = None, parallel: Optional[int] = None,
+    def start_session(experiment: str, goal: str = "", trials: Optional[int] = None, parallel: Optional[int] = None,
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
                       baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None) -> dict[str, Any]:
@@ -341,9 +348,10 @@ def _add_space_resources(server: MCPServer) -> None:
 
 
 def serve(settings: Settings, *, http_port: Optional[int] = None, host: str = "127.0.0.1",
-          max_priority: int = DEFAULT_MAX_PRIORITY, project: Optional[str] = None) -> None:
+          max_priority: int = DEFAULT_MAX_PRIORITY, project: Optional[str] = None,
+          allow_cancel_any: bool = False) -> None:
     """Run the server until the client hangs up (stdio) or the process is stopped (HTTP)."""
-    server = build_server(settings, max_priority=max_priority, project=project)
+    server = build_server(settings, max_priority=max_priority, project=project, allow_cancel_any=allow_cancel_any)
     if http_port is None:
         server.run("stdio")
     else:

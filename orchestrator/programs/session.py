@@ -40,8 +40,8 @@ class ProgramConfig:
     proposer: str = "llm"
 
     def __post_init__(self) -> None:
-        if not self.goal.strip():
-            raise BadInput("--goal must not be empty")
+        if not self.goal.strip():  # a program session is the LLM's: the goal is what it is told
+            raise BadInput("--goal is required with --program (it is what the LLM is told)")
         if self.trials is not None and self.trials < 1:
             raise BadInput(f"--trials must be >= 1, got {self.trials}")
         if self.parallel is not None and self.parallel < 1:

@@ -70,12 +70,15 @@ class HostRecords(Database):
                 dev.last_check, dev.checked_at = check, time.time()
                 session.add(dev)
 
-    def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float) -> None:
-        """Upsert this service's liveness row."""
+    def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float,
+                  preempt_after: Optional[float] = None) -> None:
+        """Upsert this service's liveness row (with the minimum runtime it preempts after, when given)."""
         with self._tx() as session:
             rec = session.get(ServiceRecord, host) or ServiceRecord(host=host)
             rec.pid, rec.home, rec.devices, rec.heartbeat_at = pid, home, list(devices), time.time()
             rec.started_at = started_at
+            if preempt_after is not None:
+                rec.preempt_after = preempt_after
             session.add(rec)
 
     def services(self, max_age: Optional[float] = None) -> list[ServiceRecord]:

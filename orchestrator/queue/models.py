@@ -14,6 +14,7 @@ from sqlmodel import Field, SQLModel
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.states import FINISHED, JobState, StopCause
 from orchestrator.queue.policy import DEFAULT_PROJECT
+from runtime import protocol
 
 # Stated bounds of what a submitter may ask for: both backends store these as 32-bit integers, and a number
 # beyond them is a typo, not a plan.
@@ -76,6 +77,10 @@ class JobSpec:
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                       for k, v in self.env.items()):
             raise BadInput("env overrides must map strings to strings")
+        taken = sorted(set(self.env) & set(protocol.SET_BY_EXECUTOR))
+        if taken:
+            raise BadInput(f"--env {taken[0]}: set by autoresearch for every attempt (the job protocol); "
+                           "pass the value another way, e.g. --param or a variable of your own")
         if self.mounts and not self.image:
             raise BadInput("--mount needs --image (a job without an image sees the host's files already)")
         if self.scavenger and not self.preemptible:
@@ -306,3 +311,5 @@ class ServiceRecord(SQLModel, table=True):
     devices: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    # The service's --preempt-after: what `top` and `queue` plan with for its devices (None: an older release).
+    preempt_after: Optional[float] = Field(default=None, nullable=True)

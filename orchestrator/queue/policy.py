@@ -146,13 +146,17 @@ class Project:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to do now: jobs to start, as (job id, devices) in start order, running jobs to preempt, and waiting
+    """What to do now: jobs to start, as (job id, devices) in start order, running jobs to preempt, with the
+    waiting job each is preempted for (`preempt_for`: (victim id, job id), in `preempt` order), and waiting
     jobs that can no longer meet their deadline."""
 
     starts: tuple[tuple[int, tuple[str, ...]], ...] = ()
     preempt: tuple[int, ...] = ()
     expired: tuple[int, ...] = ()
-    why: tuple[str, ...] = field(default=(), compare=False)  # per preempted job: "priority", "reclaim" (its project borrows) or "scavenger"
+    # Explanations of `preempt`, so not part of a plan's identity: per victim, why ("priority", "reclaim": its
+    # project borrows, or "scavenger"), and which waiting job it yields to.
+    why: tuple[str, ...] = field(default=(), compare=False)
+    preempt_for: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 def _line_key(job: Waiting) -> tuple[int, float, float, int]:
@@ -279,6 +283,7 @@ def plan(
     starts: list[tuple[int, tuple[str, ...]]] = []
     preempt: list[int] = []
     why: list[str] = []
+    preempt_for: list[tuple[int, int]] = []
     blocked: Optional[Waiting] = None
     while True:
         # The next job: the head of the project that goes first now (few projects: a scan beats a heap whose
@@ -307,6 +312,7 @@ def plan(
         for victim in victims:
             candidates.remove(victim)
             preempt.append(victim.id)
+            preempt_for.append((victim.id, job.id))
             why.append("scavenger" if victim.scavenger else "reclaim" if victim.project != job.project
                        else "priority")
             coming += usable_count(victim)
@@ -333,7 +339,8 @@ def plan(
             if job.gpus <= len(free):
                 starts.append((job.id, tuple(free[: job.gpus])))
                 del free[: job.gpus]
-    return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired, why=tuple(why))
+    return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired, why=tuple(why),
+                preempt_for=tuple(preempt_for))
 
 
 def _victims_for(job: Waiting, candidates: list[Running], books: _Books, usable_count, shortfall: int

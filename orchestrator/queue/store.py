@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from sqlalchemy import bindparam, func, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
@@ -309,8 +309,10 @@ class JobStore(RunRecords):
             return [self._move(writes, job, S.QUEUED, f"retry {job.failures + 1}/{job.max_attempts}", None,
                                now, devices=[], not_before=None) for job in session.exec(stmt)]
 
-    def preempt(self, job_ids: Iterable[int], reason: str, host: Optional[str] = None) -> list[Job]:
-        """RUNNING -> PREEMPTING; the service then signals the process group."""
+    def preempt(self, job_ids: Iterable[int], reason: "str | Mapping[int, str]",
+                host: Optional[str] = None) -> list[Job]:
+        """RUNNING -> PREEMPTING; the service then signals the process group. `reason`: one for all, or each
+        job's (by id; a job without one gets "preempted for a higher-priority job")."""
         now = time.time()
         out = []
         job_ids = list(job_ids)
@@ -321,7 +323,9 @@ class JobStore(RunRecords):
                 if job is None:
                     raise JobNotFound(job_id)
                 if job.job_state is S.RUNNING:
-                    out.append(self._move(writes, job, S.PREEMPTING, reason, host, now))
+                    why = (reason if isinstance(reason, str)
+                           else reason.get(job_id, "preempted for a higher-priority job"))
+                    out.append(self._move(writes, job, S.PREEMPTING, why, host, now))
         return out
 
     def mark_stop_sent(self, job_id: int, at: Optional[float] = None) -> None:

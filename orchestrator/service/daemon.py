@@ -154,7 +154,8 @@ class Service:
             if inventory is not None:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 preempt_after=self.preempt_after)
             self.supervisor.reconcile()
             self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
@@ -223,8 +224,9 @@ class Service:
             log.exception("could not remove the service record")
         self._home_lock.release()
 
-    def serve_forever(self) -> None:
-        """Run until SIGINT or SIGTERM."""
+    def serve_forever(self, on_started: Optional[Callable[[], None]] = None) -> None:
+        """Run until SIGINT or SIGTERM. `on_started` is called once the service holds the home and runs (so
+        `serve` says "serving" only when it is: a second service on a home is refused before that)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
         # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
@@ -233,6 +235,8 @@ class Service:
         sys.setswitchinterval(SWITCH_INTERVAL)
         self.start()
         try:
+            if on_started is not None:
+                on_started()
             while not self._stop.wait(1.0):
                 pass
         finally:
@@ -323,10 +327,15 @@ class Service:
                                       (j.started_at or now) + j.time_limit if j.time_limit else None)
                    for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
-        preempted = []
-        for why in dict.fromkeys(plan.why):  # one batch per reason, each victim's event saying why
-            preempted += self.store.preempt([job_id for job_id, w in zip(plan.preempt, plan.why) if w == why],
-                                            PREEMPT_REASONS[why], self.host)
+        # Each victim's event says why and names the job it yields to (what `show` on the victim says).
+        priority = {w.id: w.priority for w in waiting}
+        yields = dict(plan.preempt_for)
+        reasons = {}
+        for victim, why in zip(plan.preempt, plan.why):
+            job_id = yields.get(victim)
+            named = f"preempted for #{job_id} (priority {priority[job_id]})" if job_id in priority else "preempted"
+            reasons[victim] = named if why == "priority" else f"{named}: {PREEMPT_REASONS[why].split(': ', 1)[-1]}"
+        preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         if plan.expired:
             self.store.miss_deadlines(plan.expired)
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
@@ -409,7 +418,8 @@ class Service:
             requeued = self.store.requeue_due()
             self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
             self.projects.refresh_if_due()
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 preempt_after=self.preempt_after)
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs

@@ -44,7 +44,7 @@ def test_tpe_session_on_digits_end_to_end(home):
     assert "trial 0 -> job" in done.stderr and "finished:" in done.stderr  # live progress
     summary = json.loads(done.stdout)
     assert summary["counts"] == {"succeeded": 2 + 2} and summary["parallel"] == 2  # the baseline's two runs first
-    assert 0.0 < summary["baseline"]["mean"] <= 1.0 and summary["baseline"]["n"] == 2
+    assert 0.3 < summary["baseline"]["mean"] <= 1.0 and summary["baseline"]["n"] == 2  # 3x chance (10 classes)
     assert summary["headline"].startswith(("improvement +", "no improvement over the baseline found"))
 
     from orchestrator.core.config import Settings

@@ -52,8 +52,18 @@ def test_a_single_candidate_run_is_never_a_win():
 
 
 def test_a_single_baseline_run_borrows_the_candidate_spread():
-    assert gate([0.90], [0.98, 0.981, 0.979]).win
-    assert not gate([0.90], [0.85, 0.99, 0.92]).win  # the candidate's own spread swamps its lead
+    import statistics
+
+    v = gate([0.90], [0.98, 0.981, 0.979])
+    assert v.win and "baseline spread borrowed from the candidate" in v.method
+    # The half-width is t(0.975, df = 3 - 1) times the candidate's spread over both sides, 1 and 3 runs; a gate
+    # that ignored the borrowed spread (zero baseline noise, or Welch on one run) gives another width.
+    spread = max(statistics.stdev([0.98, 0.981, 0.979]), NOISE_FLOOR_REL * 0.98)
+    assert (v.ci[1] - v.ci[0]) / 2 == pytest.approx(4.302652729749464 * spread * math.sqrt(1 + 1 / 3), rel=1e-9)
+    wide = gate([0.90], [0.85, 0.99, 0.92])
+    assert not wide.win  # the candidate's own spread swamps its lead
+    assert (wide.ci[1] - wide.ci[0]) / 2 == pytest.approx(
+        4.302652729749464 * statistics.stdev([0.85, 0.99, 0.92]) * math.sqrt(1 + 1 / 3), rel=1e-9)
 
 
 def test_identical_values_use_the_noise_floor_not_zero_noise():

@@ -172,14 +172,51 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
     assert answers["after"] == (False, {"jobs": [], "total": 0, "more": 0, "counts": {}})  # nothing was queued
 
 
+def a_persons_job() -> int:
+    """A job typed by a person (through the library, as `autoresearch submit` does), owned by them."""
+    from orchestrator.api import jobs as api
+    from orchestrator.queue.models import JobSpec
+
+    job, _ = api.submit(JobSpec(argv=["true"], track=False))
+    assert not job.owner.startswith("mcp:")
+    return job.id
+
+
+def test_a_client_cancels_only_its_own_jobs_and_the_cap_holds_for_sessions_and_admits_itself(child_env):
+    theirs = a_persons_job()
+
+    async def body(session):
+        err, mine = await call(session, "submit_job", command=["true"], priority=5)  # the default cap, exactly
+        assert not err, mine
+        return (mine, await call(session, "submit_job", command=["true"], priority=6),
+                await call(session, "start_session", experiment="digits", trials=1, priority=6),
+                await call(session, "cancel_job", job_id=theirs), await call(session, "cancel_job", job_id=mine["id"]),
+                await call(session, "session_status"))
+
+    mine, over, session, refused, cancelled, sessions = with_client(child_env, body)
+    assert mine["priority"] == 5 and mine["owner"] == "mcp:test-agent"
+    assert over[0] and "cap of 5" in over[1]
+    assert session[0] and "cap of 5" in session[1] and sessions == (False, {"sessions": []})  # none was started
+    assert refused[0] and f"job {theirs} belongs to" in refused[1] and "--allow-cancel-any" in refused[1]
+    assert cancelled == (False, {**cancelled[1], "state": "CANCELLED"})
+    from orchestrator.api import jobs as api
+
+    assert api.open_store(None).get(theirs).state == "QUEUED"  # the person's job is untouched
+
+
 def test_max_priority_is_a_server_side_cap_a_person_can_raise(child_env):
+    theirs = a_persons_job()
+
     async def body(session):
         return (await call(session, "submit_job", command=["true"], priority=11),
-                await call(session, "submit_job", command=["true"], priority=13))
+                await call(session, "submit_job", command=["true"], priority=13),
+                await call(session, "cancel_job", job_id=theirs))
 
-    (ok, job), (refused, why) = with_client(child_env, body, "--max-priority", "12")
+    (ok, job), (refused, why), (err, cancelled) = with_client(child_env, body, "--max-priority", "12",
+                                                              "--allow-cancel-any")
     assert not ok and job["priority"] == 11
     assert refused and "cap of 12" in why
+    assert not err and cancelled["id"] == theirs and cancelled["state"] == "CANCELLED"
     bad = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "mcp", "--http", "0"], env=child_env,
                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "autoresearch: --http must be a port in 1..65535, got 0"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import shutil
 import subprocess
+import re
 import sys
 import time
 
@@ -47,6 +48,15 @@ def test_the_next_plan_says_who_starts_who_preempts_whom_and_who_waits():
     young = [_job(1, "RUNNING", 0, devices=["cpu:0"], started=NOW - 5)]
     rows, victims = plan_queue([_job(10, priority=20), _job(11)], young, _devices(2), [SERVICE], NOW, 60)
     assert victims == {} and [r.plan for r in rows] == ["starts on cpu:1", "next, needs 1"]
+    # Too young now, old enough later: the head of the line says when it preempts whom, and so holds the line.
+    full = [_job(1, "RUNNING", 0, devices=["cpu:0"], started=NOW - 5),
+            _job(2, "RUNNING", 0, devices=["cpu:1"], started=NOW - 20)]
+    rows, victims = plan_queue([_job(10, priority=20), _job(11, priority=10)], full, _devices(2), [SERVICE], NOW, 60)
+    assert victims == {} and [r.plan for r in rows] == [
+        "will preempt #2 in 40 s (its minimum runtime, --preempt-after 60)", "waits behind #10"]
+    own = ServiceRecord(host="h", pid=1, devices=["cpu:0", "cpu:1"], heartbeat_at=NOW, preempt_after=30)
+    rows, _ = plan_queue([_job(10, priority=20)], full, _devices(2), [own], NOW, 60)
+    assert rows[0].plan == "will preempt #2 in 10 s (its minimum runtime, --preempt-after 30)"  # the service's own
     rows, _ = plan_queue([_job(10)], [], _devices(2), [], NOW, 60)
     assert rows[0].plan == "no service running"
 
@@ -143,7 +153,7 @@ def test_once_prints_one_frame_of_a_running_service(child_env, make_service):
     lines = out.stdout.splitlines()
     assert max(map(len, lines)) <= 100 and "q quits" not in out.stdout
     assert any("cpu:0" in line and "#1 long-a" in line for line in lines)
-    assert any("#3 urgent" in line and "next, needs 1" in line for line in lines)
+    assert any("#3 urgent" in line and re.search(r"will preempt #[12] in \d+ s", line) for line in lines)
     assert any("#4 behind" in line and "waits behind #3" in line for line in lines)
     assert "1 service" in lines[0] and "2 running" in lines[0] and "2 queued" in lines[0]
 
@@ -201,7 +211,7 @@ def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(
         assert lines[0].startswith("autoresearch top") and "q quits" in lines[0]
         assert any("cpu:0" in line and "long-a" in line for line in lines)
         assert any("cpu:1" in line and "long-b" in line for line in lines)
-        assert any("#3 urgent" in line and "next, needs 1" in line for line in lines)
+        assert any("#3 urgent" in line and "will preempt #" in line for line in lines), screen  # cut at 80 columns
         time.sleep(1.2)  # a few refreshes later it still shows one frame, not frames stacked or scrolled
         again = tmux.screen().rstrip("\n").split("\n")
         assert again[0].startswith("autoresearch top") and sum("autoresearch top" in x for x in again) == 1

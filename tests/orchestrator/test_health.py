@@ -138,8 +138,10 @@ def test_a_device_under_an_idle_check_gets_no_job_until_the_check_ends(make_serv
     checker.start()
     try:
         assert started.wait(10) and service.guard.checking == {"cpu:0"}
+        passes = service.passes
         job_id = api.submit(JobSpec(argv=["true"], track=False))[0].id
-        time.sleep(1.5)  # several dispatch passes (tick 0.2 s)
+        # Three dispatch passes that saw the job (the first may have begun before the submit) left it waiting.
+        wait_for(lambda: service.passes >= passes + 3, timeout=30, what="three dispatch passes")
         assert service.store.get(job_id).state == "QUEUED"
     finally:
         release.set()

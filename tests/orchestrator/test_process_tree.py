@@ -29,13 +29,22 @@ from tests.orchestrator.helpers import SCRIPTS, wait_for
 
 RANK_JOB = str(SCRIPTS / "rank_job.py")
 HAS_CGROUP = procs.cgroup2_root() is not None and os.access(procs.cgroup2_root(), os.W_OK)
-TRACKING = [pytest.param("cgroup", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no writable cgroup v2")),
-            "psutil"]
-MODES = [pytest.param("auto", marks=pytest.mark.skipif(not HAS_CGROUP, reason="no writable cgroup v2")), "off"]
+TRACKING = ["cgroup", "psutil"]
+MODES = ["auto", "off"]
+
+
+def needs_cgroup(mode: str) -> None:
+    """The cgroup cases skip where no writable cgroup v2 exists, and fail under CI (`.ci/run` provides one)."""
+    from tests.support.requires import require
+
+    if mode in ("cgroup", "auto"):
+        require("a writable cgroup v2", None if HAS_CGROUP else
+                f"none at {procs.cgroup2_root() or '/sys/fs/cgroup'} (mount one: see .ci/run)")
 
 
 @pytest.fixture
 def tracking(request, monkeypatch):
+    needs_cgroup(request.param)
     monkeypatch.setenv("AUTORESEARCH_CGROUP", "auto" if request.param == "cgroup" else "off")
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")  # device checks are the health suite's
     return request.param
@@ -150,6 +159,7 @@ def _daemonizing(pidfile: Path, then: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path, mode):
+    needs_cgroup(mode)
     exits: queue.Queue = queue.Queue()
     layout = Layout(tmp_path / "home")
     executor = LocalExecutor(layout, exits.put, cgroup=mode)
@@ -169,6 +179,7 @@ def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path
 def test_stop_reaches_a_helper_in_another_session_and_adoption_finds_the_tree_again(tmp_path, mode):
     """SIGTERM, then SIGKILL after the grace, to every process of the attempt; a second executor (a restarted
     service) stops a tree it did not start."""
+    needs_cgroup(mode)
     exits: queue.Queue = queue.Queue()
     layout = Layout(tmp_path / "home")
     first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
@@ -222,6 +233,7 @@ def test_torchrun_exit_codes_map_back_to_the_job_protocol():
 def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
     """A restarted service finds attempts the queue no longer gives it (another host reaped it meanwhile) and
     stops each whole tree: SIGTERM, then SIGKILL after the grace for what ignores it."""
+    needs_cgroup(mode)
     layout = Layout(tmp_path / "home")
     first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
     pidfile = tmp_path / "helper.pid"

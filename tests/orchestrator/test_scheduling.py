@@ -286,3 +286,9 @@ def test_the_plan_is_deterministic_and_independent_of_input_order():
 def test_waiting_jobs_need_at_least_one_device():
     with pytest.raises(ValueError):
         Waiting(id=1, priority=0, submitted_at=0.0, gpus=0)
+
+
+def test_the_plan_says_which_waiting_job_each_victim_is_preempted_for():
+    p = plan([Waiting(1, 9, 0.0, 1), Waiting(2, 8, 1.0, 1)],
+             [Running(7, 0, ("0",), 0.0, True), Running(8, 1, ("1",), 0.0, True)], ["0", "1"], 100.0, 60)
+    assert p.preempt == (7, 8) and p.preempt_for == ((7, 1), (8, 2))

@@ -224,7 +224,9 @@ def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socke
     assert "return (lr - 3.0) ** 2" in (program / "prepare.py").read_text()
     store = JobStore(Settings.load().db_url)
     logs = [Path(store.get(r["job_ids"][0]).log_path).read_text() for r in rows[1:]]
-    assert "Read-only file system" in logs[0] or "Permission denied" in logs[0]
+    # The variant ran in its own worktree (cwd): its copy of prepare.py is under a read-only bind, not merely
+    # mode 0444 (which gives "Permission denied", and which root ignores).
+    assert "Read-only file system: 'prepare.py'" in logs[0], logs[0][-2000:]
     assert "Network is unreachable" in logs[1] or "Connection refused" in logs[1], logs[1]
 
 

@@ -11,6 +11,7 @@ import sys
 
 import click
 import typer
+import typer.core
 
 try:  # typer >= 0.16 vendors its own click; its exceptions are not click's
     from typer._click import exceptions as _tclick
@@ -39,6 +40,23 @@ def _is_input_error(exc: BaseException) -> bool:
     return isinstance(exc, (BadInput, SpaceError, UnknownExperiment))
 
 
+def _given(argv: list[str], param) -> str | None:
+    """The value the user gave an option that was refused (`--priority abc` -> 'abc'), to echo it back."""
+    opts = set(getattr(param, "opts", None) or ()) if param is not None else set()
+    if not opts or getattr(param, "is_flag", False):
+        return None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        if name in opts:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     from orchestrator.faces.cli.helpfmt import command
@@ -57,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(exc.format_message().split())
         param = getattr(exc, "param", None)
         hint = f" (option {param.opts[0]})" if param is not None and param.opts and param.opts[0] not in message else ""
+        given = _given(sys.argv[1:] if argv is None else argv, param)
+        if given is not None and repr(given) not in message:
+            hint += f" (got {given!r})"
         print(f"autoresearch: {message}{hint}", file=sys.stderr)
         sys.exit(2 if isinstance(exc, _USAGE_ERROR) else exc.exit_code)
     except (OrchestratorError, ValueError) as exc:

@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 import typer
 
 from orchestrator.faces.cli.app import app
-from orchestrator.faces.cli.common import info, print_json, print_table
+from orchestrator.faces.cli.common import info, print_columns, print_json
 from orchestrator.core.errors import BadInput
 
 
@@ -98,7 +98,8 @@ def _mean(entry: dict) -> str:
 
 @app.command()
 def start(
-    goal: str = typer.Option(..., "--goal", help="What to achieve, in words (the LLM proposer reads it)."),
+    goal: str = typer.Option("", "--goal", help="What to achieve, in words (the LLM proposer reads it; "
+                             "optional for the samplers)."),
     experiment: Optional[str] = typer.Option(None, "--experiment", help="A bundled experiment, or package.module:SPEC."),
     program: Optional[str] = typer.Option(None, "--program", help="A program folder with autoresearch.toml: the "
                                           "agent edits its code (see `autoresearch tree`)."),
@@ -200,12 +201,22 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
         w = row["summary"].get("winner") or row["summary"].get("best") or {}
         return _fmt(w.get("mean", w.get("value", ""))) if w else ""
 
-    print_table("sessions", ["id", "experiment", "proposer", "status", "trials", "best", "started", "goal"],
-                [(r["id"], r["experiment"], r["proposer"],
-                  r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
-                  r["summary"].get("trials", ""), best(r),
-                  dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"][:40])
-                 for r in rows])
+    if not rows:
+        print("no agent sessions yet (`autoresearch start` begins one)")
+        return
+    # Plain columns fitted to the terminal: the id (what `resume` needs), counts and times are never cut; the
+    # experiment, proposer, status and goal share what is left, each cut with an ellipsis.
+    print_columns(SESSION_COLUMNS,
+                  [(r["id"], r["experiment"], r["proposer"],
+                    r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
+                    r["summary"].get("trials", ""), best(r),
+                    dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"])
+                   for r in rows])
+
+
+SESSION_COLUMNS = [("id", {}), ("experiment", {"ratio": 2, "min_width": 6}), ("proposer", {"ratio": 1}),
+                   ("status", {"ratio": 2, "min_width": 6}), ("trials", {"right": True}), ("best", {"right": True}),
+                   ("started", {}), ("goal", {"ratio": 3, "min_width": 4})]
 
 
 @app.command()
@@ -224,6 +235,9 @@ def leaderboard(
         boards = runner.leaderboard(experiment)
     if as_json:
         print_json(boards)
+        return
+    if not any(board.get("entries") for board in boards):
+        print(f"no finished runs with a metric yet{f' for {experiment}' if experiment else ''}")
         return
     show(boards)
 

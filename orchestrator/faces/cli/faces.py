@@ -20,6 +20,8 @@ def mcp(
                                      help="Highest priority an outside agent may ask for (people's default is 10)."),
     project: Optional[str] = typer.Option(None, "--project", help="Charge every job and session of the "
                                           "server's clients to this project (they may not name another)."),
+    allow_cancel_any: bool = typer.Option(False, "--allow-cancel-any",
+                                          help="Let clients cancel any job (default: only jobs they own)."),
 ) -> None:
     """The MCP server for outside agents (stdio; --http PORT for streamable HTTP)."""
     from orchestrator.queue.models import check_priority
@@ -38,7 +40,8 @@ def mcp(
         from orchestrator.api.sharing import resolve_project
 
         project = resolve_project(project, settings(), api.open_store(settings()))
-    serve(settings(), http_port=http, host=host, max_priority=max_priority, project=project)
+    serve(settings(), http_port=http, host=host, max_priority=max_priority, project=project,
+          allow_cancel_any=allow_cancel_any)
 
 
 @app.command()

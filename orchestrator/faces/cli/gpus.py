@@ -9,7 +9,7 @@ import typer
 
 from orchestrator.api import jobs as api
 from orchestrator.faces.cli.app import app
-from orchestrator.faces.cli.common import print_json, print_table, settings
+from orchestrator.faces.cli.common import info, print_json, print_table, settings
 
 gpus_app = typer.Typer(help="Devices and their health.", invoke_without_command=True, no_args_is_help=False)
 app.add_typer(gpus_app, name="gpus")
@@ -34,14 +34,22 @@ def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
     """List devices with their state and last check."""
     if ctx.invoked_subcommand is not None:
         return
+    from orchestrator.queue.states import HOLDING
+    from orchestrator.faces.views.top import device_state
+
     store = api.open_store(settings())
     devs = store.devices()
-    if as_json:
-        print_json([d.to_dict() for d in devs])
+    on = {(j.host or "", dev): j.id for j in store.list(HOLDING) for dev in j.devices or ()}
+    if as_json:  # `state` stays the device's own (available, disabled, quarantined); `job`: who holds it now
+        print_json([{**d.to_dict(), "job": on.get((d.host, d.name))} for d in devs])
         return
     when = lambda t: dt.datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else ""  # noqa: E731
-    print_table("devices", ["host", "device", "state", "reason", "last check"],
-                [(d.host, d.name, d.state, d.reason, when(d.checked_at)) for d in devs])
+    print_table("devices", ["host", "device", "state", "job", "reason", "last check"],
+                [(d.host, d.name, device_state(d.state, on.get((d.host, d.name))),
+                  f"#{on[(d.host, d.name)]}" if (d.host, d.name) in on else "", d.reason, when(d.checked_at))
+                 for d in devs])
+    if devs and not api.live_services(store):
+        info("no service is running for this home: these are the last known states")
 
 
 @gpus_app.command()

@@ -22,6 +22,13 @@ def _when(ts: Optional[float]) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S") if ts else ""
 
 
+def _date(ts: object) -> str:
+    """A UNIX time as a date and time in the local zone, for people (`--json` keeps the seconds)."""
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        return str(ts)
+    return dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def submit(
     argv: Optional[List[str]] = typer.Argument(None, help="The command to run, after `--`."),
@@ -98,20 +105,31 @@ def queue(
     as_json: bool = typer.Option(False, "--json", help="The jobs as a JSON list (the same first N)."),
 ) -> None:
     """List jobs: running ones, then the waiting line in the order jobs will start (default: not finished)."""
-    listed = api.open_store(settings()).listing(finished=all_jobs, limit=check_limit(limit))
+    store = api.open_store(settings())
+    listed = store.listing(finished=all_jobs, limit=check_limit(limit))
     if as_json:
         print_json(listed.jobs)
         if listed.more:
             info(listed.more_line())
         return
-    print_listing(listed)
+    print_listing(listed, _plans(store) if any(j["state"] == "QUEUED" for j in listed.jobs) else {})
 
 
-def print_listing(listed: Listing) -> None:
-    """A listing as a table for people (one line per job, fitted to the terminal), then what it left out."""
+def _plans(store) -> dict[int, str]:
+    from orchestrator.faces.views.snapshot import line_plans  # the plan `top` shows, for waiting jobs
+
+    return line_plans(settings(), store)
+
+
+def print_listing(listed: Listing, plans: Optional[dict] = None) -> None:
+    """A listing as a table for people (one line per job, fitted to the terminal), then what it left out. A
+    waiting job's reason is what the next plan does about it (`plans`, by id), as `top` says it."""
+    plans = plans or {}
     print_columns(QUEUE_COLUMNS, [(j["id"], j["name"], j["owner"], j["state"], j["priority"], j["gpus"],
                                    ",".join(j["devices"]), j["attempts"], j["preemptions"], j["exit_code"],
-                                   _when(j["submitted_at"]), j["reason"]) for j in listed.jobs])
+                                   _when(j["submitted_at"]),
+                                   plans.get(j["id"], j["reason"]) if j["state"] == "QUEUED" else j["reason"])
+                                  for j in listed.jobs])
     if listed.more:
         print(listed.more_line())
 
@@ -119,16 +137,19 @@ def print_listing(listed: Listing) -> None:
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    job = api.open_store(settings()).record(job_id)
+    store = api.open_store(settings())
+    job = store.record(job_id)
     if as_json:
         print_json(job)
         return
+    if job["state"] == "QUEUED" and job_id in (plans := _plans(store)):
+        job["next"] = plans[job_id]  # what the next plan does about it, as `queue` and `top` say
     events = job.pop("events")
     for key, value in job.items():
         if value not in (None, "", [], {}):
-            print(f"{key:>16}: {value}")
+            print(f"{key:>16}: {_date(value) if key.endswith('_at') or key == 'not_before' else value}")
     print_table("events", ["time", "from", "to", "reason"],
-                [(_when(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
+                [(_date(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
 
 
 @app.command()
@@ -151,6 +172,8 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
         stream_logs(job, sys.stdout.buffer, follow=follow)
         return
     if follow:
+        if not path or not os.path.exists(path):
+            info(f"job {job_id} is {job.state}: waiting for it to start (Ctrl-C stops waiting)")
         while not path or not os.path.exists(path):
             if job.final:
                 raise BadInput(f"job {job_id} produced no output")

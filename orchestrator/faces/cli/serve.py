@@ -50,6 +50,6 @@ def serve(
         check_target(chosen)  # a partition, account or QoS Slurm refuses: exit 2 before anything is touched
     chosen.health  # bad health settings: exit 2 before anything is touched
     service = Service(chosen)
-    info(f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
-         "Ctrl-C stops (running jobs keep running)")
-    service.serve_forever()
+    service.serve_forever(on_started=lambda: info(
+        f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
+        "Ctrl-C stops (running jobs keep running)"))

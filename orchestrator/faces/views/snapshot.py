@@ -9,9 +9,10 @@ Nothing here changes anything.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from orchestrator.api import jobs as api
 from orchestrator.queue import policy as scheduling
@@ -46,7 +47,8 @@ class QueueRow:
 
     position: int
     job: Any  # a Job, or a read-only row with its columns (`JobStore.line`)
-    plan: str  # "starts on cpu:0", "preempts #4 #7", "next, needs 2", "waits behind #3", "no service has 4 devices"
+    plan: str  # "starts on cpu:0", "preempts #4 #7", "will preempt #8 in 42 s (...)", "next, needs 2",
+    #            "waits behind #3", "no service has 4 devices"
     starts: bool = False
     preempts: tuple[int, ...] = ()
 
@@ -118,25 +120,29 @@ def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], se
                now: float, preempt_after: float, projects: tuple = ()) -> tuple[list[QueueRow], dict[int, int]]:
     """Each waiting job's fate in the next plan of the live services, and who is preempted for whom.
 
-    The policy is run on growing prefixes of the line: the preemptions that appear when job k joins are the
-    ones made for job k (the policy serves the line in order, so earlier jobs' choices do not change)."""
+    The policy says which victim is preempted for which job (`Plan.preempt_for`). A job that waits only because
+    its victims have not run `preempt_after` seconds yet is told when the policy will preempt them: the plan is
+    run again at each moment a lower-priority job comes of age, and the first that preempts for it is the one."""
     starting: dict[int, tuple[str, ...]] = {}
     victims: dict[int, int] = {}
+    # job id -> (victims, seconds until it preempts them, the service's preempt_after)
+    future: dict[int, tuple[tuple[int, ...], float, float]] = {}
     line = [_waiting(j) for j in waiting]
     for svc in services:
         usable = [d.name for d in devices if d.host == svc.host and d.state == "available"]
         running = [_running(j, now) for j in holding if j.host == svc.host]
-        full = scheduling.plan(line, running, usable, now, preempt_after, projects)
+        after = preempt_after if svc.preempt_after is None else svc.preempt_after  # the service's own setting
+        full = scheduling.plan(line, running, usable, now, after, projects)
         starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
-        seen: set[int] = set()
-        for k in range(len(line)):
-            if not set(full.preempt) - seen:
-                break
-            step = scheduling.plan(line[: k + 1], running, usable, now, preempt_after, projects)
-            for victim in step.preempt:
-                if victim not in seen:
-                    seen.add(victim)
-                    victims.setdefault(victim, line[k].id)
+        for victim, job_id in full.preempt_for:
+            victims.setdefault(victim, job_id)
+        acted = {job_id for job_id, _ in full.starts} | {job_id for _, job_id in full.preempt_for}
+        blocked = next((k for k, w in enumerate(line) if w.id not in acted
+                        and scheduling.fits(w.gpus, len(set(usable)))), None)
+        if blocked is not None and line[blocked].id not in future:
+            coming = _coming_of_age(line[: blocked + 1], running, usable, now, after, projects)
+            if coming is not None:
+                future[line[blocked].id] = (*coming, after)
     capacity = max((len(s.devices or []) for s in services), default=0)
     rows: list[QueueRow] = []
     blocker: Optional[Any] = None
@@ -152,17 +158,52 @@ def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], se
             text, starts = "preempts " + " ".join(f"#{v}" for v in sorted(mine)), False
         elif blocker is None:
             blocker = job
-            text, starts = f"next, needs {job.gpus}", False
+            if job.id in future:
+                ids, seconds, after = future[job.id]
+                text = (f"will preempt {' '.join(f'#{v}' for v in ids)} in {math.ceil(seconds)} s "
+                        f"({'its' if len(ids) == 1 else 'their'} minimum runtime, --preempt-after {after:g})")
+            else:
+                text = f"next, needs {job.gpus}"
+            starts = False
         else:
             text, starts = f"waits behind #{blocker.id}", False
         rows.append(QueueRow(i, job, text, starts, mine))
     return rows, victims
 
 
+def _coming_of_age(line: list[scheduling.Waiting], running: list[scheduling.Running], usable: list[str], now: float,
+                   preempt_after: float, projects: Sequence[scheduling.Project] = ()
+                   ) -> Optional[tuple[tuple[int, ...], float]]:
+    """(victims, seconds from now) of the first future plan that preempts for the last job of `line`, trying
+    the moments running jobs reach `preempt_after` (nothing else changes a plan while nobody acts); None if
+    none does."""
+    job_id = line[-1].id
+    moments = sorted({r.started_at + preempt_after for r in running
+                      if r.preemptible and not r.releasing and r.started_at + preempt_after > now})
+    for at in moments:
+        plan = scheduling.plan(line, running, usable, at, preempt_after, projects)
+        mine = tuple(sorted(v for v, f in plan.preempt_for if f == job_id))
+        if mine:
+            return mine, at - now
+    return None
+
+
+def line_plans(settings: Settings, store: Any = None) -> dict[int, str]:
+    """What the next plan does about each of the first waiting jobs (`QUEUE_ROWS`), by id: the reason `queue`
+    and `show` give a QUEUED job, the same words `top` shows."""
+    store = store or api.open_store(settings)
+    holding = store.list(HOLDING)
+    held = {j.id for j in holding}
+    waiting = [row for row in store.line(QUEUE_ROWS) if row.id not in held]
+    rows, _ = plan_queue(waiting, holding, store.devices(), api.live_services(store), time.time(),
+                         settings.preempt_after)
+    return {row.job.id: row.plan for row in rows}
+
+
 def reserved(queue: list[QueueRow]) -> bool:
     """Whether idle devices are being held: a job that could run here waits, and the plan starts nothing on them
     (the policy keeps free devices for the head of the line rather than let jobs behind it pass)."""
-    return any(r.preempts or r.plan.startswith("next") for r in queue)
+    return any(r.preempts or r.plan.startswith(("next", "will preempt")) for r in queue)
 
 
 def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, events: int = 12) -> Snapshot:

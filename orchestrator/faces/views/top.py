@@ -25,7 +25,7 @@ from orchestrator.faces.views.snapshot import Snapshot, reserved, take
 
 STATE_STYLE = {"RUNNING": "green", "STARTING": "cyan", "PREEMPTING": "yellow", "CANCELLING": "yellow",
                "QUEUED": "white", "SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "magenta",
-               "available": "green", "disabled": "yellow", "quarantined": "red"}
+               "available": "green", "busy": "cyan", "disabled": "yellow", "quarantined": "red"}
 SECTION_OVERHEAD = 2  # title and header lines of a section
 
 
@@ -64,6 +64,11 @@ def _state(text: str) -> Text:
     return Text(text, style=STATE_STYLE.get(text, ""))
 
 
+def device_state(state: str, job: Any) -> str:
+    """What a device is doing, for people: `busy` while a job holds an available device (`gpus` says the same)."""
+    return "busy" if job is not None and state == "available" else state
+
+
 def _empty(title: str, note: str) -> Group:
     return Group(Text(title, style="bold"), Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
 
@@ -95,7 +100,7 @@ def devices_table(snap: Snapshot, limit: Optional[int]) -> Any:
             prio, run = str(job.priority), _age(snap.at - job.started_at) if job.started_at else "-"
             beat = _age(snap.at - d.heartbeat_at) if d.heartbeat_at else "-"
         gpu = "" if d.util is None else f"{d.util}% {d.mem_used / 2**30:.0f}/{d.mem_total / 2**30:.0f}G"
-        table.add_row(name, _state(d.state), desc, prio, run, beat, gpu)
+        table.add_row(name, _state(device_state(d.state, job)), desc, prio, run, beat, gpu)
     _more(table, len(snap.devices) - len(rows))
     return table
 
