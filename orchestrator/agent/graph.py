@@ -187,7 +187,6 @@ class Agent(Phases):
     def submit(self, state: State) -> State:
         """Queue every proposed trial exactly once (idempotency key), each with its own MLflow child run."""
         from orchestrator.api import jobs as api
-        from orchestrator.queue.models import JobSpec
 
         trials = load(state["trials"])
         for t in trials:
@@ -207,12 +206,10 @@ class Agent(Phases):
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
-                spec = JobSpec(argv=self.spec.argv(in_image=bool(self.spec.image)),
-                               name=f"{self.spec.name}-{self.session_id}-{t.n}",
-                               priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
-                               preemptible=True, owner=self.session_id, experiment=self.spec.name,
-                               params=t.params, env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t.key, image=self.spec.image)
+                spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
+                                    priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
+                                    grace=30.0, preemptible=True, owner=self.session_id, env={},
+                                    mlflow_run_id=run_id, idempotency_key=t.key)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
                     from orchestrator.api.jobenv import image_tags
@@ -340,15 +337,6 @@ def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
     import dataclasses
 
     return dataclasses.replace(obs, params=search.project(obs.params, searched.space))
-
-
-def _repo_root() -> str:
-    """Where the bundled experiments' modules resolve (`python -m experiments.<name>.train`)."""
-    from pathlib import Path
-
-    import experiments
-
-    return str(Path(experiments.__file__).resolve().parent.parent)
 
 
 def build(agent: Agent, checkpointer: Any) -> Any:
