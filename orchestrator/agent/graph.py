@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
+from orchestrator.core import outputmetrics
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds, is_final
 from orchestrator.agent.outcome import Outcomes, reports
@@ -242,6 +243,8 @@ class Agent(Phases):
                     self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
                 if t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping \
                         and t.run_id:
+                    if self.spec.run is not None:  # a config-file experiment: its output lines' reports
+                        outputmetrics.sync(self.tracker, job, self.spec.metric)
                     history = self.tracker.history(t.run_id, self.progress_metric)
                     if history:
                         t.last_step = history[-1][0]

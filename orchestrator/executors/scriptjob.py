@@ -12,10 +12,11 @@ added and the report count continues. Without one, a second attempt (after a pre
 scratch, and the log says so. This wrapper's own bookkeeping lives in `.autoresearch-*` files there.
 
 The metric: every output line matching the pattern (default `^<metric>: <number>`; `orchestrator.core.metriclines`)
-is a progress report at its step, logged to the job's MLflow run (MLFLOW_RUN_ID) as it comes, so ASHA sees it;
-the last is the result. A script that logs the metric to MLflow itself (the runtime, or plain
-`mlflow.log_metric` in the inherited run) is left to do so: nothing is logged for it. A run that exits 0 with
-neither exits 1 with that reason: no result is ever made up. MLflow is imported only at the first report.
+is a progress report at its step, recorded as it comes (`orchestrator.core.outputmetrics`, from where readers log it
+to the job's MLflow run, so ASHA sees it); the last is the result. A script that logs the metric to MLflow
+itself (the runtime, or plain `mlflow.log_metric` in the inherited MLFLOW_RUN_ID) keeps its own. A run that
+exits 0 with neither exits 1 with that reason: no result is ever made up. Standard library only: a job pays
+no MLflow import for its metric.
 The wrapper shares the job's process group: the queue's SIGTERM reaches the script, and the wrapper waits for
 it and exits with its code.
 """
@@ -24,22 +25,19 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from experiments.command import render, script_params, with_interpreter
+from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
 
 STATE = ".autoresearch-attempts.json"  # attempts started and reports read, kept in the checkpoint dir
 NO_RESULT_EXIT = 1
-SOURCE_TAG = "autoresearch.metric_source"
 
 
 def say(message: str) -> None:
@@ -73,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     command = with_interpreter(command, sys.executable)
     say(f"running: {command}")
     reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
-    logger = MetricLogger(plan["metric"]) if os.environ.get("MLFLOW_RUN_ID") else None
     # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
@@ -85,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write(raw)
         out.flush()
         report = reader.feed(raw.decode("utf-8", errors="replace"))
-        if report is not None and logger is not None:
-            logger.put(report)
+        if report is not None:
+            outputmetrics.append(checkpoint_dir, *report)
     code = proc.wait()
-    if logger is not None:
-        logger.close()
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
     if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
         say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
@@ -110,48 +105,6 @@ def _write_state(checkpoint_dir: Path, **state: int) -> None:
     tmp = checkpoint_dir / f"{STATE}.tmp"
     tmp.write_text(json.dumps(state))
     os.replace(tmp, checkpoint_dir / STATE)
-
-
-class MetricLogger:
-    """Logs output-line reports to the job's MLflow run from a thread (the output never waits for MLflow)."""
-
-    def __init__(self, metric: str):
-        self.metric = metric
-        self.run_id = os.environ["MLFLOW_RUN_ID"]
-        self.items: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name="metric-logger", daemon=True)
-        self.thread.start()
-
-    def put(self, report: tuple[int, float]) -> None:
-        """Queue one (step, value) report."""
-        self.items.put(report)
-
-    def close(self) -> None:
-        """Log what is queued, then stop."""
-        self.items.put(None)
-        self.thread.join()
-
-    def _loop(self) -> None:
-        client, ours = None, None
-        while True:
-            item = self.items.get()
-            if item is None:
-                return
-            try:
-                if client is None:
-                    from mlflow.tracking import MlflowClient
-
-                    client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
-                    run = client.get_run(self.run_id)
-                    # The script's own MLflow metric wins; an earlier attempt of ours tagged the run.
-                    ours = run.data.tags.get(SOURCE_TAG) == "output" or self.metric not in run.data.metrics
-                    if ours:
-                        client.set_tag(self.run_id, SOURCE_TAG, "output")
-                if ours:
-                    step, value = item
-                    client.log_metric(self.run_id, self.metric, value, timestamp=int(time.time() * 1000), step=step)
-            except Exception as exc:  # a tracking hiccup must not kill the training it only observes
-                say(f"could not log {self.metric} to MLflow: {str(exc).splitlines()[0] if str(exc) else exc!r}")
 
 
 def logged_by_script(metric: str) -> bool:
