@@ -72,6 +72,20 @@ def with_interpreter(command: str, python: str) -> str:
     return command
 
 
+def exec_form(command: str) -> str:
+    """`exec COMMAND` for a simple command, so the shell becomes the script (a signal and the exit code are the
+    script's own, not the shell's); a pipeline or a list (`a && b`) is left to the shell."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return command
+    if any(tok and all(c in "();<>|&" for c in tok) for tok in tokens):
+        return command
+    return f"exec {command}"
+
+
 def split(run: str) -> list[str]:
     """The template split as a shell would (ValueError for an unclosed quote)."""
     return shlex.split(PLACEHOLDER.sub("x", run))

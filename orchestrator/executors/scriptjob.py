@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.command import render, script_params, with_interpreter
+from experiments.command import exec_form, render, script_params, with_interpreter
 from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
-    proc = subprocess.Popen(["/bin/sh", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(["/bin/sh", "-c", exec_form(command)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env)
     out = sys.stdout.buffer
     for raw in iter(proc.stdout.readline, b""):
