@@ -1,15 +1,18 @@
 """Config-file experiments against Python specs: the same search on digits declared both ways.
 
-    python benchmarks/own_experiment.py [--trials 6] [--epochs 2] [--slots 2] [--rounds 1]
+    python benchmarks/own_experiment.py [--trials 6] [--epochs 1] [--slots 2] [--rounds 1] [--proposer random]
 
 One side is an `ExperimentSpec` in Python (digits' own entry point, params in AUTORESEARCH_PARAMS); the other is
 an `autoresearch.toml` in a temporary folder running `python -m experiments.digits.train {args}` through the
 config-file job wrapper (the command filled in when the attempt starts, output lines read, the metric still
-logged to MLflow by digits itself). Both search the same five parameters with the same TPE seed, so they
-propose the same trials; digits is deterministic on CPU, so both must reach the same values and verdict. Each
-session runs in a fresh AUTORESEARCH_HOME with its own embedded service (`--slots` cpu slots); the digits
+logged to MLflow by digits itself). Both search the same five parameters with the same sampler seed and the
+same session id (so the same confirmation seeds); the random sampler's draws do not depend on how trials
+finish, so both sides propose the same trials, and digits is deterministic on CPU, so both must reach the same
+values and verdict (TPE's proposals depend on which trials have finished when it is asked, a matter of timing).
+Each session runs in a fresh AUTORESEARCH_HOME with its own embedded service (`--slots` cpu slots); the digits
 volume is built once beforehand. Reported: each side's verdict and device-seconds, and the ratio toml/python
-(aim: at most 1.05). `--rounds N` alternates the order N times and reports the median ratio.
+(aim: at most 1.05); `--rounds N` alternates the order N times and reports the median ratio. First, the
+wrapper's own cost per attempt: a trivial script started directly and through the wrapper, `--starts` times.
 """
 
 from __future__ import annotations
@@ -80,21 +83,47 @@ def session(side: str, args: argparse.Namespace, workdir: Path) -> dict:
                           f"SPEC = python_spec({args.epochs})\n")
         sys.path.insert(0, str(workdir))
         experiment = "own_python_spec:SPEC"
-    config = SessionConfig(goal="raise val_accuracy", experiment=experiment, proposer="tpe", trials=args.trials,
+    config = SessionConfig(goal="raise val_accuracy", experiment=experiment, proposer=args.proposer,
+                           trials=args.trials,
                            parallel=args.slots, poll=0.2, baseline_seeds=2, confirm_seeds=2, confirm_top=1,
                            early_stopping=False)
     start = time.time()
-    summary = runner.start(config, devices=f"cpu:{args.slots}")
+    summary = runner.start(config, devices=f"cpu:{args.slots}", session_id="s-0own0exp")
     return {"summary": summary, "wall": time.time() - start}
+
+
+def wrapper_overhead(starts: int) -> None:
+    """Seconds per start of a trivial script, directly and through the config-file job wrapper."""
+    import json
+    import subprocess
+
+    from experiments.config_file import from_dict
+
+    spec = from_dict({"experiment": {"run": "python -c pass", "metric": "m", "direction": "minimize"}},
+                     folder=tempfile.mkdtemp())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTORESEARCH_PARAMS": json.dumps({})}
+    env.pop("MLFLOW_RUN_ID", None)
+    times = {}
+    for side, argv in (("direct", [sys.executable, "-c", "pass"]), ("wrapper", spec.argv())):
+        t = time.perf_counter()
+        for _ in range(starts):
+            subprocess.run(argv, env={**env, "AUTORESEARCH_CHECKPOINT_DIR": tempfile.mkdtemp()}, cwd=spec.cwd,
+                           stdout=subprocess.DEVNULL, check=side == "direct")
+        times[side] = (time.perf_counter() - t) / starts
+    print(f"per attempt: direct {times['direct'] * 1000:.0f} ms, through the wrapper {times['wrapper'] * 1000:.0f} ms"
+          f" (+{(times['wrapper'] - times['direct']) * 1000:.0f} ms)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--proposer", default="random")
+    parser.add_argument("--starts", type=int, default=20)
     args = parser.parse_args()
+    wrapper_overhead(args.starts)
     workdir = Path(tempfile.mkdtemp(prefix="own-experiment-"))
     os.environ["AUTORESEARCH_VOLUMES"] = str(workdir / "volumes")
     from experiments.digits import prepare
