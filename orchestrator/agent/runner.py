@@ -10,7 +10,6 @@ uses the running one, and K (trials in flight) defaults to the devices that serv
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 from orchestrator.agent.session import Registry, SessionConfig, connect, new_id

@@ -22,11 +22,6 @@ def compile_pattern(pattern: str, metric: str) -> re.Pattern[str]:
     return re.compile(pattern.replace("{metric}", re.escape(metric)))
 
 
-def has_value_group(regex: re.Pattern[str]) -> bool:
-    """Whether a pattern says where the value is: a group named `value`, or (unnamed) groups at all."""
-    return "value" in regex.groupindex or (regex.groups > 0 and not regex.groupindex)
-
-
 class LineReader:
     """Reads metric values out of output lines, one line at a time; `start` continues a count of reports."""
 

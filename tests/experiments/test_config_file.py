@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import config_file, registry
+from experiments import registry
 from experiments.command import format_value, render, script_params
 from experiments.config_file import ConfigError
 from experiments.space import Categorical, Float, Int
