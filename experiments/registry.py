@@ -1,14 +1,22 @@
-"""The experiment registry: find bundled experiments by name.
+"""The experiment registry: find an experiment by a bundled name, a config file, or a name used before.
 
-Each experiment package `experiments/<name>/` has a light `spec.py` (no torch import) defining `SPEC`, an
-`ExperimentSpec`; its training entry point is a module run as `python -m <entrypoint>`.
+`get(name)` resolves, in this order:
+- a bundled experiment: `experiments/<name>/spec.py` (no torch import) defines `SPEC`, an `ExperimentSpec`
+  whose training entry point is a module run as `python -m <entrypoint>`;
+- a path: a folder holding `autoresearch.toml`, the toml itself, or a W&B sweep `.yaml`/`.yml`
+  (`experiments.config_file`); the experiment is then remembered by its name in the home;
+- a name remembered from such a file (`experiments.memory`);
+- `package.module:ATTRIBUTE`: an `ExperimentSpec` defined in Python by a project (importable from the
+  current directory), for experiments that need conditions between parameters or other code.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from experiments.space import SearchSpace
@@ -36,6 +44,16 @@ class ExperimentSpec:
     # A container image its runs use (`submit --image`; agent trials too), None: the service's environment.
     # It runs as `python3 -m ENTRYPOINT` from the bind-mounted repository root: the image needs the dependencies.
     image: str | None = None
+    # A config-file experiment (`experiments.config_file`): how its job runs the user's own command.
+    run: str | None = None  # the command template (placeholders `{args}`, `{NAME}`, `{checkpoint_dir}`, ...)
+    args_format: str = "--{name}={value}"  # how `{args}` writes each parameter
+    pattern: str | None = None  # output lines read as metric reports (None: `^<metric>: <number>`)
+    resume: str | None = None  # added to the command when the job's checkpoint dir is not empty
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # passed like params, never searched or validated
+    seed_param: str | None = None  # the script's name for the `seed` parameter
+    time_limit: float | None = None  # seconds an attempt may run
+    cwd: str | None = None  # where the command runs (the toml's folder)
+    source: str | None = None  # the file it was read from
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
@@ -47,22 +65,82 @@ class ExperimentSpec:
 
     def argv(self, in_image: bool = False) -> list[str]:
         """The command a job runs for this experiment (params travel in AUTORESEARCH_PARAMS); `in_image`: in
-        a container, whose python is not this one."""
-        return ["python3" if in_image else sys.executable, "-m", self.entrypoint]
+        a container, whose python is not this one. A config-file experiment runs its own command through
+        the job wrapper (`orchestrator.executors.scriptjob`), which fills in the placeholders when the attempt starts."""
+        python = "python3" if in_image else sys.executable
+        if self.run is None:
+            return [python, "-m", self.entrypoint]
+        import json
+
+        plan = {"run": self.run, "args": self.args_format, "metric": self.metric, "pattern": self.pattern,
+                "resume": self.resume, "fixed": dict(self.fixed), "seed": self.seed_param}
+        return [python, "-m", "orchestrator.executors.scriptjob", json.dumps(plan, separators=(",", ":"))]
+
+    def job_fields(self, in_image: bool = False) -> dict[str, Any]:
+        """What a job of this experiment needs besides its params, decided here for every face (CLI, MCP,
+        agent): its argv, the folder it runs in and its time limit. Explicit job options override them."""
+        import experiments
+
+        root = str(Path(experiments.__file__).resolve().parent.parent)  # where `python -m experiments.x` resolves
+        return {"argv": self.argv(in_image), "cwd": self.cwd or root, "time_limit": self.time_limit,
+                "image": self.image, "experiment": self.name}
+
+    @property
+    def seeded(self) -> bool:
+        """Whether runs of one configuration can differ by a seed parameter (else re-runs only repeat it)."""
+        return "seed" in self.space
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric value `a` is strictly better than `b`."""
         return a < b if self.direction == "minimize" else a > b
 
 
-def get(name: str) -> ExperimentSpec:
-    """The spec of experiment `name`; UnknownExperiment (listing the known names) otherwise."""
-    if name not in KNOWN:
-        raise UnknownExperiment(f"unknown experiment {name!r}; known: {', '.join(KNOWN)}")
-    module = importlib.import_module(f"experiments.{name}.spec")
-    return module.SPEC
+def get(name: str, home: str | os.PathLike | None = None) -> ExperimentSpec:
+    """The spec of experiment `name` (a bundled name, a path, a remembered name or `package.module:SPEC`, see
+    the module's docstring); UnknownExperiment (a ValueError, listing the known names) otherwise. A config
+    file's experiment is remembered under `home` (default: AUTORESEARCH_HOME)."""
+    if name in KNOWN:
+        return importlib.import_module(f"experiments.{name}.spec").SPEC
+    from experiments import config_file, memory
+
+    if config_file.looks_like_path(name):
+        spec = config_file.load(name)
+        if spec.name in KNOWN:
+            raise config_file.ConfigError(f"{spec.source}: name {spec.name!r} is a bundled experiment's; "
+                                          "choose another `name`")
+        memory.remember(spec, home)
+        return spec
+    if ":" in name and not name.startswith(("/", ".")):
+        return _python_spec(name)
+    found = memory.lookup(name, home)
+    if found is not None:
+        return config_file.load(found)
+    known = [*KNOWN, *memory.names(home)]
+    raise UnknownExperiment(f"unknown experiment {name!r}; known: {', '.join(known)} (or give a folder holding "
+                            f"{config_file.CONFIG}, the toml, or a W&B sweep .yaml)")
+
+
+def _python_spec(name: str) -> ExperimentSpec:
+    """An `ExperimentSpec` named `package.module:ATTRIBUTE`, importable from the current directory."""
+    module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # as `python -m` would: a project's own experiments resolve from its root
+    try:
+        spec = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownExperiment(f"cannot load experiment {name!r}: {exc}") from None
+    if not isinstance(spec, ExperimentSpec):
+        raise UnknownExperiment(f"{name!r} is not an ExperimentSpec")
+    return spec
 
 
 def names() -> tuple[str, ...]:
     """Names of the bundled experiments."""
     return KNOWN
+
+
+def all_names(home: str | os.PathLike | None = None) -> tuple[str, ...]:
+    """Names of the bundled experiments, then of the config-file experiments remembered in `home`."""
+    from experiments import memory
+
+    return (*KNOWN, *memory.names(home))

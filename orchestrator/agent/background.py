@@ -44,6 +44,7 @@ def start_session(config: Any, settings: Optional[Settings] = None, devices: Opt
 
     settings = settings or Settings.load()
     runner.check(config, settings, devices)
+    config = runner.named(config, settings)
     _ready_tracking(settings)
     session_id = new_id()
     log = log_path(settings.home, session_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from orchestrator.core import outputmetrics
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds
 from orchestrator.agent.outcome import Outcomes, reports
@@ -173,7 +174,6 @@ class Agent(Phases):
     def submit(self, state: State) -> State:
         """Queue every proposed trial exactly once (idempotency key), each with its own MLflow child run."""
         from orchestrator.api import jobs as api
-        from orchestrator.queue.models import JobSpec
 
         trials = load(state["trials"])
         for t in trials:
@@ -194,13 +194,11 @@ class Agent(Phases):
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
-                spec = JobSpec(argv=self.spec.argv(in_image=bool(self.spec.image)),
-                               name=f"{self.spec.name}-{self.session_id}-{t.n}",
-                               priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts, grace=30.0,
-                               preemptible=True, owner=self.session_id, experiment=self.spec.name,
-                               params=t.params, env={}, cwd=_repo_root(), mlflow_run_id=run_id,
-                               idempotency_key=t.key, image=self.spec.image,
-                               project=getattr(self.cfg, "project", "default"))
+                spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
+                                    priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
+                                    grace=30.0, preemptible=True, owner=self.session_id, env={},
+                                    mlflow_run_id=run_id, idempotency_key=t.key,
+                                    project=getattr(self.cfg, "project", "default"))
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
                     from orchestrator.tracking.jobruns import image_tags
@@ -233,6 +231,8 @@ class Agent(Phases):
                     self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
                 if t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping \
                         and t.run_id:
+                    if self.spec.run is not None:  # a config-file experiment: its output lines' reports
+                        outputmetrics.sync(self.tracker, job, self.spec.metric)
                     history = self.tracker.history(t.run_id, self.progress_metric)
                     if history:
                         t.last_step = history[-1][0]
@@ -328,15 +328,6 @@ def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
     import dataclasses
 
     return dataclasses.replace(obs, params=search.project(obs.params, searched.space))
-
-
-def _repo_root() -> str:
-    """Where the bundled experiments' modules resolve (`python -m experiments.<name>.train`)."""
-    from pathlib import Path
-
-    import experiments
-
-    return str(Path(experiments.__file__).resolve().parent.parent)
 
 
 def build(agent: Agent, checkpointer: Any) -> Any:

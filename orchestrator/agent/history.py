@@ -86,6 +86,10 @@ class Results:
         value = None
         if job.mlflow_run_id and (job.job_state is S.SUCCEEDED or job.final):
             try:
+                if self.spec.run is not None:  # a config-file experiment: its output lines' reports first
+                    from orchestrator.core import outputmetrics
+
+                    outputmetrics.sync(self.tracker, job, self.spec.metric)
                 if job.job_state is S.SUCCEEDED:
                     value = self.tracker.final(job.mlflow_run_id, self.spec.metric)
                 else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from orchestrator.core import outputmetrics
 from orchestrator.agent.history import completed_value, device_seconds
 from orchestrator.agent.stopping import ASHA
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
@@ -47,6 +48,8 @@ class Outcomes:
         session's end arrived after its last step) has finished: its final value counts like any other.
         """
         job = self.store.get(t.job_id)
+        if self.spec.run is not None:  # a config-file experiment: its output lines' reports to its run first
+            outputmetrics.sync(self.tracker, job, self.spec.metric)
         t.device_s = device_seconds(self.store, job)
         t.finished_at = job.finished_at
         value = None
@@ -77,6 +80,8 @@ class Outcomes:
         A trial that has reached its full budget is left to finish; one ahead of every baseline run at the
         rung is a candidate, not a loser; one whose latest report ranks in the top 1/eta at the rung is kept.
         """
+        if self.spec.run is not None:
+            outputmetrics.sync(self.tracker, self.store.get(t.job_id), self.spec.metric)
         raw = self.tracker.history(t.run_id, self.progress_metric)
         if not raw:
             return True

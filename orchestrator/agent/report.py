@@ -16,12 +16,12 @@ REPORT = "report.md"
 
 
 def session_board(session_id: str, trials: Sequence[Mapping[str, Any]], direction: str,
-                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  defaults: Mapping[str, Any] | None = None, exact: bool = False) -> dict[str, Any]:
     """The leaderboard of one session's finished trials (baseline and selection runs marked)."""
     rows = [{"params": t["params"], "value": t["value"], "job_id": t["job_id"], "source": f"session {session_id}",
              "baseline": t["phase"] == "baseline", "selection": t["phase"] == "search"}
             for t in trials if t["status"] == "succeeded" and t.get("value") is not None]
-    return leaderboard(rows, direction, defaults=defaults)
+    return leaderboard(rows, direction, defaults=defaults, exact=exact)
 
 
 def summarise(session_id: str, config: Any, state: Mapping[str, Any], spec: Any, *, parallel: int,
@@ -29,7 +29,7 @@ def summarise(session_id: str, config: Any, state: Mapping[str, Any], spec: Any,
     """Counts, the baseline, the gated winner (None when nothing beat the baseline by more than the noise),
     the one-line verdict, the ranking and the cost."""
     trials = state["trials"]
-    board = session_board(session_id, trials, spec.direction, defaults)
+    board = session_board(session_id, trials, spec.direction, defaults, exact=not getattr(spec, "seeded", True))
     counts: dict[str, int] = {}
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
@@ -61,7 +61,10 @@ def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
         lines += [f"Baseline (the experiment's defaults): {metric} {base['mean']:.4g}{spread} over {base['n']} "
                   f"seeds.", ""]
     verdict = summary.get("verdict")
-    if verdict:
+    if verdict and verdict.get("exact"):
+        lines += [f"Gate: {verdict['method']}. The experiment has no seed parameter and its re-runs came back "
+                  "identical, so no confidence interval is computed: any difference is real.", ""]
+    elif verdict:
         lines += [f"Gate: {verdict['method']}; a candidate wins only if the lower end of the CI of its "
                   "improvement is above zero, judged on its fresh-seed re-runs only (the search run that "
                   "selected it is left out).", ""]

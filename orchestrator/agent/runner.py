@@ -10,7 +10,6 @@ uses the running one, and K (trials in flight) defaults to the devices that serv
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 from orchestrator.agent.session import Registry, SessionConfig, connect, new_id
@@ -26,6 +25,7 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
     """Run a new session to its end; returns its summary."""
     settings = settings or Settings.load()
     check(config, settings, devices)
+    config = named(config, settings)
     registry = Registry(settings.home)
     session_id = session_id or new_id()
     registry.create(session_id, config)
@@ -83,27 +83,24 @@ def session_links(url: str, settings: Settings | None = None, limit: int = 5) ->
     return out
 
 
-def load_spec(name: str) -> Any:
-    """A bundled experiment by name, or any `ExperimentSpec` named as `package.module:ATTRIBUTE`."""
-    import importlib
-
+def load_spec(name: str, settings: Settings | None = None) -> Any:
+    """An experiment as `experiments.registry.get` resolves it (a bundled name, a config file's folder or path,
+    a remembered name, or `package.module:SPEC`); BadInput with its one line otherwise."""
     from experiments import registry
 
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())  # as `python -m` would: a project's own experiments resolve from its root
-        try:
-            spec = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise BadInput(f"cannot load experiment {name!r}: {exc}") from None
-        if not isinstance(spec, registry.ExperimentSpec):
-            raise BadInput(f"{name!r} is not an ExperimentSpec")
-        return spec
     try:
-        return registry.get(name)
+        return registry.get(name, home=(settings or Settings.load()).home)
     except registry.UnknownExperiment as exc:
         raise BadInput(str(exc)) from None
+
+
+def named(config: SessionConfig, settings: Settings | None = None) -> SessionConfig:
+    """`config` naming its experiment as later commands will (`resume`, `sessions`, `leaderboard`): a config
+    file's path becomes the experiment's remembered name."""
+    import dataclasses
+
+    spec = load_spec(config.experiment, settings)
+    return dataclasses.replace(config, experiment=spec.name) if spec.source else config
 
 
 def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
@@ -114,7 +111,7 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     from orchestrator.agent.search import baseline_params, fixed_params, reduced
     from orchestrator.service.daemon import Service
 
-    spec = load_spec(config.experiment)
+    spec = load_spec(config.experiment, settings)
     if config.proposer not in NAMES:
         raise BadInput(f"unknown proposer {config.proposer!r}; choose from {', '.join(NAMES)}")
     fixed = fixed_params(spec, config.fixed, config.seed)
@@ -136,7 +133,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     from orchestrator.tracking.client import Tracker
     from orchestrator.core.wakeup import notify
 
-    spec = load_spec(config.experiment)
+    spec = load_spec(config.experiment, settings)
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     service, slots = embedded(settings, store, devices)
@@ -192,14 +189,19 @@ def leaderboard(experiment: str | None = None, settings: Settings | None = None)
 
     settings = settings or Settings.load()
     if experiment is not None:
-        load_spec(experiment)
+        load_spec(experiment, settings)
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     out = []
-    for name in [experiment] if experiment else experiments.names():
-        spec = load_spec(name)
+    for name in [experiment] if experiment else experiments.all_names(settings.home):
+        try:
+            spec = load_spec(name, settings)
+        except BadInput:
+            if experiment:
+                raise
+            continue  # a remembered file that has gone or broken: the others still show
         rows = Results(store, tracker, spec).rows()
         if rows or experiment:
             out.append({"experiment": spec.name, "metric": spec.metric,
-                        **rank(rows, spec.direction, defaults=spec.space.defaults())})
+                        **rank(rows, spec.direction, defaults=spec.space.defaults(), exact=not spec.seeded)})
     return out

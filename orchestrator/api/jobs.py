@@ -36,15 +36,25 @@ def largest_capacity(services: list) -> int:
 
 
 def experiment_spec(experiment: str, params: Mapping[str, Any], **options: Any) -> JobSpec:
-    """A JobSpec running a registered experiment with validated params (SpaceError names a bad key)."""
+    """A JobSpec running an experiment (a bundled name, a config file's path or remembered name) with validated
+    params (SpaceError names a bad key; UnknownExperiment or config_file.ConfigError a bad experiment)."""
     from experiments import registry
 
     spec = registry.get(experiment)
-    full = spec.validate(dict(params))
-    if options.get("image") is None and spec.image:
-        options["image"] = spec.image  # the environment the experiment names, unless --image says otherwise
-    return JobSpec(argv=spec.argv(in_image=bool(options.get("image"))), experiment=experiment, params=full,
-                   **options)
+    return job_spec(spec, spec.validate(dict(params)), **options)
+
+
+def job_spec(spec: Any, params: Mapping[str, Any], **options: Any) -> JobSpec:
+    """The JobSpec of one run of `spec` (an `ExperimentSpec`) with these (validated) params, for every face: the
+    experiment decides the argv, the folder, the time limit and the image; options given explicitly win."""
+    image = options.pop("image", None) or spec.image  # the environment the experiment names, unless --image
+    fields = spec.job_fields(in_image=bool(image))
+    for key in ("cwd", "time_limit"):
+        if options.get(key) is not None:
+            fields[key] = options.pop(key)
+        options.pop(key, None)
+    fields["image"] = image
+    return JobSpec(params=dict(params), **fields, **options)
 
 
 def submit(spec: JobSpec, settings: Optional[Settings] = None,

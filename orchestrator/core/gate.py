@@ -14,6 +14,10 @@ Edge cases, decided so that noise can never pass:
 - A baseline with one run borrows the candidate's spread (equal-variance assumption, df = n_candidate - 1).
 - Identical values (zero spread) are not zero noise: every side's std is floored at `NOISE_FLOOR_REL` times
   the larger |mean| (at least `NOISE_FLOOR_ABS`), so three identical runs still give a finite, honest CI.
+- Except where re-runs repeat the very same configuration (`exact=True`: an experiment with no seed
+  parameter) and both sides came back identical: the script showed no seed noise, so there is no interval to
+  compute; the difference is what it is, and any difference above `min_effect` is a win. The verdict says so
+  instead of printing a confidence interval made from zero spread.
 """
 
 from __future__ import annotations
@@ -53,9 +57,17 @@ class Verdict:
     candidate_std: float
     n_candidate: int
     method: str
+    exact: bool = False  # re-runs of each side were identical: no seed noise, no interval
 
     def describe(self) -> str:
         """One line for people: the improvement with its CI over the baseline, or why there is none."""
+        if self.exact:
+            base = f"baseline {_num(self.baseline_mean)}, {_seeds(self.n_baseline, 're-run')}"
+            note = "the re-runs were identical: the experiment showed no seed noise"
+            if self.win:
+                return f"improvement {_signed(self.delta)} over {base} ({note}, so the difference is exact)"
+            return (f"no improvement over the baseline ({base}; candidate {_num(self.candidate_mean)}, "
+                    f"{_seeds(self.n_candidate, 're-run')}: {_signed(self.delta)}; {note})")
         pct = f"{self.level * 100:g}%"
         base = f"baseline {_num(self.baseline_mean)} ± {_spread(self.baseline_std)}, {_seeds(self.n_baseline)}"
         interval = f"{pct} CI {_signed(self.ci[0])}..{_signed(self.ci[1])}"
@@ -67,8 +79,9 @@ class Verdict:
 
 
 def gate(baseline: Sequence[float], candidate: Sequence[float], *, direction: str = "maximize",
-         level: float = 0.95, min_effect: float = 0.0) -> Verdict:
-    """Compare a candidate's runs (one value per seed) with the baseline's by Welch's t-test.
+         level: float = 0.95, min_effect: float = 0.0, exact: bool = False) -> Verdict:
+    """Compare a candidate's runs (one value per seed) with the baseline's by Welch's t-test; `exact`: the runs
+    repeat one configuration with nothing seeded (identical values then mean no noise, see the module doc).
 
     Raises ValueError for an empty side, a non-finite value, an unknown direction, a level outside (0, 1) or
     a negative `min_effect`.
@@ -86,6 +99,10 @@ def gate(baseline: Sequence[float], candidate: Sequence[float], *, direction: st
     delta = sign * (c_mean - b_mean)
     floor = max(NOISE_FLOOR_REL * max(abs(b_mean), abs(c_mean)), NOISE_FLOOR_ABS)
     nb, nc = len(b), len(c)
+    if exact and nb >= 2 and nc >= 2 and b_std == 0 and c_std == 0:
+        return Verdict(win=delta > min_effect, delta=delta, ci=(delta, delta), level=level, baseline_mean=b_mean,
+                       baseline_std=0.0, n_baseline=nb, candidate_mean=c_mean, candidate_std=0.0, n_candidate=nc,
+                       method="identical re-runs (no seed noise): the difference is exact", exact=True)
     if nc < 2:
         # One candidate run: its noise is unknown, so no interval can exclude zero.
         ci, method = (-math.inf, math.inf), "single candidate run (never a win)"
@@ -144,5 +161,5 @@ def _signed(x: float) -> str:
     return f"{x:+.3g}"
 
 
-def _seeds(n: int) -> str:
-    return f"{n} seed" if n == 1 else f"{n} seeds"
+def _seeds(n: int, word: str = "seed") -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

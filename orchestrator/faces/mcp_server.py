@@ -324,27 +324,40 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
         return sessions.stop_session(session_id, settings)
 
-    _add_space_resources(server)
+    _add_space_resources(server, settings)
     return server
 
 
-def _add_space_resources(server: MCPServer) -> None:
-    """One resource per bundled experiment: its search space, metric and direction, as JSON."""
+def _add_space_resources(server: MCPServer, settings: Settings) -> None:
+    """One resource per experiment (bundled, and config files used before on this home): its search space,
+    metric and direction, as JSON; a template answers for any name or config-file path used later."""
     import json
 
     from experiments import registry
 
-    def reader(exp: str) -> Callable[[], str]:
-        def read() -> str:
-            spec = registry.get(exp)
-            return json.dumps({"experiment": spec.name, "description": spec.description, "metric": spec.metric,
-                               "direction": spec.direction, "space": spec.space.describe()}, indent=2)
-        return read
+    def describe(exp: str) -> str:
+        try:
+            spec = registry.get(exp, home=settings.home)
+        except registry.UnknownExperiment as exc:
+            raise BadInput(str(exc)) from None
+        return json.dumps({"experiment": spec.name, "description": spec.description, "metric": spec.metric,
+                           "direction": spec.direction, "space": spec.space.describe(),
+                           **({"source": spec.source, "run": spec.run, "fixed": dict(spec.fixed)}
+                              if spec.source else {})}, indent=2)
 
-    for exp in registry.names():
+    def reader(exp: str) -> Callable[[], str]:
+        return lambda: describe(exp)
+
+    for exp in registry.all_names(settings.home):
         server.resource(f"autoresearch://experiments/{exp}", name=f"{exp} search space",
                         description=f"Parameters of experiment {exp} (submit_job params, start_session params)",
                         mime_type="application/json")(reader(exp))
+
+    @server.resource("autoresearch://experiments/{name}", name="experiment search space",
+                     description="Parameters of any experiment by name (a config file's once it has been used)",
+                     mime_type="application/json")
+    def any_experiment(name: str) -> str:
+        return describe(name)
 
 
 def serve(settings: Settings, *, http_port: Optional[int] = None, host: str = "127.0.0.1",

@@ -27,9 +27,10 @@ from pathlib import Path, PurePosixPath
 from orchestrator.core.durations import parse_duration
 from orchestrator.core.errors import BadInput
 
+# One output-line reader for programs and config-file experiments.
+from orchestrator.core.metriclines import DEFAULT_PATTERN, NUMBER, compile_pattern  # noqa: F401
+
 CONFIG = "autoresearch.toml"
-NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
-DEFAULT_PATTERN = r"^{metric}:\s*" + NUMBER
 
 
 def _relpath(name: object, key: str) -> str:
@@ -94,7 +95,7 @@ class ProgramSpec:
 
     def line_regex(self) -> re.Pattern[str]:
         """The metric line pattern with the metric name filled in."""
-        return re.compile(self.pattern.replace("{metric}", re.escape(self.metric)), re.MULTILINE)
+        return re.compile(compile_pattern(self.pattern, self.metric).pattern, re.MULTILINE)
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric value `a` beats `b` in this program's direction."""

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from orchestrator.programs.spec import DEFAULT_PATTERN
+from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
 
 TIME_LIMIT_EXIT = 124  # as timeout(1)
 TIME_LIMIT_MESSAGE = "time limit exceeded"
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
         command = sandbox.command(command, cwd=Path.cwd(), writable=sandbox.writable_dirs(Path(args.sandbox)),
                                   protected=[Path(p) for p in args.protect])
-    regex = re.compile(args.pattern.replace("{metric}", re.escape(args.metric)))
+    reader = LineReader(compile_pattern(args.pattern, args.metric))
     # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
@@ -67,17 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     timed_out = threading.Event()
     if args.time_limit:
         threading.Thread(target=_limit, args=(proc, args.time_limit, args.grace, timed_out), daemon=True).start()
-    values: list[float] = []
     out = sys.stdout.buffer
     for raw in iter(proc.stdout.readline, b""):
         out.write(raw)
         out.flush()
-        m = regex.search(raw.decode("utf-8", errors="replace").rstrip("\n"))
-        if m:
-            try:
-                values.append(float(m.group(1)))
-            except (IndexError, ValueError):
-                pass
+        reader.feed(raw.decode("utf-8", errors="replace"))
+    values = [v for _, v in reader.values]
     code = proc.wait()
     if timed_out.is_set():
         print(f"autoresearch: {TIME_LIMIT_MESSAGE} ({args.time_limit:g} s); the run was stopped", flush=True)

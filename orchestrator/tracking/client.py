@@ -313,7 +313,7 @@ NO_IMPROVEMENT = "no improvement over the baseline found"
 
 
 def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Sequence[str] = ("seed",),
-                defaults: Mapping[str, Any] | None = None, alpha: float = 0.05) -> dict:
+                defaults: Mapping[str, Any] | None = None, alpha: float = 0.05, exact: bool = False) -> dict:
     """Rank configurations by mean metric over seeds and judge the confirmed ones against the baseline.
 
     `rows` have `params`, `value` and optionally `job_id`, `source`, `baseline` (the run was a session's
@@ -330,7 +330,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
     to 1 - alpha/k (97.5% CIs for two candidates), so the chance that any of them is called a win by noise
     stays at most `alpha`. The winner is the best-ranked candidate that passes; `headline` says so in words,
     or that none was found. `lead_within_noise` (kept for scripts) compares the top two: None when neither was
-    run twice.
+    run twice. `exact`: the experiment has no seed parameter, so a configuration's runs repeat it exactly, and
+    identical runs on both sides are judged as showing no noise (`gate`'s `exact`).
     """
     from orchestrator.core.gate import gate
 
@@ -365,7 +366,7 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
     confirmed = [] if base is None or not base.fresh else [e for e in entries if e is not base and len(e.fresh) >= 2]
     k = len(confirmed)
     for e in confirmed:
-        v = gate(base.fresh, e.fresh, direction=direction, level=1.0 - alpha / k)
+        v = gate(base.fresh, e.fresh, direction=direction, level=1.0 - alpha / k, exact=exact)
         if k > 1:
             v = dataclasses.replace(v, method=f"{v.method}, Bonferroni-corrected for {k} candidates")
         if best_tried is None:

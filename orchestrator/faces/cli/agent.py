@@ -100,7 +100,9 @@ def _mean(entry: dict) -> str:
 def start(
     goal: str = typer.Option("", "--goal", help="What to achieve, in words (the LLM proposer reads it; "
                              "optional for the samplers)."),
-    experiment: Optional[str] = typer.Option(None, "--experiment", help="A bundled experiment, or package.module:SPEC."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="A bundled experiment, a folder holding "
+                                             "autoresearch.toml (or the toml, or a W&B sweep .yaml), a name used "
+                                             "before, or package.module:SPEC."),
     program: Optional[str] = typer.Option(None, "--program", help="A program folder with autoresearch.toml: the "
                                           "agent edits its code (see `autoresearch tree`)."),
     sandbox: bool = typer.Option(False, "--sandbox", help="Program mode: run each variant under bubblewrap."),

@@ -38,7 +38,9 @@ def submit(
     max_attempts: int = typer.Option(1, "--max-attempts", help="Attempts before the job stays FAILED."),
     grace: float = typer.Option(30.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
     no_preempt: bool = typer.Option(False, "--no-preempt", help="Never preempt this job."),
-    experiment: Optional[str] = typer.Option(None, "--experiment", help="Run a registered experiment."),
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="Run an experiment: a bundled name, a "
+                                             "folder holding autoresearch.toml (or its path), or a name used "
+                                             "before."),
     param: List[str] = typer.Option([], "--param", help="KEY=VALUE for --experiment (repeatable)."),
     env: List[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's environment (repeatable)."),
     env_file: Optional[str] = typer.Option(None, "--env-file", help="A dotenv file of KEY=VALUE lines added "

@@ -1,0 +1,91 @@
+"""Writing a config-file experiment's command: its parameters as the script's own options.
+
+    render("python train.py --out={checkpoint_dir} {args}", "--{name}={value}", {"lr": 0.001, "layers": 2},
+           checkpoint_dir="/ck/7", job_id=7)
+    -> "python train.py --out=/ck/7 --lr=0.001 --layers=2"
+
+Rules: `{args}` writes every parameter (searched and fixed) with the `args` format, except those the template
+places itself as `{NAME}`; `{checkpoint_dir}`, `{seed}` and `{job_id}` are the job's own; `{{` and `}}` are
+literal braces. A float is always written as a float (`0.0`, `1e-05`: Python's shortest round-trip form), an
+int as an int, a bool as `True`/`False`; a value is quoted for the shell only when it needs it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Mapping
+
+PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+SEED = "seed"
+
+
+def format_value(value: Any) -> str:
+    """A parameter's text on a command line (unquoted)."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, float):
+        return repr(value)  # 0.0, 1e-05, 0.003: always readable back as the same float, never as an int
+    return str(value)
+
+
+def script_params(params: Mapping[str, Any], fixed: Mapping[str, Any], seed_param: str | None) -> dict[str, Any]:
+    """The parameters under the script's own names: the seed under `seed_param`, the fixed ones added."""
+    out = {}
+    for key, value in params.items():
+        out[seed_param if key == SEED and seed_param else key] = value
+    out.update(fixed)
+    return out
+
+
+def render(run: str, args_format: str, params: Mapping[str, Any], *, checkpoint_dir: str, job_id: Any,
+           seed_param: str | None = None) -> str:
+    """The shell command of one attempt; `params` are under the script's names (`script_params`)."""
+    named = {m.group(1) for m in PLACEHOLDER.finditer(run) if m.group(1)}
+    seed_value = params.get(seed_param) if seed_param else None
+    if seed_param and SEED in named:
+        named.add(seed_param)  # written by {seed}: not again by {args}
+    args = " ".join(args_format.replace("{name}", key).replace("{value}", shlex.quote(format_value(value)))
+                    for key, value in params.items() if key not in named)
+    job = {"args": args, "checkpoint_dir": shlex.quote(str(checkpoint_dir)), "job_id": str(job_id)}
+    if seed_value is not None:
+        job["seed"] = shlex.quote(format_value(seed_value))
+
+    def fill(m: re.Match[str]) -> str:
+        text, name = m.group(0), m.group(1)
+        if name is None:
+            return text[0]  # `{{` -> `{`, `}}` -> `}`
+        if name in job:
+            return job[name]
+        if name in params:
+            return shlex.quote(format_value(params[name]))
+        return text  # a placeholder with no value (checked when the file was read)
+
+    return PLACEHOLDER.sub(fill, run).strip()
+
+
+def with_interpreter(command: str, python: str) -> str:
+    """`python`/`python3` at the head of the command means the interpreter autoresearch's jobs run with."""
+    head, sep, rest = command.partition(" ")
+    if head in ("python", "python3"):
+        return shlex.quote(python) + sep + rest
+    return command
+
+
+def exec_form(command: str) -> str:
+    """`exec COMMAND` for a simple command, so the shell becomes the script (a signal and the exit code are the
+    script's own, not the shell's); a pipeline or a list (`a && b`) is left to the shell."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return command
+    if any(tok and all(c in "();<>|&" for c in tok) for tok in tokens):
+        return command
+    return f"exec {command}"
+
+
+def split(run: str) -> list[str]:
+    """The template split as a shell would (ValueError for an unclosed quote)."""
+    return shlex.split(PLACEHOLDER.sub("x", run))

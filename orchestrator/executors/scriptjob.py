@@ -1,0 +1,131 @@
+"""The job-side wrapper of a config-file experiment: fill in the command, run it, read its metric lines.
+
+    python -m orchestrator.executors.scriptjob PLAN_JSON        (the argv `ExperimentSpec.argv()` writes)
+
+When the attempt starts, the plan's `run` template gets the job's parameters (AUTORESEARCH_PARAMS plus the
+plan's fixed ones, under the script's names), its checkpoint dir and its id (`experiments.command.render`);
+`python` at its head is the interpreter running this wrapper. The command runs under `/bin/sh` in the job's
+cwd (the toml's folder) and its output passes through unchanged.
+
+Resuming: with a `resume` flag in the plan and a checkpoint dir that holds anything of the script's, the flag is
+added and the report count continues. Without one, a second attempt (after a preemption) starts again from
+scratch, and the log says so. This wrapper's own bookkeeping lives in `.autoresearch-*` files there.
+
+The metric: every output line matching the pattern (default `^<metric>: <number>`; `orchestrator.core.metriclines`)
+is a progress report at its step, recorded as it comes (`orchestrator.core.outputmetrics`, from where readers log it
+to the job's MLflow run, so ASHA sees it); the last is the result. A script that logs the metric to MLflow
+itself (the runtime, or plain `mlflow.log_metric` in the inherited MLFLOW_RUN_ID) keeps its own. A run that
+exits 0 with neither exits 1 with that reason: no result is ever made up. Standard library only: a job pays
+no MLflow import for its metric.
+The wrapper shares the job's process group: the queue's SIGTERM reaches the script, and the wrapper waits for
+it and exits with its code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from experiments.command import exec_form, render, script_params, with_interpreter
+from orchestrator.core import outputmetrics
+from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
+
+STATE = ".autoresearch-attempts.json"  # attempts started and reports read, kept in the checkpoint dir
+NO_RESULT_EXIT = 1
+
+
+def say(message: str) -> None:
+    """A line of the wrapper's own in the job's log."""
+    print(f"autoresearch: {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m orchestrator.executors.scriptjob PLAN_JSON", file=sys.stderr)
+        return 2
+    plan = json.loads(args[0])
+    params = json.loads(os.environ.get("AUTORESEARCH_PARAMS") or "{}")
+    checkpoint_dir = Path(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR") or tempfile.mkdtemp(prefix="autoresearch-"))
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    state = _read_state(checkpoint_dir)
+    theirs = [p for p in checkpoint_dir.iterdir() if not p.name.startswith(".autoresearch")]
+    values = script_params(params, plan.get("fixed") or {}, plan.get("seed"))
+    command = render(plan["run"], plan.get("args") or "--{name}={value}", values, checkpoint_dir=str(checkpoint_dir),
+                     job_id=os.environ.get("AUTORESEARCH_JOB_ID", "0"), seed_param=plan.get("seed"))
+    start = 0
+    if plan.get("resume") and theirs:
+        command = f"{command} {plan['resume']}"
+        start = int(state.get("reports", 0))
+        say(f"resuming from the checkpoint dir ({len(theirs)} entries): added {plan['resume']!r}")
+    elif state.get("attempts"):
+        why = "it declares no resume flag" if not plan.get("resume") else "its checkpoint dir is empty"
+        say(f"attempt {state['attempts'] + 1} starts again from scratch: {why}")
+    _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=start)
+    command = with_interpreter(command, sys.executable)
+    say(f"running: {command}")
+    reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
+    # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
+    proc = subprocess.Popen(["/bin/sh", "-c", exec_form(command)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env)
+    out = sys.stdout.buffer
+    for raw in iter(proc.stdout.readline, b""):
+        out.write(raw)
+        out.flush()
+        report = reader.feed(raw.decode("utf-8", errors="replace"))
+        if report is not None:
+            outputmetrics.append(checkpoint_dir, *report)
+    code = proc.wait()
+    _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
+    if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
+        say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
+            "to MLflow")
+        return NO_RESULT_EXIT
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _read_state(checkpoint_dir: Path) -> dict:
+    try:
+        data = json.loads((checkpoint_dir / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_state(checkpoint_dir: Path, **state: int) -> None:
+    tmp = checkpoint_dir / f"{STATE}.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, checkpoint_dir / STATE)
+
+
+def logged_by_script(metric: str) -> bool:
+    """Whether the job's MLflow run has `metric` (True when the job has no run to look in)."""
+    run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not run_id:
+        return True
+    if uri.startswith("sqlite:///"):  # the default store: one indexed read instead of seconds of MLflow import
+        try:
+            with sqlite3.connect(f"file:{uri[len('sqlite:///'):]}?mode=ro", uri=True, timeout=30) as db:
+                return db.execute("SELECT 1 FROM metrics WHERE run_uuid = ? AND key = ? LIMIT 1",
+                                  (run_id, metric)).fetchone() is not None
+        except sqlite3.Error:
+            pass
+    try:
+        from mlflow.tracking import MlflowClient
+
+        return metric in MlflowClient(tracking_uri=uri or None).get_run(run_id).data.metrics
+    except Exception:
+        return True  # cannot tell: let the agent judge the run by what MLflow shows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
