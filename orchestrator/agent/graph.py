@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 from orchestrator.agent import search
 from orchestrator.agent.history import Results, device_seconds, is_final
+from orchestrator.agent.holdout import search_view
 from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
@@ -76,7 +77,9 @@ class Agent(Phases):
         self.cfg = config
         self.spec = spec
         self.store = store
-        self.tracker = tracker
+        # Every metric the search reads (proposers' history, ASHA, the best so far) goes through this view,
+        # which refuses the holdout; the holdout is read after the graph ends (orchestrator.agent.holdout).
+        self.tracker = search_view(tracker, spec)
         self.parallel = parallel
         # One proposal more than there are devices waits in the queue: a freed device starts the next trial at
         # once (no round trip through the agent), and a demoted trial (lower priority) never slips into it.
@@ -85,7 +88,7 @@ class Agent(Phases):
         self.on_event = on_event
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
         self.searched = search.reduced(spec, self.fixed)
-        self.results = Results(store, tracker, spec)
+        self.results = Results(store, self.tracker, spec)
         self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
         if proposer is None:
             from orchestrator.agent.proposers.factory import make
@@ -100,7 +103,7 @@ class Agent(Phases):
         # then meet at the same fraction of their budget (digits reports once per epoch).
         self.asha = ASHA(grace=1, eta=config.eta, direction=spec.direction)
         self.progress_metric = spec.progress_metric or spec.metric
-        self.outcomes = Outcomes(store, tracker, spec, self.asha)
+        self.outcomes = Outcomes(store, self.tracker, spec, self.asha)
         self._tick = time.time()
 
     # -- helpers ---------------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
          on_event: Callable[[dict], None] | None, proposer: Any) -> dict[str, Any]:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from orchestrator.agent import report
+    from orchestrator.agent import holdout, report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.queue.store import JobStore
     from orchestrator.service.daemon import embedded
@@ -163,12 +163,19 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             final = graph.invoke(first, run_cfg, durability="sync")
         summary = report.summarise(session_id, config, final, spec, parallel=agent.parallel,
                                    defaults=agent.baseline)
+        # The holdout, read once now that no search decision is left (the agent's tracker refuses it).
+        holdout.attach(summary, spec, tracker, *holdout.session_runs(final["trials"], summary.get("winner")))
+        held = summary.get("holdout") or {}
         tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
-                                  "autoresearch.verdict": summary["headline"]})
+                                  "autoresearch.verdict": summary["headline"],
+                                  **({"autoresearch.holdout": held["text"]} if held else {})})
         winner, base = summary.get("winner") or {}, summary.get("baseline") or {}
         tracker.log_metrics(parent, {"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
                                      "baseline_mean": base.get("mean"), "baseline_spread": base.get("spread"),
                                      "improvement": (summary.get("verdict") or {}).get("delta"),
+                                     "holdout_improvement": held.get("delta"),
+                                     "holdout_baseline_mean": held.get("baseline_mean"),
+                                     "holdout_winner_mean": held.get("winner_mean"),
                                      "device_seconds": summary["device_seconds"]}, step=len(final["trials"]))
         tracker.log_text(parent, report.markdown(summary), report.REPORT)
         tracker.finish(parent)
@@ -186,6 +193,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
 def leaderboard(experiment: str | None = None, settings: Settings | None = None) -> list[dict[str, Any]]:
     """The leaderboard of one experiment (or of every bundled one with results): agent and hand-made runs."""
     from experiments import registry as experiments
+    from orchestrator.agent import holdout
     from orchestrator.agent.history import Results
     from orchestrator.queue.store import JobStore
     from orchestrator.tracking.client import Tracker, leaderboard as rank
@@ -198,8 +206,14 @@ def leaderboard(experiment: str | None = None, settings: Settings | None = None)
     out = []
     for name in [experiment] if experiment else experiments.names():
         spec = load_spec(name)
-        rows = Results(store, tracker, spec).rows()
+        rows = Results(store, holdout.search_view(tracker, spec), spec).rows()  # ranked and gated blind
         if rows or experiment:
-            out.append({"experiment": spec.name, "metric": spec.metric,
-                        **rank(rows, spec.direction, defaults=spec.space.defaults())})
+            board = {"experiment": spec.name, "metric": spec.metric,
+                     **rank(rows, spec.direction, defaults=spec.space.defaults())}
+            board["holdout_metric"] = spec.holdout_metric
+            # Then the holdout, for the gated winner and the baseline only (what the verdict compares).
+            runs = lambda entry: [getattr(store.get(j), "mlflow_run_id", None) for j in (entry or {}).get(
+                "fresh_jobs", [])]
+            holdout.attach(board, spec, tracker, runs(board["baseline"]), runs(board["winner"]))
+            out.append(board)
     return out

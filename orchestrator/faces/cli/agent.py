@@ -85,6 +85,10 @@ def _print_summary(summary: dict) -> None:
         best = summary["best"]
         print(f"best single run: {metric} {_fmt(best['value'])} (not a win unless it holds up over seeds)")
     print(summary.get("headline") or "no trial finished with a metric")
+    held = summary.get("holdout")
+    if held:
+        print(f"holdout ({held['metric']}): baseline {_fmt(held['baseline_mean'])}, winner "
+              f"{_fmt(held['winner_mean'])} over {held['n_winner']} fresh re-runs")
     usage = summary.get("usage") or {}
     if usage.get("calls"):
         print(f"LLM: {int(usage['calls'])} calls, {int(usage.get('prompt_tokens', 0))}+"
