@@ -3,6 +3,7 @@
     START -> propose -> submit -> monitor -> analyse -> decide -+-> propose   (free slots, budget left)
                                     ^                           +-> monitor   (nothing to add: wait)
                                     +---------------------------+-> finish -> END
+                                                                +-> pause -> END  (the LLM budget is spent)
 
 - propose: first of all the baseline (the spec's defaults on `baseline_seeds` seeds, all at once); then fill
   free slots (K in flight) with proposals, each recorded with its idempotency key `<session>:<n>` before
@@ -17,6 +18,8 @@
 - decide: move search -> confirm (fresh-seed re-runs of the top candidates by mean) -> done, and route.
   The winner is decided afterwards by the noise gate against the baseline (`orchestrator.agent.report`).
 - finish: stop leftovers, log the best-so-far plot and summary on the session run, record the leaderboard.
+- pause: the LLM budget (orchestrator.agent.budget) was reached and the trials in flight have ended; the run
+  of the graph ends here, and `resume` with a higher cap starts it again at `propose` from the same state.
 
 State is plain JSON-able data (the checkpoint); live resources (store, tracker, proposer) live on `Agent`.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
-from orchestrator.agent import search
+from orchestrator.agent import budget, search
 from orchestrator.agent.history import Results, device_seconds, is_final
 from orchestrator.agent.holdout import search_view
 from orchestrator.agent.outcome import Outcomes, reports
@@ -63,6 +66,8 @@ class State(TypedDict, total=False):
     usage: dict
     stop_reason: str
     route: str
+    budget_stop: str  # why the LLM budget stopped the proposing ("" while there is room)
+    paused: str  # set when the session ended paused at its LLM budget (resume with a higher cap clears it)
 
 
 class Agent(Phases):
@@ -96,6 +101,10 @@ class Agent(Phases):
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
                             llm_options=config.llm, baseline=search.project(self.baseline, self.searched.space))
         self.proposer = proposer
+        self.budget = budget.of(config)
+        self.llm = _llm_of(proposer)
+        if self.llm is not None and settings is not None and settings.llm_price:
+            self.llm.price = settings.llm_price
         seed0 = int(self.fixed.get(search.SEED_KEY, config.seed))
         self.seeds = [seed0, *search.confirm_seeds(session_id, max(config.baseline_seeds, config.confirm_seeds),
                                                    seed0)]
@@ -167,21 +176,28 @@ class Agent(Phases):
                     self._event("promoted", {**state, "trials": trials}, trial=t.n)
             n_search = sum(1 for t in trials if t.phase is P.SEARCH)
             n = free if search_max is None else min(free, search_max - n_search)
-            if n > 0:
+            if self.llm is not None and self.budget.capped and not state.get("budget_stop"):
+                state["budget_stop"] = self.budget.reached(state.get("usage") or {}) or ""
+            if n > 0 and not state.get("budget_stop"):
                 history = [_project(o, self.searched) for o in self.results.observations(trials)]
+                if self.llm is not None and self.budget.capped:  # checked before each of its calls
+                    self.llm.budget, self.llm.spent = self.budget, dict(state.get("usage") or {})
                 proposals = self.proposer.propose(n, history)
-                usage = dict(state.get("usage") or {})
                 take = getattr(self.proposer, "take_usage", None)
-                for k, v in (take() if take else {}).items():
-                    usage[k] = usage.get(k, 0) + v
-                state["usage"] = usage
+                state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
+                if self.llm is not None and self.llm.budget_hit:
+                    state["budget_stop"] = self.llm.budget_hit
                 for p in proposals:
                     trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
                                                p.proposer, p.rationale))
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
             candidates, state["confirm_planned"] = self._plan_confirmation(trials, n_confirm), True
+        if state.get("budget_stop"):
+            self._event("budget", state, message=f"{state['budget_stop']}: no more proposals; the trials in "
+                        "flight finish, then the session pauses")
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
-                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
+                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned")),
+                "budget_stop": state.get("budget_stop") or ""}
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
         return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
@@ -304,6 +320,13 @@ class Agent(Phases):
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": dump(trials), "best": best}
 
+    def pause(self, state: State) -> State:
+        """End this run of the graph paused at the LLM budget: nothing is in flight, nothing is cancelled (ASHA's
+        paused trials wait in line as they were); `resume` with a higher cap continues from `propose`."""
+        self._elapsed(state)
+        self._event("phase", state, phase="paused", reason=state["budget_stop"])
+        return {"paused": state["budget_stop"], "route": "end", "elapsed": state["elapsed"]}
+
     def finish(self, state: State) -> State:
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
         trials = load(state["trials"])
@@ -339,6 +362,16 @@ def _peers(trials: list[Trial]) -> list[Trial]:
     return [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
 
 
+def _llm_of(proposer: Any) -> Any:
+    """The LLM proposer inside `proposer` (itself, or a hybrid's), or None for a pure sampler."""
+    from orchestrator.agent.proposers.llm import LLMProposer
+
+    for candidate in (proposer, getattr(proposer, "llm", None)):
+        if isinstance(candidate, LLMProposer):
+            return candidate
+    return None
+
+
 def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
     import dataclasses
 
@@ -359,7 +392,7 @@ def build(agent: Agent, checkpointer: Any) -> Any:
     from langgraph.graph import END, START, StateGraph
 
     graph = StateGraph(State)
-    for name in ("propose", "submit", "monitor", "analyse", "decide", "finish"):
+    for name in ("propose", "submit", "monitor", "analyse", "decide", "pause", "finish"):
         graph.add_node(name, getattr(agent, name))
     graph.add_edge(START, "propose")
     graph.add_edge("propose", "submit")
@@ -367,6 +400,7 @@ def build(agent: Agent, checkpointer: Any) -> Any:
     graph.add_edge("monitor", "analyse")
     graph.add_edge("analyse", "decide")
     graph.add_conditional_edges("decide", lambda s: s["route"], {"propose": "propose", "monitor": "monitor",
-                                                                 "finish": "finish"})
+                                                                 "pause": "pause", "finish": "finish"})
+    graph.add_edge("pause", END)
     graph.add_edge("finish", END)
     return graph.compile(checkpointer=checkpointer)

@@ -97,6 +97,8 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "llm_model": ("AUTORESEARCH_LLM_MODEL", _text),
     "llm_base_url": ("OPENAI_BASE_URL", _text),
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
+    "llm_budget_usd": ("AUTORESEARCH_LLM_BUDGET_USD", _number),
+    "llm_budget_tokens": ("AUTORESEARCH_LLM_BUDGET_TOKENS", _integer),
     "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
 }
 
@@ -127,6 +129,9 @@ class Settings:
     llm_model: Optional[str] = None
     llm_base_url: Optional[str] = None
     llm_price: Optional[str] = None
+    # Default caps on an agent session's LLM spend (`start --llm-budget-usd/--llm-budget-tokens` override).
+    llm_budget_usd: Optional[float] = None
+    llm_budget_tokens: Optional[int] = None
     container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -51,7 +51,8 @@ def progress(event: dict) -> None:
     elif kind == "promoted":
         line = f"trial {event['trial']} promoted: resumes from its checkpoint"
     elif kind == "phase":
-        line = f"{event['reason']}: {'re-running the best on fresh seeds' if event['phase'] == 'confirm' else 'done'}"
+        then = {"confirm": "re-running the best on fresh seeds", "paused": "paused (resume with a higher cap)"}
+        line = f"{event['reason']}: {then.get(event['phase'], 'done')}"
     else:
         line = event.get("message", kind)
     info(f"{head} {line} | {tally}")
@@ -71,6 +72,12 @@ def _proposer_note(name: str) -> str:
 def _print_summary(summary: dict) -> None:
     """The end of a session for people: the baseline, the winner (if any) and the gate's verdict."""
     metric = summary["metric"]
+    if summary.get("status") == "paused":
+        info(f"session {summary['session']} paused ({summary['stop_reason']}) after {summary['trials']} trials "
+             f"{summary['counts']}; continue it with `autoresearch resume {summary['session']} --llm-budget-usd Y` "
+             "(or --llm-budget-tokens N) above what it spent")
+        _print_usage(summary)
+        return
     info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['trials']} trials "
          f"{summary['counts']}, {summary['elapsed_s']} s, {summary['device_seconds']} device-s")
     base, winner = summary.get("baseline"), summary.get("winner")
@@ -89,10 +96,23 @@ def _print_summary(summary: dict) -> None:
     if held:
         print(f"holdout ({held['metric']}): baseline {_fmt(held['baseline_mean'])}, winner "
               f"{_fmt(held['winner_mean'])} over {held['n_winner']} fresh re-runs")
+    _print_usage(summary)
+
+
+def _print_usage(summary: dict) -> None:
     usage = summary.get("usage") or {}
     if usage.get("calls"):
         print(f"LLM: {int(usage['calls'])} calls, {int(usage.get('prompt_tokens', 0))}+"
               f"{int(usage.get('completion_tokens', 0))} tokens, ~${usage.get('cost_usd', 0.0):.4f}")
+
+
+def _llm(row: dict) -> str:
+    """A session's LLM spend for the sessions table: calls, tokens, cost ("" for none)."""
+    usage = (row.get("summary") or {}).get("usage") or {}
+    if not usage.get("calls"):
+        return ""
+    tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+    return f"{int(usage['calls'])} calls, {tokens:,} tok, ${usage.get('cost_usd', 0.0):.4f}"
 
 
 def _mean(entry: dict) -> str:
@@ -124,6 +144,10 @@ def start(
     baseline_seeds: int = typer.Option(3, "--baseline-seeds", help="Seeds the baseline runs on, first of all."),
     no_early_stop: bool = typer.Option(False, "--no-early-stop", help="Let every trial run its full budget."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="Pause the session once its "
+                                                   "LLM calls cost this much (needs a known price or llm_price)."),
+    llm_budget_tokens: Optional[int] = typer.Option(None, "--llm-budget-tokens", help="Pause the session once "
+                                                    "its LLM calls used this many tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
@@ -142,12 +166,16 @@ def start(
                               budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
                               model=model or Settings.load().llm_model)
     name = proposer or default_name()
+    settings = Settings.load()
     config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
                            budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
-                           model=model or Settings.load().llm_model, fixed=api.parse_params(param),
+                           model=model or settings.llm_model, fixed=api.parse_params(param),
                            confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                            baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
-                           early_stopping=not no_early_stop)
+                           early_stopping=not no_early_stop,
+                           llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
+                           llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
+                                              else llm_budget_tokens))
     runner.check(config, devices=devices)
     session_id = new_id()
     info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
@@ -160,17 +188,23 @@ def start(
 def resume(
     session: str = typer.Argument(..., metavar="SESSION"),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="A new cap on the session's "
+                                                   "LLM cost in all (a paused session needs a higher one)."),
+    llm_budget_tokens: Optional[int] = typer.Option(None, "--llm-budget-tokens", help="A new cap on its LLM "
+                                                    "tokens in all."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Continue an interrupted agent session from its last checkpoint."""
+    """Continue an interrupted agent session, or one paused at its LLM budget, from its last checkpoint."""
     from orchestrator.agent import runner
     from orchestrator.faces.cli import programs
 
     if programs.resume(session, devices, as_json):
         return
-    runner.resumable(session)  # an unknown or finished session: one line, before anything else is said
+    # An unknown or finished session, or a paused one without a higher cap: one line, before anything else.
+    runner.resumable(session, llm_budget_usd=llm_budget_usd, llm_budget_tokens=llm_budget_tokens)
     info(f"resuming session {session}")
-    summary = runner.resume(session, devices=devices, on_event=progress)
+    summary = runner.resume(session, devices=devices, on_event=progress, llm_budget_usd=llm_budget_usd,
+                            llm_budget_tokens=llm_budget_tokens)
     print_json(summary) if as_json else _print_summary(summary)
 
 
@@ -191,10 +225,10 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
         w = row["summary"].get("winner") or row["summary"].get("best") or {}
         return _fmt(w.get("mean", w.get("value", ""))) if w else ""
 
-    print_table("sessions", ["id", "experiment", "proposer", "status", "trials", "best", "started", "goal"],
+    print_table("sessions", ["id", "experiment", "proposer", "status", "trials", "best", "llm", "started", "goal"],
                 [(r["id"], r["experiment"], r["proposer"],
                   r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
-                  r["summary"].get("trials", ""), best(r),
+                  r["summary"].get("trials", ""), best(r), _llm(r),
                   dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"][:40])
                  for r in rows])
 
