@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,9 +55,12 @@ def test_the_session_pauses_at_its_token_cap_and_resumes_under_a_higher_one(home
     monkeypatch.setenv("STEP_SECONDS", "0.05")
     with FakeLLM(default=answer) as fake:
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        # 6 jobs (4 search, 2 re-runs) after one baseline run; a cap the first call already crosses.
+        # 6 jobs (4 search, 2 re-runs) after one baseline run; a cap the first call already crosses. A poor
+        # baseline (x=-4), so the resumed session ends with a winner and its holdout verdict; no early
+        # stopping, so that every trial's end is its full budget.
         config = SessionConfig(goal="minimise the synthetic loss", experiment=EXP, proposer="llm", trials=6,
-                               parallel=2, poll=0.2, baseline_seeds=1, llm_budget_tokens=400)
+                               parallel=2, poll=0.2, baseline_seeds=1, llm_budget_tokens=400,
+                               baseline={"x": -4.0}, confirm_top=1, early_stopping=False)
         paused = runner.start(config, devices="cpu:2")
         assert paused["status"] == "paused" and "LLM token budget reached" in paused["stop_reason"]
         calls = len(fake.requests)
@@ -83,3 +87,17 @@ def test_the_session_pauses_at_its_token_cap_and_resumes_under_a_higher_one(home
     later = JobStore(Settings.load().db_url).list(owner=paused["session"])
     assert len(later) == 1 + 6 and [j.id for j in later[:len(jobs)]] == [j.id for j in jobs]  # no re-run
     assert Registry(Settings.load().home).get(paused["session"])["status"] == "finished"
+    # The finished session's verdict carries both figures, read once at its end.
+    held = done["holdout"]
+    assert held["metric"] == "test_loss" and held["n_baseline"] == 1 and held["n_winner"] == 2 and held["confirmed"]
+    assert re.match(r"improvement \+[0-9.]+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\) on validation; holdout \+[0-9.]+ "
+                    r"\(95% CI [-+][0-9.]+\.\.\+[0-9.]+\)", done["headline"]), done["headline"]
+    tracker = Tracker.from_settings(Settings.load())
+    tags = tracker.tags(done["mlflow_run_id"])
+    assert tags["autoresearch.holdout"] == held["text"] and tags["autoresearch.verdict"] == done["headline"]
+    report = tracker.client.download_artifacts(done["mlflow_run_id"], "report.md")
+    assert "Holdout (test_loss" in Path(report).read_text()
+    from orchestrator.agent.background import sessions
+
+    (listed,) = sessions(session_id=paused["session"])  # what `sessions --json` and MCP session_status show
+    assert listed["holdout"] == held and listed["usage"]["calls"] == done["usage"]["calls"]
