@@ -15,6 +15,11 @@ session found a gated win, the mean improvement, and the device-seconds the winn
 to get there: the win is only known once its re-runs are done). `llm` and `hybrid` are measured only when an
 endpoint is configured (OPENAI_BASE_URL/OPENAI_API_KEY): a scripted fake says nothing about search quality.
 Aims: tpe and cmaes beat random; the demo's default proposer (tpe) wins on digits in at least 8 of 10 seeds.
+On an experiment with a holdout (digits: `test_accuracy`, 360 test images no search decision reads), each
+gated win is also judged on the holdout (the winner's fresh re-runs against the baseline's runs, read once at
+the session's end): reported are the share of gated wins the holdout confirms (its 95% CI above zero), the
+mean holdout improvement, and the mean validation-minus-holdout lead of the winners (how much of the validation
+lead is fitted to the validation split).
 
 `--experiment digits` is the demo's own task (digits, 6 epochs, scale 1: 10-50 s per trial on 2 shared CPU
 cores, so 10 seeds take most of an hour per proposer). The default objective is synthetic, so that many
@@ -229,6 +234,12 @@ def main() -> int:
               f"mean improvement when it did {mean(gain) if gain else float('nan'):+.4g}; device-s to get there "
               f"{mean([s['device_seconds'] for s in won]) if won else float('nan'):.0f} (all sessions: "
               f"{mean([s['device_seconds'] for s in sessions]):.0f})")
+        held = [s["holdout"] for s in won if s.get("holdout")]
+        if held:
+            gaps = [s["verdict"]["delta"] - s["holdout"]["delta"] for s in won if s.get("holdout")]
+            print(f"{'':>8}  holdout: confirms {sum(h['confirmed'] for h in held)}/{len(won)} gated wins; mean "
+                  f"holdout improvement {mean([h['delta'] for h in held]):+.4g}; mean validation-minus-holdout "
+                  f"lead {mean(gaps):+.4g}")
     if not args.no_queue_section:
         quick = proposers_only(max(args.seeds, 10), args.trials, [k for k in kinds if k in ("random", "tpe", "cmaes")])
         print("proposers alone on the synthetic formula (no queue; same gate): " + "; ".join(

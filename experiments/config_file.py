@@ -33,7 +33,7 @@ SEED_RANGE = (0, 2**31 - 1)
 DEFAULT_ARGS = "--{name}={value}"
 JOB_PLACEHOLDERS = ("args", "checkpoint_dir", "seed", "job_id")
 EXPERIMENT_KEYS = ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "fixed",
-                   "seed", "time_limit", "image")
+                   "seed", "time_limit", "image", "holdout_metric")
 TYPE_KEYS = {"float": ("type", "low", "high", "log", "default", "help"),
              "int": ("type", "low", "high", "log", "default", "help"),
              "choice": ("type", "values", "default", "help")}
@@ -108,7 +108,8 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
     for key in ("run", "metric", "direction"):
         if key not in section:
             raise ConfigError(f"{where}: [experiment] needs {key!r}")
-    for key in ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "seed", "image"):
+    for key in ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "seed", "image",
+                "holdout_metric"):
         if key in section and not isinstance(section[key], str):
             raise ConfigError(f"{where}: {key} must be a string, got {section[key]!r}")
     root = Path(folder).resolve() if folder is not None else Path.cwd()
@@ -150,13 +151,18 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
             time_limit = parse_duration(section["time_limit"], what="time_limit")
         except BadInput as exc:
             raise ConfigError(f"{where}: {exc}") from None
+    holdout_metric = section.get("holdout_metric") or None
+    if holdout_metric is not None and holdout_metric == metric:
+        raise ConfigError(f"{where}: holdout_metric {holdout_metric!r} is the searched metric; name the one the "
+                          "script logs on its held-out data")
     description = section.get("description") or (
         f"A training script run as `{section['run']}` (in {root.name}/); {section['direction']} {metric}.")
     return ExperimentSpec(name=name, description=description, space=SearchSpace(dims), metric=metric,
                           direction=section["direction"], entrypoint="", progress_metric=metric,
                           image=section.get("image") or None, run=section["run"], args_format=args_format,
                           pattern=pattern, resume=section.get("resume") or None, fixed=fixed,
-                          seed_param=seed_param, time_limit=time_limit, cwd=str(root), source=source)
+                          seed_param=seed_param, time_limit=time_limit, cwd=str(root), source=source,
+                          holdout_metric=holdout_metric)
 
 
 def parse_dimension(key: str, table: Any, where: str = CONFIG) -> Dimension:

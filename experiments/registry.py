@@ -54,10 +54,22 @@ class ExperimentSpec:
     time_limit: float | None = None  # seconds an attempt may run
     cwd: str | None = None  # where the command runs (the toml's folder)
     source: str | None = None  # the file it was read from
+    # A metric the run logs once, at its end, on data no search decision uses (a held-out test split): read
+    # only after the session, for the baseline's runs and the winner's confirmation re-runs; its direction is
+    # `direction`'s. None: the experiment has no holdout. A config-file experiment may set it too.
+    holdout_metric: str | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
             raise ValueError(f"direction must be minimize or maximize, got {self.direction!r}")
+        if self.holdout_metric is not None and self.holdout_metric in (self.metric, self.progress_metric):
+            raise ValueError(f"holdout_metric {self.holdout_metric!r} must differ from the metrics the search "
+                             "reads (metric, progress_metric)")
+
+    @property
+    def search_metrics(self) -> frozenset[str]:
+        """The metric names the search may read (the gate, ranking, ASHA, proposers); never the holdout."""
+        return frozenset({self.metric, self.progress_metric or self.metric})
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Full, typed params (defaults filled); raises experiments.space.SpaceError naming the key."""

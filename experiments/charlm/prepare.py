@@ -1,11 +1,13 @@
 """Build the charlm corpus: Python's standard-library source, as byte shards in a volume directory.
 
 No network: the text is the `.py` files of the interpreter running this script (tests, idlelib and lib2to3
-left out), about 11 MB on CPython 3.11. Files are split into train and validation by a stable hash of their
-relative path (about 10% validation), so no file leaks across the split whatever order they are read in.
+left out), about 11 MB on CPython 3.11. Files are split into train, validation and test by a stable hash of
+their relative path (about 10% validation, 10% test), so no file leaks across the splits whatever order they
+are read in. The validation files are those of version 1 (which had no test split); the test files come out
+of its training files. Only the end of a run scores the test split (`test_loss`): no search decision reads it.
 Each split is concatenated in path order and cut into fixed-size shard files, one training sample each:
 
-    $AUTORESEARCH_HOME/volumes/charlm/train-00000.bin ... val-00000.bin ... MANIFEST.json
+    $AUTORESEARCH_HOME/volumes/charlm/train-00000.bin ... val-00000.bin ... test-00000.bin ... MANIFEST.json
 
 Runs by itself the first time a trial needs the data (`ensure()`), safely when several jobs start at once.
 By hand: `python -m experiments.charlm.prepare [--out DIR]`.
@@ -22,10 +24,10 @@ from pathlib import Path
 from experiments.common import prepare_once
 
 NAME = "charlm"
-VERSION = 1  # bump when the layout or the content rules change: old volumes are rebuilt
+VERSION = 2  # bump when the layout or the content rules change: old volumes are rebuilt
 SHARD_BYTES = 64 * 1024
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
-VAL_EVERY = 10  # one file in ten (by hash) goes to validation
+VAL_EVERY = 10  # one file in ten (by hash) goes to validation, another one in ten to test
 
 
 def source_files(root: Path) -> list[Path]:
@@ -34,9 +36,15 @@ def source_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def split_of(relpath: str) -> str:
+    """The split a file belongs to, "train", "val" or "test" (stable across machines and runs)."""
+    bucket = zlib.crc32(relpath.encode()) % VAL_EVERY
+    return "val" if bucket == 0 else "test" if bucket == 1 else "train"
+
+
 def is_val(relpath: str) -> bool:
-    """Whether a file belongs to the validation split (stable across machines and runs)."""
-    return zlib.crc32(relpath.encode()) % VAL_EVERY == 0
+    """Whether a file belongs to the validation split."""
+    return split_of(relpath) == "val"
 
 
 def write_shards(stream: bytes, out: Path, prefix: str) -> int:
@@ -49,19 +57,19 @@ def write_shards(stream: bytes, out: Path, prefix: str) -> int:
 
 
 def build(out: Path) -> dict:
-    """Write the train and val shards into the empty directory `out`; return facts for the manifest."""
+    """Write the train, val and test shards into the empty directory `out`; return facts for the manifest."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    splits: dict[str, list[bytes]] = {"train": [], "val": []}
+    splits: dict[str, list[bytes]] = {"train": [], "val": [], "test": []}
     for path in source_files(root):
         rel = path.relative_to(root).as_posix()
         # A header line marks file boundaries, so the model sees where one module ends and the next begins.
-        splits["val" if is_val(rel) else "train"].append(f"# file: {rel}\n".encode() + path.read_bytes())
+        splits[split_of(rel)].append(f"# file: {rel}\n".encode() + path.read_bytes())
     facts = {"source": str(root), "python": platform.python_version(), "shard_bytes": SHARD_BYTES}
     for split, parts in splits.items():
         stream = b"\n\n".join(parts)
         facts[f"{split}_files"] = len(parts)
         facts[f"{split}_shards"] = write_shards(stream, out, split)
-    if facts["val_shards"] < 1 or facts["train_shards"] < 8:
+    if facts["val_shards"] < 1 or facts["test_shards"] < 1 or facts["train_shards"] < 8:
         raise RuntimeError(f"standard library at {root} is too small to build the charlm corpus: {facts}")
     return facts
 

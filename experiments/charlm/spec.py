@@ -57,4 +57,5 @@ SPEC = ExperimentSpec(
     entrypoint="experiments.charlm.train",
     budget={"max_steps": 300, "max_tokens": 0, "scale": 1},  # held fixed while searching
     progress_metric="val_loss",
+    holdout_metric="test_loss",  # logged once at the end, on files no other split holds
 )

@@ -162,7 +162,15 @@ def train(ctx: JobContext, p: dict) -> None:
     if val_loss is None:  # resumed at the end: report the final metric again
         val_loss = evaluate(model, val_rows, eval_batch, autocast)
         ctx.log_metrics({"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}, total)
-    say(f"charlm: final val_loss {val_loss:.6f} ({val_loss / math.log(2):.4f} bits per byte)", flush=True)
+    # The holdout, scored once on the finished model (the same leading slice size as validation): nothing
+    # during training (or in the search) reads it.
+    test_stream = torch.cat(read_all(VolumeDataset(data_dir, pattern="test-*.bin", shuffle=False), read_shard))
+    n_test = min(EVAL_BYTES, len(test_stream)) // (block + 1)
+    test_rows = test_stream[:n_test * (block + 1)].view(n_test, block + 1).long().to(device)
+    test_loss = evaluate(model, test_rows, eval_batch, autocast)
+    ctx.log_metrics({"test_loss": test_loss, "test_bpb": test_loss / math.log(2)}, total)
+    say(f"charlm: final val_loss {val_loss:.6f} ({val_loss / math.log(2):.4f} bits per byte; holdout test_loss "
+        f"{test_loss:.6f})", flush=True)
 
 
 if __name__ == "__main__":

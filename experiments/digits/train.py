@@ -144,7 +144,12 @@ def train(ctx: JobContext, p: dict) -> None:
     if accuracy is None:  # resumed at the end: report the final metric again
         accuracy, val_loss = evaluate(model, val_images, val_labels, autocast)
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss}, total)
-    say(f"digits: final val_accuracy {accuracy:.6f}", flush=True)
+    # The holdout, scored once on the finished model: nothing during training (or in the search) reads it.
+    test = read_all(VolumeDataset(data_dir, pattern="test/*.png", shuffle=False), decode)
+    test_accuracy, test_loss = evaluate(model, torch.stack([x for x, _ in test]).to(device),
+                                        torch.tensor([y for _, y in test], device=device), autocast)
+    ctx.log_metrics({"test_accuracy": test_accuracy, "test_loss": test_loss}, total)
+    say(f"digits: final val_accuracy {accuracy:.6f} (holdout test_accuracy {test_accuracy:.6f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ where `mean` (below) mixes per-level offsets, a level-dependent slope, a sine, a
 a hinge and a square. No model can beat the noise: the best achievable validation MSE is 0.25 in
 expectation, and exactly `bayes_mse` (the noise's mean square on the validation rows, in the manifest) on
 this table. The table is written as a Delta table (delta-rs, in chunks: never all rows in memory) with a
-`split` column, then exported twice with `runtime.data.parquet_export` (`--where "split = 'train'"` and
-`'val'`), the way a team exports a large table to a volume:
+`split` column, then exported three times with `runtime.data.parquet_export` (`--where "split = 'train'"`,
+`'val'` and `'test'`), the way a team exports a large table to a volume. About 20% of the rows are
+validation (the same rows as in version 1, which had no test split) and 10% test, taken from version 1's
+training rows; only the end of a run scores the test rows (`test_mse`): no search decision reads them.
 
-    $AUTORESEARCH_HOME/volumes/tabular-<rows>/delta/  train/  val/  MANIFEST.json
+    $AUTORESEARCH_HOME/volumes/tabular-<rows>/delta/  train/  val/  test/  MANIFEST.json
 
 Runs by itself the first time a trial needs the data (`ensure(rows)`), safely when several jobs start at
 once. By hand: `python -m experiments.tabular.prepare --rows 1000000 [--out DIR]`.
@@ -26,9 +28,10 @@ from pathlib import Path
 from experiments.common import prepare_once, read_manifest
 
 NAME = "tabular"
-VERSION = 1  # bump when the process or layout changes: old volumes are rebuilt
+VERSION = 2  # bump when the process or layout changes: old volumes are rebuilt
 NOISE_STD = 0.5
 VAL_FRACTION = 0.2
+TEST_FRACTION = 0.1
 NUMERIC = tuple(f"x{i}" for i in range(6))
 LEVELS = {"c0": 12, "c1": 6}
 CHUNK_ROWS = 1 << 20
@@ -65,7 +68,8 @@ def _chunk(start: int, rows: int):
     c1 = rng.integers(0, LEVELS["c1"], size=rows)
     mu = mean(x, c0, c1)
     noise = rng.normal(0.0, NOISE_STD, rows)
-    split = np.where(rng.random(rows) < VAL_FRACTION, "val", "train")
+    draw = rng.random(rows)  # one draw a row: the validation rows do not depend on TEST_FRACTION
+    split = np.where(draw < VAL_FRACTION, "val", np.where(draw < VAL_FRACTION + TEST_FRACTION, "test", "train"))
     cols = {"id": np.arange(start, start + rows, dtype=np.int64), "split": split}
     cols.update({name: x[:, i].astype(np.float32) for i, name in enumerate(NUMERIC)})
     cols.update({"c0": c0.astype(np.int32), "c1": c1.astype(np.int32), "y": (mu + noise).astype(np.float32),
@@ -74,7 +78,7 @@ def _chunk(start: int, rows: int):
 
 
 def build(out: Path, rows: int) -> dict:
-    """Write the Delta table and its two exports into the empty directory `out`; return manifest facts."""
+    """Write the Delta table and its three exports into the empty directory `out`; return manifest facts."""
     import pyarrow.compute as pc
     from deltalake import write_deltalake
 
@@ -92,7 +96,7 @@ def build(out: Path, rows: int) -> dict:
     columns = ["id", *NUMERIC, "c0", "c1", "y"]  # not `split` (constant per export) nor `noise` (the answer)
     facts = {"rows": rows, "noise_std": NOISE_STD, "bayes_mse": noise_sq / max(val_rows, 1), "levels": LEVELS,
              "numeric": list(NUMERIC), "target": "y", "delta": "delta"}
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         manifest = export_delta(ExportConfig(table_uri, str(out / split), files=FILES, columns=columns,
                                              where=f"split = '{split}'", row_group_rows=ROW_GROUP_ROWS))
         facts[f"{split}_rows"] = manifest["rows"]

@@ -4,7 +4,7 @@ is known, so the best achievable validation error is known too (the noise varian
 The one place that declares what a trial may change, what it is judged on and how much it may spend. Kept
 import-light (no torch): `autoresearch submit --experiment tabular` validates params against this space.
 
-Budget is counted in epochs over `rows` rows (80% train), never in seconds. The defaults (100,000 rows,
+Budget is counted in epochs over `rows` rows (70% train), never in seconds. The defaults (100,000 rows,
 4 epochs) take a few seconds of one CPU core once the data is prepared; on a GPU raise `rows` into the
 millions and `scale` (it multiplies width and batch size).
 """
@@ -28,7 +28,7 @@ SPACE = SearchSpace({
     # budget and scale
     "epochs": Int(1, 100, default=4, help="passes over the training rows"),
     "rows": Int(1000, 100_000_000, log=True, default=100_000,
-                help="rows in the generated table (80% train, 20% validation); each size is prepared once"),
+                help="rows in the generated table (70% train, 20% validation, 10% test); each size is prepared once"),
     "scale": Int(1, 16, log=True, default=1,
                  help="multiplies width and batch size: 1 fits 2 CPU cores, 4-16 suits one GPU"),
 })
@@ -49,4 +49,5 @@ SPEC = ExperimentSpec(
     entrypoint="experiments.tabular.train",
     budget={"epochs": 4, "rows": 100_000, "scale": 1},  # held fixed while searching
     progress_metric="val_mse",
+    holdout_metric="test_mse",  # logged once at the end, on the 10% test rows
 )

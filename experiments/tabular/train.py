@@ -163,7 +163,10 @@ def train(ctx: JobContext, p: dict) -> None:
     if mse is None:  # resumed at the end: report the final metric again
         mse = evaluate(model, val, autocast)
         ctx.log_metrics({"val_mse": mse, "val_excess": mse - facts["bayes_mse"]}, total)
-    say(f"tabular: final val_mse {mse:.6f}", flush=True)
+    # The holdout, scored once on the finished model: nothing during training (or in the search) reads it.
+    test_mse = evaluate(model, inputs(read_split(volume / "test"), numeric, levels, device), autocast)
+    ctx.log_metrics({"test_mse": test_mse}, total)
+    say(f"tabular: final val_mse {mse:.6f} (holdout test_mse {test_mse:.6f})", flush=True)
 
 
 if __name__ == "__main__":

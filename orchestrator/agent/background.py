@@ -98,6 +98,8 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
         "planned": _planned(row.get("config") or {}),
         "best": _value(best), "baseline": _value(baseline),
         "metric": metric, "direction": direction,
+        "headline": summary.get("headline"), "holdout": summary.get("holdout"),
+        "usage": summary.get("usage") or state.get("usage") or {},
         "created_at": row.get("created_at"), "updated_at": row.get("updated_at"),
     }
 

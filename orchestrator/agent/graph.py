@@ -3,6 +3,7 @@
     START -> propose -> submit -> monitor -> analyse -> decide -+-> propose   (free slots, budget left)
                                     ^                           +-> monitor   (nothing to add: wait)
                                     +---------------------------+-> finish -> END
+                                                                +-> pause -> END  (the LLM budget is spent)
 
 - propose: first of all the baseline (the spec's defaults on `baseline_seeds` seeds, all at once); then fill
   free slots (K in flight) with proposals, each recorded with its idempotency key `<session>:<n>` before
@@ -17,6 +18,8 @@
 - decide: move search -> confirm (fresh-seed re-runs of the top candidates by mean) -> done, and route.
   The winner is decided afterwards by the noise gate against the baseline (`orchestrator.agent.report`).
 - finish: stop leftovers, log the best-so-far plot and summary on the session run, record the leaderboard.
+- pause: the LLM budget (orchestrator.agent.budget) was reached and the trials in flight have ended; the run
+  of the graph ends here, and `resume` with a higher cap starts it again at `propose` from the same state.
 
 State is plain JSON-able data (the checkpoint); live resources (store, tracker, proposer) live on `Agent`.
 """
@@ -27,8 +30,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from orchestrator.core import outputmetrics
-from orchestrator.agent import search
+from orchestrator.agent import budget, search
 from orchestrator.agent.history import Results, device_seconds
+from orchestrator.agent.holdout import search_view
 from orchestrator.agent.outcome import Outcomes, reports
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
@@ -60,7 +64,9 @@ class Agent(Phases):
         self.cfg = config
         self.spec = spec
         self.store = store
-        self.tracker = tracker
+        # Every metric the search reads (proposers' history, ASHA, the best so far) goes through this view,
+        # which refuses the holdout; the holdout is read after the graph ends (orchestrator.agent.holdout).
+        self.tracker = search_view(tracker, spec)
         self.parallel = parallel
         # One proposal more than there are devices waits in the queue: a freed device starts the next trial at
         # once (no round trip through the agent), and a demoted trial (lower priority) never slips into it.
@@ -69,7 +75,7 @@ class Agent(Phases):
         self.on_event = on_event
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
         self.searched = search.reduced(spec, self.fixed)
-        self.results = Results(store, tracker, spec)
+        self.results = Results(store, self.tracker, spec)
         self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
         if proposer is None:
             from orchestrator.agent.proposers.factory import make
@@ -77,6 +83,10 @@ class Agent(Phases):
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
                             llm_options=config.llm, baseline=search.project(self.baseline, self.searched.space))
         self.proposer = proposer
+        self.budget = budget.of(config)
+        self.llm = _llm_of(proposer)
+        if self.llm is not None and settings is not None and settings.llm_price:
+            self.llm.price = settings.llm_price
         seed0 = int(self.fixed.get(search.SEED_KEY, config.seed))
         self.seeds = [seed0, *search.confirm_seeds(session_id, max(config.baseline_seeds, config.confirm_seeds),
                                                    seed0)]
@@ -84,7 +94,7 @@ class Agent(Phases):
         # then meet at the same fraction of their budget (digits reports once per epoch).
         self.asha = ASHA(grace=1, eta=config.eta, direction=spec.direction)
         self.progress_metric = spec.progress_metric or spec.metric
-        self.outcomes = Outcomes(store, tracker, spec, self.asha)
+        self.outcomes = Outcomes(store, self.tracker, spec, self.asha)
         self._tick = time.time()
 
     # -- helpers ---------------------------------------------------------------------------------------------------
@@ -151,21 +161,28 @@ class Agent(Phases):
                     self._event("promoted", {**state, "trials": trials}, trial=t.n)
             n_search = sum(1 for t in trials if t.phase is P.SEARCH)
             n = free if search_max is None else min(free, search_max - n_search)
-            if n > 0:
+            if self.llm is not None and self.budget.capped and not state.get("budget_stop"):
+                state["budget_stop"] = self.budget.reached(state.get("usage") or {}) or ""
+            if n > 0 and not state.get("budget_stop"):
                 history = [_project(o, self.searched) for o in self.results.observations(trials)]
+                if self.llm is not None and self.budget.capped:  # checked before each of its calls
+                    self.llm.budget, self.llm.spent = self.budget, dict(state.get("usage") or {})
                 proposals = self.proposer.propose(n, history)
-                usage = dict(state.get("usage") or {})
                 take = getattr(self.proposer, "take_usage", None)
-                for k, v in (take() if take else {}).items():
-                    usage[k] = usage.get(k, 0) + v
-                state["usage"] = usage
+                state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
+                if self.llm is not None and self.llm.budget_hit:
+                    state["budget_stop"] = self.llm.budget_hit
                 for p in proposals:
                     trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
                                                p.proposer, p.rationale))
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
             candidates, state["confirm_planned"] = self._plan_confirmation(trials, n_confirm), True
+        if state.get("budget_stop"):
+            self._event("budget", state, message=f"{state['budget_stop']}: no more proposals; the trials in "
+                        "flight finish, then the session pauses")
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
-                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned"))}
+                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned")),
+                "budget_stop": state.get("budget_stop") or ""}
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
         return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
@@ -289,6 +306,13 @@ class Agent(Phases):
         self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": dump(trials), "best": best}
 
+    def pause(self, state: State) -> State:
+        """End this run of the graph paused at the LLM budget: nothing is in flight, nothing is cancelled (ASHA's
+        paused trials wait in line as they were); `resume` with a higher cap continues from `propose`."""
+        self._elapsed(state)
+        self._event("phase", state, phase="paused", reason=state["budget_stop"])
+        return {"paused": state["budget_stop"], "route": "end", "elapsed": state["elapsed"]}
+
     def finish(self, state: State) -> State:
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
         trials = load(state["trials"])
@@ -324,6 +348,16 @@ def _peers(trials: list[Trial]) -> list[Trial]:
     return [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
 
 
+def _llm_of(proposer: Any) -> Any:
+    """The LLM proposer inside `proposer` (itself, or a hybrid's), or None for a pure sampler."""
+    from orchestrator.agent.proposers.llm import LLMProposer
+
+    for candidate in (proposer, getattr(proposer, "llm", None)):
+        if isinstance(candidate, LLMProposer):
+            return candidate
+    return None
+
+
 def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
     import dataclasses
 
@@ -335,7 +369,7 @@ def build(agent: Agent, checkpointer: Any) -> Any:
     from langgraph.graph import END, START, StateGraph
 
     graph = StateGraph(State)
-    for name in ("propose", "submit", "monitor", "analyse", "decide", "finish"):
+    for name in ("propose", "submit", "monitor", "analyse", "decide", "pause", "finish"):
         graph.add_node(name, getattr(agent, name))
     graph.add_edge(START, "propose")
     graph.add_edge("propose", "submit")
@@ -343,6 +377,7 @@ def build(agent: Agent, checkpointer: Any) -> Any:
     graph.add_edge("monitor", "analyse")
     graph.add_edge("analyse", "decide")
     graph.add_conditional_edges("decide", lambda s: s["route"], {"propose": "propose", "monitor": "monitor",
-                                                                 "finish": "finish"})
+                                                                 "pause": "pause", "finish": "finish"})
+    graph.add_edge("pause", END)
     graph.add_edge("finish", END)
     return graph.compile(checkpointer=checkpointer)

@@ -81,7 +81,10 @@ class Phases:
             elif state.get("confirm_planned") and all(t.status in FINAL for t in waiting):
                 phase = "done"
         active = [t for t in trials if t.status in ACTIVE]
-        if phase == "done":
+        if phase == "search" and state.get("budget_stop"):
+            # The LLM budget is spent: no new proposal; what is in flight finishes and is judged, then pause.
+            route = "monitor" if active else "pause"
+        elif phase == "done":
             route = "finish"
         elif phase == "confirm" and not state.get("confirm_planned"):
             route = "propose"

@@ -68,6 +68,12 @@ def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
         lines += [f"Gate: {verdict['method']}; a candidate wins only if the lower end of the CI of its "
                   "improvement is above zero, judged on its fresh-seed re-runs only (the search run that "
                   "selected it is left out).", ""]
+    held = summary.get("holdout")
+    if held:
+        lines += [f"Holdout ({held['metric']}, data no search decision read, scored once at the end of each run): "
+                  f"baseline {held['baseline_mean']:.4g} over {held['n_baseline']} runs, winner "
+                  f"{held['winner_mean']:.4g} over its {held['n_winner']} fresh re-runs: {held['text']}.", ""]
+        lines += [f"**Warning:** {w}." for w in held["warnings"]] + ([""] if held["warnings"] else [])
     lines += ["## Ranking", "", f"| # | {metric} mean | spread | n | gap to baseline | changes from the baseline |",
               "|---|---|---|---|---|---|"]
     for e in summary.get("ranking", [])[:top]:

@@ -9,6 +9,7 @@ uses the running one, and K (trials in flight) defaults to the devices that serv
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable
 
@@ -36,24 +37,30 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
 
 
 def resume(session_id: str, *, settings: Settings | None = None, devices: str | None = None,
-           on_event: Callable[[dict], None] | None = None, proposer: Any = None) -> dict[str, Any]:
-    """Continue a session whose process died, from its last checkpoint."""
+           on_event: Callable[[dict], None] | None = None, proposer: Any = None,
+           llm_budget_usd: float | None = None, llm_budget_tokens: int | None = None) -> dict[str, Any]:
+    """Continue a session whose process died, or one paused at its LLM budget (give a higher cap), from its last
+    checkpoint. A new cap replaces the one the session was started with."""
     settings = settings or Settings.load()
     registry = Registry(settings.home)
     try:
         row = _resumable(registry, session_id)
-        registry.update(session_id, status="running", pid=os.getpid())
-        return _run(session_id, SessionConfig.from_dict(row["config"]), settings, registry, devices, on_event,
-                    proposer)
+        config = _with_budget(SessionConfig.from_dict(row["config"]), llm_budget_usd, llm_budget_tokens)
+        _room_left(row, config)
+        registry.update(session_id, status="running", pid=os.getpid(), config=json.dumps(config.to_dict()))
+        return _run(session_id, config, settings, registry, devices, on_event, proposer)
     finally:
         registry.close()
 
 
-def resumable(session_id: str, settings: Settings | None = None) -> None:
-    """BadInput unless `session_id` names an interrupted session (unknown, running or finished ones are not)."""
+def resumable(session_id: str, settings: Settings | None = None, llm_budget_usd: float | None = None,
+              llm_budget_tokens: int | None = None) -> None:
+    """BadInput unless `session_id` names an interrupted session, or a paused one whose (new) LLM budget has room
+    (unknown, running or finished ones are not resumable)."""
     registry = Registry((settings or Settings.load()).home)
     try:
-        _resumable(registry, session_id)
+        row = _resumable(registry, session_id)
+        _room_left(row, _with_budget(SessionConfig.from_dict(row["config"]), llm_budget_usd, llm_budget_tokens))
     finally:
         registry.close()
 
@@ -65,6 +72,26 @@ def _resumable(registry: Registry, session_id: str) -> dict[str, Any]:
     if row["status"] == "finished":
         raise BadInput(f"session {session_id} already finished; see `autoresearch leaderboard`")
     return row
+
+
+def _with_budget(config: SessionConfig, usd: float | None, tokens: int | None) -> SessionConfig:
+    import dataclasses
+
+    changes = {k: v for k, v in (("llm_budget_usd", usd), ("llm_budget_tokens", tokens)) if v is not None}
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _room_left(row: dict[str, Any], config: SessionConfig) -> None:
+    """BadInput when a session paused at its LLM budget would pause again at once (the cap was not raised)."""
+    from orchestrator.agent import budget
+
+    if row["status"] != "paused":
+        return
+    spent = (row.get("summary") or {}).get("usage") or {}
+    reason = budget.of(config).reached(spent)
+    if reason:
+        raise BadInput(f"session {row['id']} paused: {reason}; resume it with a higher --llm-budget-usd or "
+                       "--llm-budget-tokens")
 
 
 def session_links(url: str, settings: Settings | None = None, limit: int = 5) -> list[str]:
@@ -107,6 +134,7 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     """BadInput unless the experiment, proposer, fixed and baseline params and (with no service running)
     devices are valid."""
     from orchestrator.core import devices as devspec
+    from orchestrator.agent import budget
     from orchestrator.agent.proposers.factory import NAMES
     from orchestrator.agent.search import baseline_params, fixed_params, reduced
     from orchestrator.service.daemon import Service
@@ -118,6 +146,7 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     reduced(spec, fixed)
     baseline_params(spec, config.baseline, fixed)
     settings = settings or Settings.load()
+    budget.check(config, settings)
     if not Service.running(settings):
         devspec.parse(devices or settings.devices)  # an embedded service will need them
 
@@ -126,7 +155,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
          on_event: Callable[[dict], None] | None, proposer: Any) -> dict[str, Any]:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from orchestrator.agent import report
+    from orchestrator.agent import holdout, report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.queue.store import JobStore
     from orchestrator.service.daemon import embedded
@@ -151,7 +180,11 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}
         snapshot = graph.get_state(run_cfg)
-        if snapshot.values and not snapshot.next:
+        if snapshot.values and not snapshot.next and snapshot.values.get("paused"):
+            # Paused at the LLM budget and resumed with a higher cap: the graph starts again at `propose`.
+            final = graph.invoke({"paused": "", "budget_stop": "", "config": config.to_dict()}, run_cfg,
+                                 durability="sync")
+        elif snapshot.values and not snapshot.next:
             final = snapshot.values  # it had finished; only the bookkeeping below was lost
         else:
             first = None if snapshot.values else {
@@ -160,12 +193,28 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             final = graph.invoke(first, run_cfg, durability="sync")
         summary = report.summarise(session_id, config, final, spec, parallel=agent.parallel,
                                    defaults=agent.baseline)
+        usage_tags = {f"autoresearch.llm_{k}": f"{final.get('usage', {}).get(k, 0):g}"
+                      for k in ("calls", "prompt_tokens", "completion_tokens", "cost_usd")}
+        if final.get("paused"):
+            # Not finished: no holdout read (the search may continue), the parent run stays open.
+            summary.update(status="paused", stop_reason=final["paused"])
+            tracker.set_tags(parent, {"autoresearch.status": "paused", "autoresearch.stop_reason": final["paused"],
+                                      **usage_tags})
+            registry.update(session_id, status="paused", summary=summary)
+            return summary
+        # The holdout, read once now that no search decision is left (the agent's tracker refuses it).
+        holdout.attach(summary, spec, tracker, *holdout.session_runs(final["trials"], summary.get("winner")))
+        held = summary.get("holdout") or {}
         tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
-                                  "autoresearch.verdict": summary["headline"]})
+                                  "autoresearch.verdict": summary["headline"],
+                                  **({"autoresearch.holdout": held["text"]} if held else {}), **usage_tags})
         winner, base = summary.get("winner") or {}, summary.get("baseline") or {}
         tracker.log_metrics(parent, {"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
                                      "baseline_mean": base.get("mean"), "baseline_spread": base.get("spread"),
                                      "improvement": (summary.get("verdict") or {}).get("delta"),
+                                     "holdout_improvement": held.get("delta"),
+                                     "holdout_baseline_mean": held.get("baseline_mean"),
+                                     "holdout_winner_mean": held.get("winner_mean"),
                                      "device_seconds": summary["device_seconds"]}, step=len(final["trials"]))
         tracker.log_text(parent, report.markdown(summary), report.REPORT)
         tracker.finish(parent)
@@ -183,6 +232,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
 def leaderboard(experiment: str | None = None, settings: Settings | None = None) -> list[dict[str, Any]]:
     """The leaderboard of one experiment (or of every bundled one with results): agent and hand-made runs."""
     from experiments import registry as experiments
+    from orchestrator.agent import holdout
     from orchestrator.agent.history import Results
     from orchestrator.queue.store import JobStore
     from orchestrator.tracking.client import Tracker, leaderboard as rank
@@ -200,8 +250,14 @@ def leaderboard(experiment: str | None = None, settings: Settings | None = None)
             if experiment:
                 raise
             continue  # a remembered file that has gone or broken: the others still show
-        rows = Results(store, tracker, spec).rows()
+        rows = Results(store, holdout.search_view(tracker, spec), spec).rows()  # ranked and gated blind
         if rows or experiment:
-            out.append({"experiment": spec.name, "metric": spec.metric,
-                        **rank(rows, spec.direction, defaults=spec.space.defaults(), exact=not spec.seeded)})
+            board = {"experiment": spec.name, "metric": spec.metric,
+                     **rank(rows, spec.direction, defaults=spec.space.defaults(), exact=not spec.seeded)}
+            board["holdout_metric"] = spec.holdout_metric
+            # Then the holdout, for the gated winner and the baseline only (what the verdict compares).
+            runs = lambda entry: [getattr(store.get(j), "mlflow_run_id", None) for j in (entry or {}).get(
+                "fresh_jobs", [])]
+            holdout.attach(board, spec, tracker, runs(board["baseline"]), runs(board["winner"]))
+            out.append(board)
     return out

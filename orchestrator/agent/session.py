@@ -55,6 +55,9 @@ class SessionConfig:
     poll: float = 1.0  # seconds between looks at the queue and MLflow while trials run
     llm: dict[str, Any] = field(default_factory=dict)  # LLMProposer options (timeouts, re-asks, backoff)
     project: str = "default"  # the project its trials are charged to (orchestrator.queue.projects)
+    # Caps on the LLM's spend (orchestrator.agent.budget): at either, the session pauses (resumable with more).
+    llm_budget_usd: float | None = None
+    llm_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.goal.strip():
@@ -73,6 +76,9 @@ class SessionConfig:
             raise BadInput("--confirm-top must be >= 1")
         if not 1 <= self.baseline_seeds <= 20:
             raise BadInput(f"--baseline-seeds must be in 1..20, got {self.baseline_seeds}")
+        from orchestrator.agent.budget import LLMBudget
+
+        LLMBudget(self.llm_budget_usd, self.llm_budget_tokens)  # BadInput for a cap that is not > 0
 
     @property
     def max_trials(self) -> int | None:

@@ -125,3 +125,5 @@ class State(TypedDict, total=False):
     usage: dict
     stop_reason: str
     route: str
+    budget_stop: str  # why the LLM budget stopped the proposing ("" while there is room)
+    paused: str  # set when the session ended paused at its LLM budget (resume with a higher cap clears it)

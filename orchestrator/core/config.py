@@ -105,6 +105,8 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "llm_model": ("AUTORESEARCH_LLM_MODEL", _text),
     "llm_base_url": ("OPENAI_BASE_URL", _text),
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
+    "llm_budget_usd": ("AUTORESEARCH_LLM_BUDGET_USD", _number),
+    "llm_budget_tokens": ("AUTORESEARCH_LLM_BUDGET_TOKENS", _integer),
     "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
     "usage_half_life": ("AUTORESEARCH_USAGE_HALF_LIFE", _number),
     "backfill": ("AUTORESEARCH_BACKFILL", _text),
@@ -171,6 +173,9 @@ class Settings:
     llm_model: Optional[str] = None
     llm_base_url: Optional[str] = None
     llm_price: Optional[str] = None
+    # Default caps on an agent session's LLM spend (`start --llm-budget-usd/--llm-budget-tokens` override).
+    llm_budget_usd: Optional[float] = None
+    llm_budget_tokens: Optional[int] = None
     container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
     # Projects sharing the devices (orchestrator.queue.projects): the half-life (s) of the usage fair sharing
     # weighs, and whether jobs with a time limit may backfill behind a blocked job ("on" | "off").

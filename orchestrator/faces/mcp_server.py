@@ -282,11 +282,14 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     def start_session(experiment: str, goal: str = "", trials: Optional[int] = None, parallel: Optional[int] = None,
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
-                      baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None) -> dict[str, Any]:
+                      baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None,
+                      llm_budget_usd: Optional[float] = None, llm_budget_tokens: Optional[int] = None
+                      ) -> dict[str, Any]:
         """Start a research-agent session in the background (it proposes, runs and ranks trials through the
         queue; every result is judged against a baseline run on several seeds first). params: values held
-        fixed; baseline: overrides of the experiment's defaults for the baseline. Watch it with session_status;
-        stop it with stop_session."""
+        fixed; baseline: overrides of the experiment's defaults for the baseline; llm_budget_usd /
+        llm_budget_tokens: caps on its LLM spend (at one it pauses; `autoresearch resume` with a higher cap
+        continues it). Watch it with session_status; stop it with stop_session."""
         from orchestrator.agent import background as sessions
         from orchestrator.agent.proposers import default_name
         from orchestrator.agent.session import SessionConfig
@@ -294,7 +297,10 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         config = SessionConfig(goal=goal, experiment=experiment, proposer=proposer or default_name(),
                                trials=trials, budget_minutes=budget_minutes, parallel=parallel,
                                priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
-                               baseline=dict(baseline or {}), project=charged(project))
+                               baseline=dict(baseline or {}), project=charged(project),
+                               llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
+                               llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
+                                                  else llm_budget_tokens))
         return sessions.start_session(config, settings)
 
     @server.tool(name="usage")

@@ -294,6 +294,7 @@ class Entry:
     job_ids: list[int] = field(default_factory=list)
     baseline_runs: int = 0  # how many of its runs were a session's baseline
     fresh: list[float] = field(default_factory=list)  # the values of runs that played no part in selecting it
+    fresh_jobs: list[int] = field(default_factory=list)  # the jobs of those runs (the holdout reads them)
 
     @property
     def n(self) -> int:
@@ -345,6 +346,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
         entry.values.append(float(row["value"]))
         if not row.get("selection"):
             entry.fresh.append(float(row["value"]))
+            if row.get("job_id") is not None:
+                entry.fresh_jobs.append(int(row["job_id"]))
         entry.baseline_runs += bool(row.get("baseline"))
         if row.get("source"):
             entry.sources.append(str(row["source"]))
@@ -392,7 +395,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
             "winner": e is winner, "job_ids": e.job_ids, "sources": sorted(set(e.sources)),
             "n_fresh": len(e.fresh), "gated": any(e is c for c in confirmed)})
     summary = (lambda e: None if e is None else {"params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,
-                                                 "values": e.values, "job_ids": e.job_ids, "fresh": e.fresh})
+                                                 "values": e.values, "job_ids": e.job_ids, "fresh": e.fresh,
+                                                 "fresh_jobs": e.fresh_jobs})
     return {
         "direction": direction,
         "entries": out_entries,

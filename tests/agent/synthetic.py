@@ -3,7 +3,8 @@
 Run as a real queue job (`python -m tests.agent.synthetic`) following Contract 3: params from
 AUTORESEARCH_PARAMS, metrics to MLFLOW_RUN_ID, progress kept in AUTORESEARCH_CHECKPOINT_DIR, SIGTERM ->
 save and exit 75 (so a demoted trial resumes where it stopped). STEP_SECONDS sets the pace. It logs
-`total_steps` like the bundled experiments, so a run that reached its full budget is known to be complete.
+`total_steps` like the bundled experiments, so a run that reached its full budget is known to be complete, and
+a holdout (`test_loss`) once at the end, as they do.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SPEC = ExperimentSpec(
     entrypoint="tests.agent.synthetic",
     budget={"steps": 9},
     progress_metric="loss",
+    holdout_metric="test_loss",
 )
 
 
@@ -43,6 +45,14 @@ def objective(p: dict, step: int, steps: int) -> float:
     base = (p["x"] - 1.5) ** 2 + (p["y"] + 2.0) ** 2 + (0.0 if p["kind"] == "b" else 0.3)
     noise = random.Random(f"{p['seed']}:{step}").gauss(0.0, 0.05)
     return base + 2.0 * math.exp(-3.0 * step / steps) + noise
+
+
+def holdout(p: dict) -> float:
+    """The finished "model" scored on held-out data: the bowl again, with its own seeded noise and a small
+    offset (HOLDOUT_SHIFT, default 0.1), so it tracks the validation loss without equalling it."""
+    base = (p["x"] - 1.5) ** 2 + (p["y"] + 2.0) ** 2 + (0.0 if p["kind"] == "b" else 0.3)
+    shift = float(os.environ.get("HOLDOUT_SHIFT", "0.1"))
+    return base + shift + random.Random(f"holdout:{p['seed']}").gauss(0.0, 0.05)
 
 
 def main() -> None:
@@ -72,6 +82,7 @@ def main() -> None:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             ckpt.write_text(json.dumps({"step": step}))
             sys.exit(75)
+    client.log_batch(run, metrics=[Metric("test_loss", holdout(p), int(time.time() * 1000), p["steps"])])
 
 
 if __name__ == "__main__":

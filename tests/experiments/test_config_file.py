@@ -232,3 +232,18 @@ def test_the_example_folder_reads_and_its_script_runs_alone(tmp_path, home):
 
     reports = outputmetrics.read(tmp_path / "ck")
     assert [s for s, _ in reports] == list(range(20, 201, 20)) and reports[-1][1] < reports[0][1]
+
+
+def test_a_holdout_metric_is_declared_apart_from_the_searched_one(tmp_path):
+    from experiments import config_file
+
+    folder = tmp_path / "held"
+    folder.mkdir()
+    body = ('[experiment]\nrun = "python train.py {args}"\nmetric = "val_loss"\ndirection = "minimize"\n'
+            'holdout_metric = "HELD"\n[space]\nlr = { type = "float", low = 0.001, high = 0.1, default = 0.01 }\n')
+    (folder / "autoresearch.toml").write_text(body.replace("HELD", "test_loss"))
+    spec = config_file.load(folder)
+    assert spec.holdout_metric == "test_loss" and "test_loss" not in spec.search_metrics
+    (folder / "autoresearch.toml").write_text(body.replace("HELD", "val_loss"))
+    with pytest.raises(config_file.ConfigError, match="holdout_metric"):
+        config_file.load(folder)

@@ -24,12 +24,14 @@ def test_digits_volume_is_pngs_with_labels(home):
     from PIL import Image
 
     path = digits_prepare.ensure()
-    train, val = sorted((path / "train").glob("*.png")), sorted((path / "val").glob("*.png"))
-    assert (len(train), len(val)) == (1437, 360)
-    assert {digits_prepare.label_of(p) for p in val} == set(range(10))
+    train, val, test = (sorted((path / split).glob("*.png")) for split in ("train", "val", "test"))
+    assert (len(train), len(val), len(test)) == (1077, 360, 360)
+    assert {digits_prepare.label_of(p) for p in val} == {digits_prepare.label_of(p) for p in test} == set(range(10))
+    names = [{p.name for p in split} for split in (train, val, test)]
+    assert not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])  # no image in two splits
     img = Image.open(train[0])
     assert img.size == (8, 8) and img.mode == "L"
-    assert read_manifest(path)["train_images"] == 1437
+    assert read_manifest(path)["train_images"] == 1077 and read_manifest(path)["test_images"] == 360
 
 
 def test_charlm_corpus_is_stdlib_source_in_equal_shards(home):
@@ -37,6 +39,11 @@ def test_charlm_corpus_is_stdlib_source_in_equal_shards(home):
     manifest = read_manifest(path)
     shards = sorted(path.glob("train-*.bin"))
     assert len(shards) == manifest["train_shards"] >= 8 and manifest["val_shards"] >= 1
+    assert len(list(path.glob("test-*.bin"))) == manifest["test_shards"] >= 1
+    # Every file is in exactly one split, by a stable hash: about a tenth each in validation and test.
+    rels = [f"a/m{i}.py" for i in range(2000)]
+    shares = {s: sum(charlm_prepare.split_of(r) == s for r in rels) / len(rels) for s in ("val", "test")}
+    assert 0.07 < shares["val"] < 0.13 and 0.07 < shares["test"] < 0.13
     assert {p.stat().st_size for p in shards} == {charlm_prepare.SHARD_BYTES}
     assert b"def " in shards[0].read_bytes() and b"# file: " in shards[0].read_bytes()
 

@@ -56,6 +56,9 @@ def test_charlm_few_steps_lower_the_loss(home, tmp_path):
     assert metrics["train_loss"][-1] < metrics["train_loss"][0]
     assert metrics["val_bpb"][-1] == pytest.approx(val[-1] / 0.6931471805599453)
     assert params["model_width"] == "32" and int(params["model_params"]) > 0
+    # The holdout is scored once, at the end, on other files: close to validation, never the same number.
+    assert len(metrics["test_loss"]) == 1 and abs(metrics["test_loss"][0] - val[-1]) < 0.5
+    assert metrics["test_loss"][0] != val[-1]
 
 
 def test_digits_few_epochs_learn(home, tmp_path):
@@ -63,6 +66,8 @@ def test_digits_few_epochs_learn(home, tmp_path):
     assert len(metrics["val_accuracy"]) == 3
     assert metrics["val_loss"][-1] < metrics["val_loss"][0]
     assert metrics["val_accuracy"][-1] > 0.8  # chance is 0.1
+    assert len(metrics["test_accuracy"]) == 1 and metrics["test_accuracy"][0] > 0.8  # once, at the end
+    assert len(metrics["test_loss"]) == 1
 
 
 def unigram_entropy(block_size: int) -> float:

@@ -30,7 +30,7 @@ def test_the_table_follows_the_stated_process_and_the_best_metric_is_the_noise(v
     facts = json.loads((volume / "MANIFEST.json").read_text())
     val = table.filter(np.array(table.column("split").to_pylist()) == "val")
     assert facts["bayes_mse"] == pytest.approx(float(np.mean(val.column("noise").to_numpy().astype(float) ** 2)))
-    assert 0.2 < facts["bayes_mse"] < 0.3 and facts["train_rows"] + facts["val_rows"] == ROWS
+    assert 0.2 < facts["bayes_mse"] < 0.3 and facts["train_rows"] + facts["val_rows"] + facts["test_rows"] == ROWS
     assert np.var(mu) > 1.0, "the features explain far more than the noise: there is something to learn"
 
 
@@ -40,7 +40,9 @@ def test_the_exports_hold_the_splits_without_the_answer(volume):
     train, val = read_manifest(str(volume / "train")), read_manifest(str(volume / "val"))
     assert train["columns"] == val["columns"] == ["id", *prepare.NUMERIC, "c0", "c1", "y"]
     assert "noise" not in train["columns"] and train["where"] == "split = 'train'"
-    assert train["rows"] + val["rows"] == ROWS
+    test = read_manifest(str(volume / "test"))
+    assert test["columns"] == train["columns"] and test["where"] == "split = 'test'"
+    assert train["rows"] + val["rows"] + test["rows"] == ROWS and 0.05 < test["rows"] / ROWS < 0.15
 
 
 def test_preparing_again_is_a_no_op(volume):
@@ -73,3 +75,5 @@ def test_a_few_epochs_learn_towards_the_bound(tmp_path, monkeypatch):
     assert val[-1] < 0.7, "well below the target's variance (about 2)"
     assert excess == pytest.approx(val[-1] - float(client.get_run(ctx.run_id).data.params["bayes_mse"]))
     assert excess > 0, "no model beats the noise"
+    test = client.get_metric_history(ctx.run_id, "test_mse")
+    assert len(test) == 1 and 0.25 < test[0].value < 0.7  # the holdout: scored once, at the end, near val

@@ -149,13 +149,16 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
             "logs": await call(session, "job_logs", job_id=1, tail=3, offset=0),
             "session": await call(session, "session_status", session_id="s-00000000"),
             "start": await call(session, "start_session", goal="x", experiment="nope"),
+            "budget": await call(session, "start_session", goal="x", experiment="digits", proposer="llm",
+                                 llm_budget_usd=1.0),
             "board": await call(session, "leaderboard", experiment="nope"),
             "limit": await call(session, "list_jobs", limit=-1),
         }
         answers["after"] = await call(session, "list_jobs", all=True)
         return answers
 
-    answers = with_client(child_env, body)
+    # A model with no known price (and no llm_price): a dollar budget on it is refused.
+    answers = with_client({**child_env, "AUTORESEARCH_LLM_MODEL": "my-local-model"}, body)
     for key, (is_error, text) in answers.items():
         if key == "after":
             continue
@@ -168,6 +171,7 @@ def test_bad_arguments_are_one_line_tool_errors_like_the_cli_and_the_server_keep
     assert answers["no-arg"][1] == "missing argument job_id"
     assert "unknown experiment 'nope'" in answers["experiment"][1]
     assert answers["logs"][1] == "give either tail or offset, not both"
+    assert answers["budget"][1].startswith("--llm-budget-usd: no price is known for model 'my-local-model'")
     assert answers["limit"][1] == "--limit must be an integer >= 0 (0: every job), got -1"
     assert answers["after"] == (False, {"jobs": [], "total": 0, "more": 0, "counts": {}})  # nothing was queued
 

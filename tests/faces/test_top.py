@@ -76,7 +76,8 @@ def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
     evs = [(JobEvent(job_id=1, at=NOW - i, src="QUEUED", dst="STARTING", reason=f"placed on cpu:{i} " * 5), "x")
            for i in range(events)]
     sessions = [{"session": "s-0000000a", "experiment": "digits", "status": "running", "trials": {"RUNNING": 2},
-                 "done": 5, "planned": 20, "best": 0.97, "baseline": 0.961, "direction": "maximize", "goal": "g"}]
+                 "done": 5, "planned": 20, "best": 0.97, "baseline": 0.961, "direction": "maximize", "goal": "g",
+                 "holdout": {"delta": 0.0042, "confirmed": False}}]
     return Snapshot(at=NOW, home="/h", services=[service], devices=drows, queue=rows, victims=victims,
                     running=running, events=evs, sessions=sessions, counts={"RUNNING": devices, "QUEUED": queued})
 
@@ -245,3 +246,7 @@ def test_session_progress_counts_its_trials_and_reads_best_and_baseline(home):
     assert running["best"] is None and running["direction"] == "maximize"  # from the experiment's spec
     text = "\n".join(_lines(_busy_snapshot(), 100, 40))
     assert "0.97" in text and "0.961" in text and "5/20" in text
+    assert "holdout" in text and "+0.0042" in text  # the winner's holdout lead, once its session has read it
+    held = {"text": "holdout +0.01 (95% CI -0.002..+0.022)", "delta": 0.01, "confirmed": False}
+    done = progress({**row, "summary": {**row["summary"], "holdout": held, "usage": {"calls": 3}}}, store, home)
+    assert done["holdout"] == held and done["usage"] == {"calls": 3}  # what MCP session_status returns

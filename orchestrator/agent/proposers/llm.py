@@ -64,6 +64,12 @@ class LLMProposer:
         self.history_rows = history_rows
         self.usage = _zero_usage()
         self._client: Any = None
+        self.price: str | None = None  # "in,out" USD per million tokens (the llm_price setting); else PRICES
+        # The session's cap (orchestrator.agent.budget.LLMBudget) and what it had spent before this proposer's
+        # own counter; checked before every call. `budget_hit` says why the last propose stopped short.
+        self.budget: Any = None
+        self.spent: dict[str, float] = {}
+        self.budget_hit: str | None = None
 
     # -- the endpoint ----------------------------------------------------------------------------------------------
 
@@ -116,7 +122,7 @@ class LLMProposer:
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         """Estimated USD for the tokens used (0 for a model with no known price)."""
-        price = os.environ.get("AUTORESEARCH_LLM_PRICE")
+        price = self.price or os.environ.get("AUTORESEARCH_LLM_PRICE")
         try:
             p_in, p_out = (float(x) for x in price.split(",")) if price else PRICES[self.model]
         except (KeyError, ValueError):
@@ -138,7 +144,14 @@ class LLMProposer:
                     {"role": "user", "content": self.prompt(n, history, context)}]
         tried = [self.spec.space.validate(o.params) for o in history if _fits(self.spec, o.params)]
         got: list[Proposal] = []
+        self.budget_hit = None
         for round_ in range(self.max_reasks + 1):
+            if self.budget is not None:
+                from orchestrator.agent.budget import added
+
+                self.budget_hit = self.budget.reached(added(self.spent, self.usage))
+                if self.budget_hit:  # no call past the cap, and no sampler fallback: the session pauses
+                    return got
             try:
                 text = self._chat(messages)
             except LLMUnavailable as exc:

@@ -51,7 +51,8 @@ def progress(event: dict) -> None:
     elif kind == "promoted":
         line = f"trial {event['trial']} promoted: resumes from its checkpoint"
     elif kind == "phase":
-        line = f"{event['reason']}: {'re-running the best on fresh seeds' if event['phase'] == 'confirm' else 'done'}"
+        then = {"confirm": "re-running the best on fresh seeds", "paused": "paused (resume with a higher cap)"}
+        line = f"{event['reason']}: {then.get(event['phase'], 'done')}"
     else:
         line = event.get("message", kind)
     info(f"{head} {line} | {tally}")
@@ -71,6 +72,12 @@ def _proposer_note(name: str) -> str:
 def _print_summary(summary: dict) -> None:
     """The end of a session for people: the baseline, the winner (if any) and the gate's verdict."""
     metric = summary["metric"]
+    if summary.get("status") == "paused":
+        info(f"session {summary['session']} paused ({summary['stop_reason']}) after {summary['trials']} trials "
+             f"{summary['counts']}; continue it with `autoresearch resume {summary['session']} --llm-budget-usd Y` "
+             "(or --llm-budget-tokens N) above what it spent")
+        _print_usage(summary)
+        return
     info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['trials']} trials "
          f"{summary['counts']}, {summary['elapsed_s']} s, {summary['device_seconds']} device-s")
     base, winner = summary.get("baseline"), summary.get("winner")
@@ -85,10 +92,27 @@ def _print_summary(summary: dict) -> None:
         best = summary["best"]
         print(f"best single run: {metric} {_fmt(best['value'])} (not a win unless it holds up over seeds)")
     print(summary.get("headline") or "no trial finished with a metric")
+    held = summary.get("holdout")
+    if held:
+        print(f"holdout ({held['metric']}): baseline {_fmt(held['baseline_mean'])}, winner "
+              f"{_fmt(held['winner_mean'])} over {held['n_winner']} fresh re-runs")
+    _print_usage(summary)
+
+
+def _print_usage(summary: dict) -> None:
     usage = summary.get("usage") or {}
     if usage.get("calls"):
         print(f"LLM: {int(usage['calls'])} calls, {int(usage.get('prompt_tokens', 0))}+"
               f"{int(usage.get('completion_tokens', 0))} tokens, ~${usage.get('cost_usd', 0.0):.4f}")
+
+
+def _llm(row: dict) -> str:
+    """A session's LLM spend for the sessions table: calls, tokens, cost ("" for none)."""
+    usage = (row.get("summary") or {}).get("usage") or {}
+    if not usage.get("calls"):
+        return ""
+    tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+    return f"{int(usage['calls'])} calls, {tokens:,} tok, ${usage.get('cost_usd', 0.0):.4f}"
 
 
 def _mean(entry: dict) -> str:
@@ -125,6 +149,10 @@ def start(
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
     project: Optional[str] = typer.Option(None, "--project", help="The project the trials are charged to "
                                           "(`autoresearch projects`; default: the default project)."),
+    llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="Pause the session once its "
+                                                   "LLM calls cost this much (needs a known price or llm_price)."),
+    llm_budget_tokens: Optional[int] = typer.Option(None, "--llm-budget-tokens", help="Pause the session once "
+                                                    "its LLM calls used this many tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
@@ -143,12 +171,16 @@ def start(
                               budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
                               model=model or Settings.load().llm_model)
     name = proposer or default_name()
+    settings = Settings.load()
     config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
                            budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
-                           model=model or Settings.load().llm_model, fixed=api.parse_params(param),
+                           model=model or settings.llm_model, fixed=api.parse_params(param),
                            confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                            baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
-                           early_stopping=not no_early_stop, project=_project(project))
+                           early_stopping=not no_early_stop, project=_project(project),
+                           llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
+                           llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
+                                              else llm_budget_tokens))
     runner.check(config, devices=devices)
     session_id = new_id()
     info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
@@ -172,17 +204,23 @@ def _project(name: Optional[str]) -> str:
 def resume(
     session: str = typer.Argument(..., metavar="SESSION"),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="A new cap on the session's "
+                                                   "LLM cost in all (a paused session needs a higher one)."),
+    llm_budget_tokens: Optional[int] = typer.Option(None, "--llm-budget-tokens", help="A new cap on its LLM "
+                                                    "tokens in all."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Continue an interrupted agent session from its last checkpoint."""
+    """Continue an interrupted agent session, or one paused at its LLM budget, from its last checkpoint."""
     from orchestrator.agent import runner
     from orchestrator.faces.cli import programs
 
     if programs.resume(session, devices, as_json):
         return
-    runner.resumable(session)  # an unknown or finished session: one line, before anything else is said
+    # An unknown or finished session, or a paused one without a higher cap: one line, before anything else.
+    runner.resumable(session, llm_budget_usd=llm_budget_usd, llm_budget_tokens=llm_budget_tokens)
     info(f"resuming session {session}")
-    summary = runner.resume(session, devices=devices, on_event=progress)
+    summary = runner.resume(session, devices=devices, on_event=progress, llm_budget_usd=llm_budget_usd,
+                            llm_budget_tokens=llm_budget_tokens)
     print_json(summary) if as_json else _print_summary(summary)
 
 
@@ -211,14 +249,14 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
     print_columns(SESSION_COLUMNS,
                   [(r["id"], r["experiment"], r["proposer"],
                     r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
-                    r["summary"].get("trials", ""), best(r),
+                    r["summary"].get("trials", ""), best(r), _llm(r),
                     dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"])
                    for r in rows])
 
 
 SESSION_COLUMNS = [("id", {}), ("experiment", {"ratio": 2, "min_width": 6}), ("proposer", {"ratio": 1}),
                    ("status", {"ratio": 2, "min_width": 6}), ("trials", {"right": True}), ("best", {"right": True}),
-                   ("started", {}), ("goal", {"ratio": 3, "min_width": 4})]
+                   ("llm", {"ratio": 1, "min_width": 3}), ("started", {}), ("goal", {"ratio": 3, "min_width": 4})]
 
 
 @app.command()

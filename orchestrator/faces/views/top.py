@@ -126,7 +126,8 @@ def sessions_table(snap: Snapshot, limit: Optional[int]) -> Table:
     """Agent sessions: status, trials done (of the budget), best so far against the baseline."""
     table = _table("agent sessions", ("session", {"min_width": 10}), ("exp", {"ratio": 1, "min_width": 6}),
                    ("status", {"min_width": 6}), ("trials", {"justify": "right"}), ("running", {"justify": "right"}),
-                   ("best", {"justify": "right"}), ("baseline", {"justify": "right"}), ("goal", {"ratio": 2}))
+                   ("best", {"justify": "right"}), ("baseline", {"justify": "right"}),
+                   ("holdout", {"justify": "right"}), ("goal", {"ratio": 2}))
     rows = snap.sessions if limit is None else snap.sessions[:limit]
     for s in rows:
         trials = s["trials"]
@@ -137,8 +138,11 @@ def sessions_table(snap: Snapshot, limit: Optional[int]) -> Table:
         if best is not None and base is not None and s.get("direction") and best != base:
             better = best > base if s["direction"] == "maximize" else best < base
             best_text.stylize("green" if better else "red")
+        held = s.get("holdout") or {}
+        # The winner's lead on the holdout (read once, after its session): red when it does not confirm it.
+        held_text = Text(f"{held['delta']:+.3g}" if held else "", style="" if held.get("confirmed", True) else "red")
         table.add_row(s["session"], s.get("experiment") or "", _state(s["status"]), done, str(active), best_text,
-                      _num(base), s.get("goal") or "")
+                      _num(base), held_text, s.get("goal") or "")
     _more(table, len(snap.sessions) - len(rows))
     return table
 
