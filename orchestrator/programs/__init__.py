@@ -1,4 +1,4 @@
-"""Program mode: the agent edits a training program's code (DESIGN.md, Contract 4).
+"""Program mode: the agent edits a training program's code (the programs contract: docs/guides/program-mode.md).
 
 A program is a git repository (or a folder inside one) with an `autoresearch.toml`. Each trial is a commit
 made from its parent plus the model's search/replace edits, run from its own worktree under the home through

@@ -149,7 +149,7 @@ class Job(SQLModel, table=True):
     image_id: Optional[str] = None  # the image's content id at submit (sha256:...): what runs
     mounts: Optional[list] = Field(default=None, sa_column=Column(JSON, nullable=True))
     env_file: Optional[str] = None  # where `env` values came from (shown instead of them)
-    # Added by issue 28 (nullable, with server defaults: `add_missing_columns` fills them in older databases).
+    # Projects, scavengers and deadlines (nullable, with server defaults: `add_missing_columns` fills them in older databases).
     project: Optional[str] = Field(default=DEFAULT_PROJECT, sa_column_kwargs={"server_default": DEFAULT_PROJECT})
     scavenger: Optional[bool] = Field(default=False, sa_column_kwargs={"server_default": "0"})
     deadline: Optional[float] = None  # UNIX seconds the job must finish by (not started when it cannot)

@@ -4,7 +4,7 @@
 waiting jobs can no longer meet their deadline. It does no I/O, reads no clock and uses no randomness, so the
 same inputs always give the same `Plan`; the service calls it on every dispatch tick and applies the result.
 
-Rules (issue 2, "Scheduling policy"; issue 28, "Projects share the box"; DESIGN.md, "Semantics worth copying"):
+Rules (after Slurm, Kueue and Determined; the policy table in docs/guides/projects.md):
 
 - Line order within a project: priority (higher first), then deadline (earlier first; none last), then submit
   time, then id. A job needing more devices than exist here is skipped entirely: it neither starts, reserves
