@@ -115,7 +115,9 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 # config.toml keys that are not Settings fields but that a part reads from `Settings.extra` itself (the local
 # executor's process-tree mode). Any other key is refused (see the module docstring for why an error).
-EXTRA_KEYS = frozenset({"cgroup"})
+# Read by their own parts: the local executor (`cgroup`), the projects (`[projects.NAME]`, orchestrator.queue.
+# projects) and the notifications (`[[notify]]`, orchestrator.service.notify).
+EXTRA_KEYS = frozenset({"cgroup", "projects", "notify"})
 
 
 def known_keys() -> frozenset[str]:
@@ -131,7 +133,7 @@ def _check_keys(file: dict[str, Any], cfg: Path) -> None:
         hint = _close(key, known)
         if isinstance(value, dict):
             raise BadInput(f"{cfg}: unknown table [{key}]; config.toml takes flat setting names "
-                           "(devices = \"cpu:4\", preempt_after = 120)")
+                           "(devices = \"cpu:4\", preempt_after = 120), [projects.NAME] and [[notify]]")
         raise BadInput(f"{cfg}: unknown key {key!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
 
 

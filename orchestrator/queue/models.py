@@ -202,6 +202,11 @@ class Job(SQLModel, table=True):
         """Tracked and without its MLflow run yet: the service makes the run before the job starts."""
         return bool(self.track) and self.mlflow_run_id is None
 
+    @classmethod
+    def needs_run_sql(cls) -> Any:
+        """`needs_run` as a SQL expression, for reads over many jobs."""
+        return cls.__table__.c.track & cls.__table__.c.mlflow_run_id.is_(None)
+
     @property
     def final(self) -> bool:
         """Finished for good: SUCCEEDED, CANCELLED, or FAILED with no attempts left. Never changes again."""

@@ -50,9 +50,12 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from orchestrator.queue.backfill import shadow
+from orchestrator.queue.states import JobState
+
+_RELEASING = (JobState.PREEMPTING.value, JobState.CANCELLING.value)  # being stopped: devices free soon
 
 __all__ = ["Waiting", "Running", "Project", "Plan", "plan", "fits", "unplaceable_reason", "misses_deadline",
            "UNPLACEABLE", "DEFAULT_PROJECT", "DEADLINE"]
@@ -104,6 +107,13 @@ class Waiting:
         if self.gpus < 1:
             raise ValueError(f"job {self.id}: gpus must be at least 1, got {self.gpus}")
 
+    @classmethod
+    def of(cls, job: Any) -> "Waiting":
+        """The policy's view of a QUEUED job (a `Job`, a listing row or a dispatch pass's light row): the one
+        adapter the service and `top` both plan with."""
+        return cls(job.id, job.priority, job.submitted_at, job.gpus, job.project or DEFAULT_PROJECT,
+                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible))
+
 
 @dataclass(frozen=True)
 class Running:
@@ -123,6 +133,16 @@ class Running:
     project: str = DEFAULT_PROJECT
     scavenger: bool = False
     ends_at: Optional[float] = None
+
+    @classmethod
+    def of(cls, job: Any, now: float) -> "Running":
+        """The policy's view of a job holding devices (a `Job`, a listing row or a pass's `Held` row): the one
+        adapter the service and `top` both plan with. A scavenger is always preemptible."""
+        started = job.started_at or now
+        return cls(job.id, job.priority, tuple(job.devices or ()), started,
+                   bool(job.preemptible) or bool(job.scavenger), job.state in _RELEASING,
+                   job.project or DEFAULT_PROJECT, bool(job.scavenger),
+                   started + job.time_limit if job.time_limit else None)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from orchestrator.core.errors import JobNotFound
 from orchestrator.queue import listing as listings
 from orchestrator.queue.inventory import HostRecords
 from orchestrator.queue.models import Job, JobEvent
-from orchestrator.queue.rows import Held
+from orchestrator.queue.rows import Held, Queued
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
 
 S = JobState
@@ -23,9 +23,8 @@ JOBS = Job.__table__
 
 # A pass's reads, built once: building a statement cost more than running it. The line (every project, through
 # ix_jobs_line), a declared project's line (ix_jobs_project_line), the scavengers' line, and the held jobs.
-_WAITING_COLUMNS = (JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus,
-                    JOBS.c.track & JOBS.c.mlflow_run_id.is_(None), JOBS.c.project, JOBS.c.scavenger,
-                    JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible)
+_WAITING_COLUMNS = (JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus, Job.needs_run_sql(),
+                    JOBS.c.project, JOBS.c.scavenger, JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible)
 _LINE_ORDER = (JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id)
 _WAITING = (core_select(*_WAITING_COLUMNS)
             .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"),
@@ -139,9 +138,9 @@ class JobQueries(HostRecords):
             return list(session.exec(stmt.order_by(Job.id)))
 
     def snapshot(self, host: str, *, capacity: Optional[int] = None, limit: Optional[int] = None,
-                 skip: Iterable[int] = (), projects: Sequence[str] = ()) -> tuple[list[tuple], list[Held]]:
-        """What one dispatch pass needs: QUEUED jobs as light (id, priority, submitted_at, gpus, needs an MLflow
-        run, project, scavenger, deadline, time_limit, preemptible) rows, and the jobs this host holds devices for (`Held`).
+                 skip: Iterable[int] = (), projects: Sequence[str] = ()) -> tuple[list[Queued], list[Held]]:
+        """What one dispatch pass needs: QUEUED jobs as light rows (`Queued`), and the jobs this host holds
+        devices for (`Held`).
 
         The first `limit` jobs of the whole line in line order, then the first `limit` of each of `projects`'
         lines and of the scavengers' (each its own indexed read: fair sharing may pick a project's head from far
@@ -152,12 +151,12 @@ class JobQueries(HostRecords):
         wanted = NO_LIMIT if limit is None else limit + len(skip)
         params = {"capacity": NO_LIMIT if capacity is None else capacity, "limit": wanted}
         seen: set[int] = set()
-        waiting: list[tuple] = []
+        waiting: list[Queued] = []
 
         def take(rows) -> None:
-            part = [tuple(row) for row in rows if row[0] not in skip and row[0] not in seen]
+            part = [Queued(row) for row in rows if row[0] not in skip and row[0] not in seen]
             part = part[:limit] if limit is not None else part
-            seen.update(row[0] for row in part)
+            seen.update(row.id for row in part)
             waiting.extend(part)
 
         with self._lone_read() as conn:

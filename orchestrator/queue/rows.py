@@ -46,6 +46,15 @@ class Held(LightRow):
     __slots__ = COLUMNS
 
 
+class Queued(LightRow):
+    """A QUEUED job as a dispatch pass reads it: what the policy plans with (`Waiting.of`), and whether the
+    service must make its MLflow run before it starts (`Job.needs_run`, computed in the read)."""
+
+    COLUMNS = ("id", "priority", "submitted_at", "gpus", "needs_run", "project", "scavenger", "deadline",
+               "time_limit", "preemptible")
+    __slots__ = COLUMNS
+
+
 class Moving(LightRow):
     """The columns a batch transition reads (building ORM objects cost more than the statements). The rules
     are the job's own: `Job`'s properties, shared."""

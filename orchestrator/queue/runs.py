@@ -21,8 +21,7 @@ from orchestrator.queue.states import FINISHED, JobState
 S = JobState
 JOBS = Job.__table__
 _NEEDING_RUNS = (core_select(JOBS)
-                 .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"), JOBS.c.track,
-                        JOBS.c.mlflow_run_id.is_(None))
+                 .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"), Job.needs_run_sql())
                  .order_by(JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id).limit(bindparam("limit")))
 _SET_RUN = (update(JOBS).where(JOBS.c.id == bindparam("job_id"), JOBS.c.mlflow_run_id.is_(None))
             .values(mlflow_run_id=bindparam("run_id"), run_open_at=bindparam("now")))

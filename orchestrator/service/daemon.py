@@ -315,17 +315,12 @@ class Service:
         window = capacity + 1 + (BACKFILL_WINDOW if self._backfill else 0)
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=window,
                                            skip=self._tracking_blocked, projects=self.projects.names)
-        if self.run_preparer is not None and any(row[4] for row in queued):
+        if self.run_preparer is not None and any(row.needs_run for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
         now = time.time()
-        waiting = [scheduling.Waiting(row[0], row[1], row[2], row[3], row[5] or scheduling.DEFAULT_PROJECT,
-                                      bool(row[6]), row[7], row[8], bool(row[9])) for row in queued]
-        running = [scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
-                                      j.preemptible or bool(j.scavenger), j.job_state in (S.PREEMPTING, S.CANCELLING),
-                                      j.project or scheduling.DEFAULT_PROJECT, bool(j.scavenger),
-                                      (j.started_at or now) + j.time_limit if j.time_limit else None)
-                   for j in mine]
+        waiting = [scheduling.Waiting.of(row) for row in queued]
+        running = [scheduling.Running.of(j, now) for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
         # Each victim's event says why and names the job it yields to (what `show` on the victim says).
         priority = {w.id: w.priority for w in waiting}
@@ -338,7 +333,7 @@ class Service:
         preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         if plan.expired:
             self.store.miss_deadlines(plan.expired)
-        claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
+        claimed = self._claim(plan.starts, {row.id for row in queued if row.needs_run}) if plan.starts else []
         return mine, preempted, claimed
 
     def _claim(self, starts, need_runs: set[int]) -> list[Job]:

@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.core.config import Settings
 from orchestrator.queue.store import JobStore
+from orchestrator.service.health import HealthConfig
 from tests.orchestrator.helpers import wait_for
 
 
@@ -130,7 +131,7 @@ def test_settings_come_from_flags_then_env_then_config_file(home, monkeypatch):
     monkeypatch.setenv("AUTORESEARCH_PREEMPT_AFTER", "6")
     settings = Settings.load(hang_timeout=8)
     assert (settings.devices, settings.preempt_after, settings.hang_timeout, settings.llm_model) == ("cpu:3", 6, 8, "m")
-    assert settings.health.hang_timeout == 8
+    assert HealthConfig.from_settings(settings).hang_timeout == 8
     (home / "config.toml").write_text('preempt_after = "soon"\n')
     monkeypatch.delenv("AUTORESEARCH_PREEMPT_AFTER")
     out = cli("queue")

@@ -24,7 +24,7 @@ def test_store_calls_in_a_transaction_commit_together_and_read_their_own_writes(
         with store.transaction():
             store.cancel(first.id)
             queued, _ = store.snapshot("host")  # inside: sees the cancel
-            assert [row[0] for row in queued] == [second.id]
+            assert [row.id for row in queued] == [second.id]
             raise RuntimeError("the pass fails after its first write")
     assert store.get(first.id).job_state is S.QUEUED  # rolled back with the rest
     with store.transaction():

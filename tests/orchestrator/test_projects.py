@@ -107,7 +107,7 @@ def test_an_old_queue_database_gains_the_columns_with_their_defaults(tmp_path):
     store = JobStore(url)
     [job] = store.list()
     assert (job.project, job.scavenger, job.deadline) == ("default", False, None)
-    assert store.snapshot("h", capacity=4, limit=5)[0][0][0] == job.id
+    assert store.snapshot("h", capacity=4, limit=5)[0][0].id == job.id
 
 
 def _attempt(store: JobStore, job_id: int, host: str, seconds: float, code=0) -> None:

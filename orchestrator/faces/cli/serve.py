@@ -33,6 +33,7 @@ def serve(
     """Run the queue service (stops on SIGINT/SIGTERM; running jobs keep running and are adopted on restart)."""
     from orchestrator.core import devices as devspec
     from orchestrator.service.daemon import Service
+    from orchestrator.service.health import HealthConfig
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,7 +49,7 @@ def serve(
         from orchestrator.executors.slurm.executor import check_target
 
         check_target(chosen)  # a partition, account or QoS Slurm refuses: exit 2 before anything is touched
-    chosen.health  # bad health settings: exit 2 before anything is touched
+    HealthConfig.from_settings(chosen)  # bad health settings: exit 2 before anything is touched
     service = Service(chosen)
     service.serve_forever(on_started=lambda: info(
         f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "

@@ -97,18 +97,6 @@ def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
         nv.close()
 
 
-def _waiting(j: Any) -> scheduling.Waiting:
-    return scheduling.Waiting(j.id, j.priority, j.submitted_at, j.gpus, j.project or scheduling.DEFAULT_PROJECT,
-                              bool(j.scavenger), j.deadline, j.time_limit, bool(j.preemptible))
-
-
-def _running(j: Any, now: float) -> scheduling.Running:
-    return scheduling.Running(j.id, j.priority, tuple(j.devices or ()), j.started_at or now,
-                              j.preemptible or bool(j.scavenger), j.job_state in (S.PREEMPTING, S.CANCELLING),
-                              j.project or scheduling.DEFAULT_PROJECT, bool(j.scavenger),
-                              (j.started_at or now) + j.time_limit if j.time_limit else None)
-
-
 def plan_projects(rows: list[dict]) -> tuple[scheduling.Project, ...]:
     """The policy's `Project`s from `projects --json` rows (decayed usage back in device-seconds)."""
     return tuple(scheduling.Project(r["name"], share=r["share"], quota=r["quota"], borrow_limit=r["borrow_limit"],
@@ -127,10 +115,10 @@ def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], se
     victims: dict[int, int] = {}
     # job id -> (victims, seconds until it preempts them, the service's preempt_after)
     future: dict[int, tuple[tuple[int, ...], float, float]] = {}
-    line = [_waiting(j) for j in waiting]
+    line = [scheduling.Waiting.of(j) for j in waiting]
     for svc in services:
         usable = [d.name for d in devices if d.host == svc.host and d.state == "available"]
-        running = [_running(j, now) for j in holding if j.host == svc.host]
+        running = [scheduling.Running.of(j, now) for j in holding if j.host == svc.host]
         after = preempt_after if svc.preempt_after is None else svc.preempt_after  # the service's own setting
         full = scheduling.plan(line, running, usable, now, after, projects)
         starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
