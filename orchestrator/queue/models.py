@@ -19,6 +19,7 @@ from orchestrator.queue.states import FINISHED, JobState
 PRIORITY_RANGE = (-1_000_000, 1_000_000)
 MAX_GPUS = 1_000_000
 MAX_ATTEMPTS = 1_000
+KEEP_MODES = ("all", "latest", "none")  # what a finished job keeps of its checkpoint dir (--keep-checkpoint)
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:
@@ -52,6 +53,10 @@ class JobSpec:
     image: Optional[str] = None
     image_id: Optional[str] = None
     mounts: Optional[list[str]] = None
+    # Checkpoint retention (orchestrator.service.retention): all | latest | none, None for the policy's default; and
+    # for agent trials, the phase (baseline | search | confirm) that decides what of them is kept.
+    keep_checkpoint: Optional[str] = None
+    phase: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -72,6 +77,8 @@ class JobSpec:
             raise BadInput("env overrides must map strings to strings")
         if self.mounts and not self.image:
             raise BadInput("--mount needs --image (a job without an image sees the host's files already)")
+        if self.keep_checkpoint is not None and self.keep_checkpoint not in KEEP_MODES:
+            raise BadInput(f"--keep-checkpoint must be one of {', '.join(KEEP_MODES)}, got {self.keep_checkpoint!r}")
 
 
 def check_priority(priority: Any) -> int:
@@ -125,6 +132,14 @@ class Job(SQLModel, table=True):
     image_id: Optional[str] = None  # the image's content id at submit (sha256:...): what runs
     mounts: Optional[list] = Field(default=None, sa_column=Column(JSON, nullable=True))
     env_file: Optional[str] = None  # where `env` values came from (shown instead of them)
+    # Checkpoint retention (orchestrator.service.retention): the submitter's wish (all | latest | none; None: the
+    # policy's default), an agent trial's phase, and its score in its session's ranking (higher is better,
+    # set by the session once the trial's value is known). What retention did: when, and `removed`/`trimmed`.
+    keep_checkpoint: Optional[str] = None
+    phase: Optional[str] = None
+    score: Optional[float] = None
+    checkpoint_gc_at: Optional[float] = None
+    checkpoint_gc: Optional[str] = None
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -196,6 +211,8 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
         # Names only: values may be secrets (--env-file), and `show`/`queue` never print them.
         "env": sorted((job["env"] or {}).keys()), "env_file": job["env_file"],
         "image": job["image"], "image_id": job["image_id"], "mounts": list(job["mounts"] or []),
+        "keep_checkpoint": job.get("keep_checkpoint"), "phase": job.get("phase"), "score": job.get("score"),
+        "checkpoint_gc": job.get("checkpoint_gc"), "checkpoint_gc_at": job.get("checkpoint_gc_at"),
     }
 
 

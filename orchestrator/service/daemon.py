@@ -127,6 +127,10 @@ class Service:
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
+        from orchestrator.service.gc import Collector  # retention: its own scheduler job, never in a dispatch pass
+
+        self.collector = Collector(settings, self.store, tag_runs=self.tracking.set_tags)
+        self.gc_passes = 0  # retention passes completed (tests wait on it)
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -180,6 +184,8 @@ class Service:
                                                                "misfire_grace_time": 5})
         sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
         sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
+        if self.settings.gc_every:
+            sched.add_job(self.collect_garbage, "interval", seconds=self.settings.gc_every, id="gc")
         if self.recheck_every:
             sched.add_job(self.guard.recheck_idle, "interval", seconds=self.recheck_every, id="recheck")
         if self.health.config.monitor_every:  # its own thread: a slow NVML must not delay the heartbeat
@@ -380,6 +386,18 @@ class Service:
 
     def _send_stop(self, job: Job) -> None:
         self.supervisor.send_stop(job)
+
+    def collect_garbage(self) -> None:
+        """One retention pass (the scheduler's `gc` job, on its own thread: the queue never waits for it)."""
+        try:
+            report = self.collector.collect(everything=False)
+            if report.bytes_freed:
+                log.info("retention freed %d bytes (%d checkpoints, %d logs capped)", report.bytes_freed,
+                         len(report.checkpoints), report.logs_capped)
+        except Exception:
+            log.exception("retention pass failed")
+        finally:
+            self.gc_passes += 1
 
     # ---- recovery and housekeeping ------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ def _settings_first() -> None:
 
 # Imported for their side effect of adding commands to `app`.
 from orchestrator.faces.cli import agent, cache, data, faces, gpus, jobs, preflight, programs, serve  # noqa: E402,F401
+from orchestrator.faces.cli import gc, notify  # noqa: E402,F401
 
 
 def _is_input_error(exc: BaseException) -> bool:

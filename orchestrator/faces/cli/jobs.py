@@ -43,6 +43,9 @@ def submit(
     no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
     time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Stop an attempt that runs longer "
                                              "(90s, 5m, 2h): SIGTERM, SIGKILL after --grace, then FAILED."),
+    keep_checkpoint: Optional[str] = typer.Option(None, "--keep-checkpoint", help="What the job keeps of its "
+                                                  "checkpoint dir once it ends: all, latest or none (default: "
+                                                  "the keep_people setting)."),
     as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
@@ -51,6 +54,7 @@ def submit(
     options = dict(name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
                    preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
                    env_file=env_file, cwd=workdir, image=image, mounts=list(mount) or None,
+                   keep_checkpoint=keep_checkpoint,
                    time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
     if experiment:
         if argv:

@@ -1,0 +1,1 @@
+"""`autoresearch notify test` (filled in below)."""
