@@ -190,3 +190,37 @@ def test_the_service_applies_the_policy_and_tags_the_run(home, make_service, mon
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     wait_for(lambda: client.get_run(done.mlflow_run_id).data.tags.get("autoresearch.checkpoint") == "removed",
              timeout=30, what="the run's tag")
+
+
+def test_old_logs_are_compressed_then_deleted_and_old_events_compacted(home, monkeypatch):
+    settings = Settings.load()
+    store = JobStore.from_settings(settings)
+    logs = settings.logs_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    old, recent = [store.submit(JobSpec(argv=["true"], track=False)) for _ in range(2)]
+    for job in (old, recent):
+        store.claim([(job.id, ["cpu:0"])], HOST, log_root=str(logs))
+        Path(store.get(job.id).log_path).write_text(f"output of {job.id}\n" * 1000)
+        store.mark_running(job.id, os.getpid(), None, HOST)
+        store.finish(job.id, 0, HOST)
+    recent_events = store.record(recent.id)["events"]
+    assert len(store.record(old.id)["events"]) == 4
+    with store._tx() as session:  # the first job finished 10 days ago
+        session.connection().exec_driver_sql(f"UPDATE jobs SET finished_at = {time.time() - 10 * 86400} "
+                                             f"WHERE id = {old.id}")
+    monkeypatch.setenv("AUTORESEARCH_EVENTS_COMPACT_DAYS", "5")
+    report = Collector(Settings.load(), store).collect()
+    assert report.logs_compressed == 1 and report.log_bytes > 0 and report.events_dropped == 2
+    old_log = Path(store.get(old.id).log_path)
+    assert not old_log.exists() and Path(f"{old_log}.gz").exists()
+    assert Path(store.get(recent.id).log_path).exists()
+    events = store.record(old.id)["events"]
+    assert [e["to"] for e in events] == ["QUEUED", "SUCCEEDED"]
+    assert store.record(recent.id)["events"] == recent_events  # what `show` prints for recent jobs
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.faces.fastcli", "logs", str(old.id)], env=env,
+                           capture_output=True, text=True, check=True)
+    assert shown.stdout == f"output of {old.id}\n" * 1000  # `logs` reads the compressed log
+    monkeypatch.setenv("AUTORESEARCH_LOG_DELETE_DAYS", "8")
+    assert Collector(Settings.load(), store).collect().logs_deleted == 1
+    assert not Path(f"{old_log}.gz").exists()

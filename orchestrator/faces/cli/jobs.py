@@ -151,6 +151,14 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
             job = store.get(job_id)
             path = job.log_path
     elif not path or not os.path.exists(path):
+        if path and os.path.exists(path + ".gz"):  # a finished job's log, compressed by retention
+            import gzip
+            import shutil
+
+            with gzip.open(path + ".gz", "rb") as fh:
+                shutil.copyfileobj(fh, sys.stdout.buffer)
+            sys.stdout.flush()
+            return
         info(f"job {job_id} has no output yet ({job.state})")
         return
     with open(path, "rb") as fh:
