@@ -125,11 +125,19 @@ class Service:
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
+        self._ended: list[int] = []  # jobs the pass being written ended for good (for notifications)
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
         from orchestrator.service.gc import Collector  # retention: its own scheduler job, never in a dispatch pass
 
         self.collector = Collector(settings, self.store, tag_runs=self.tracking.set_tags)
+        from orchestrator.service.notify import Notifier
+
+        self.notifier = Notifier.from_settings(settings)  # delivers from threads of its own
+        # Jobs that ended are looked up for their notifications here, never by the dispatcher.
+        self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="notices")
+        self.guard.on_quarantine = lambda device, why: self.notifier.emit(
+            "device.quarantined", device=device, host=self.host, reason=why)
         self.gc_passes = 0  # retention passes completed (tests wait on it)
 
     # ---- life cycle -------------------------------------------------------------------------------------
@@ -211,9 +219,12 @@ class Service:
         if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
             try:
                 self._record(self._launched, [])
+                self._notify_ended()
             except Exception:  # the next service finds them by their wrappers' environment
                 log.exception("could not record the last starts")
         self.guard.close()
+        self._notices.shutdown(wait=True)
+        self.notifier.close()
         try:
             self.store.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
@@ -250,9 +261,36 @@ class Service:
         """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
         self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
                                       if not isinstance(out, Exception)], self.host)
-        self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}") for job, out in launched
-                                if isinstance(out, Exception)], self.host)
-        self.supervisor.record(exits)
+        ended = self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}")
+                                        for job, out in launched if isinstance(out, Exception)], self.host)
+        ended = list(ended or []) + list(self.supervisor.record(exits) or [])
+        if ended and (self.notifier.wants("job.failed") or self.notifier.wants("job.succeeded")):
+            # Looked up once the caller's transaction has committed (`_notify_ended`): a pass rolled back
+            # records these exits again later.
+            self._ended.extend(row.id for row in ended
+                               if row.final and row.state in (S.FAILED.value, S.SUCCEEDED.value))
+
+    def _notify_ended(self) -> None:
+        """Hand the jobs that ended for good in the last committed pass to the notices thread."""
+        ended, self._ended = self._ended, []
+        if ended:
+            self._notices.submit(self._notify_jobs, ended)
+
+    def _notify_jobs(self, job_ids: list[int]) -> None:
+        """job.failed for jobs that failed for good, job.succeeded for people's jobs (the notices thread)."""
+        try:
+            for job in self.store.get_many(job_ids):
+                if job.state == S.FAILED.value:
+                    event = "job.failed"
+                elif job.state == S.SUCCEEDED.value and job.owner == "human":
+                    event = "job.succeeded"
+                else:
+                    continue
+                self.notifier.emit(event, job=job.id, name=job.name, state=job.state, reason=job.reason,
+                                   exit_code=job.exit_code, owner=job.owner, experiment=job.experiment,
+                                   mlflow_run_id=job.mlflow_run_id, attempts=job.attempts)
+        except Exception:
+            log.exception("could not notify about jobs %s", job_ids)
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
@@ -282,7 +320,9 @@ class Service:
         except Exception:
             self._launched[:0] = launched
             self.supervisor.put_back(exits)
+            self._ended.clear()
             raise
+        self._notify_ended()
         self.supervisor.settled(exits)
         self.supervisor.enforce_stops(mine)
         for job in preempted:
