@@ -70,12 +70,13 @@ class HostRecords(Database):
                 dev.last_check, dev.checked_at = check, time.time()
                 session.add(dev)
 
-    def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float) -> None:
-        """Upsert this service's liveness row."""
+    def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float,
+                  disk: Optional[str] = None) -> None:
+        """Upsert this service's liveness row (`disk`: why it starts no job for want of space, else None)."""
         with self._tx() as session:
             rec = session.get(ServiceRecord, host) or ServiceRecord(host=host)
             rec.pid, rec.home, rec.devices, rec.heartbeat_at = pid, home, list(devices), time.time()
-            rec.started_at = started_at
+            rec.started_at, rec.disk = started_at, disk
             session.add(rec)
 
     def services(self, max_age: Optional[float] = None) -> list[ServiceRecord]:

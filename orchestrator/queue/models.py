@@ -268,3 +268,4 @@ class ServiceRecord(SQLModel, table=True):
     devices: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    disk: Optional[str] = None  # why no job starts for want of disk space (orchestrator.service.diskspace), else None

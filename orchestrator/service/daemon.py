@@ -35,6 +35,7 @@ from orchestrator.service import homelock
 from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_services
 from orchestrator.core.config import Settings
+from orchestrator.service.diskspace import is_disk_full
 from orchestrator.executors.base import Exit, Executor, executor_class, job_env
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
@@ -136,6 +137,11 @@ class Service:
         self.notifier = Notifier.from_settings(settings)  # delivers from threads of its own
         # Jobs that ended are looked up for their notifications here, never by the dispatcher.
         self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="notices")
+        from orchestrator.service.diskspace import DiskWatch
+
+        self.disk = DiskWatch([self.layout.checkpoints_dir, self.layout.logs_dir, self.home],
+                              settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self._disk_low)
+        self._disk_noted: set[int] = set()  # queued jobs whose reason says they wait for disk space
         self.guard.on_quarantine = lambda device, why: self.notifier.emit(
             "device.quarantined", device=device, host=self.host, reason=why)
         self.gc_passes = 0  # retention passes completed (tests wait on it)
@@ -158,7 +164,8 @@ class Service:
             if inventory is not None:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 disk=self._disk_line())
             self.supervisor.reconcile()
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
@@ -303,7 +310,17 @@ class Service:
             try:
                 with self.guard.placing():  # devices under an idle check stay out of the pass, to its claim
                     self.dispatch_once()
-            except Exception:
+                if self.disk.full_error is not None and self.disk.shortage is None:
+                    log.warning("the queue database takes writes again")
+                    self.disk.full_error = None
+            except Exception as exc:
+                if is_disk_full(exc):  # one line per episode, not a traceback per pass
+                    if self.disk.full_error is None:
+                        log.error("dispatch pass failed: the disk is full (%s); retrying until space returns",
+                                  str(exc).splitlines()[0][:200])
+                    self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
+                    time.sleep(0.5)
+                    continue
                 log.exception("dispatch pass failed; retrying on the next wake-up")
                 time.sleep(0.2)
 
@@ -343,6 +360,7 @@ class Service:
         capacity = self._capacity = len(set(usable))
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
                                            skip=self._tracking_blocked)
+        queued = self._disk_preflight(queued)
         if self.run_preparer is not None and any(row[4] for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
@@ -356,6 +374,32 @@ class Service:
                      if plan.preempt else [])
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
         return mine, preempted, claimed
+
+    def _disk_preflight(self, queued: list) -> list:
+        """The queued rows that may start given free disk space: all of them, or none while the checkpoint or
+        log filesystem is short (retention has run first: `DiskWatch`); those waiting then say why."""
+        state = self.disk.state()
+        if state == "ok":
+            self._disk_noted.clear()
+            return queued
+        short = self.disk.shortage
+        if short is not None:
+            notes = {row[0]: short.reason for row in queued if row[0] not in self._disk_noted}
+            if notes:
+                self.store.note(notes)
+                self._disk_noted.update(notes)
+        return []
+
+    def _disk_line(self) -> Optional[str]:
+        """What the service record says about disk space (top's banner, MCP): None when all is well."""
+        short = self.disk.shortage
+        if short is not None:
+            return short.reason.removeprefix("waiting: ")
+        return self.disk.full_error
+
+    def _disk_low(self, short) -> None:
+        self.notifier.emit("disk.low", host=self.host, path=short.path, free_bytes=short.free,
+                           threshold_bytes=short.threshold, reason=short.reason.removeprefix("waiting: "))
 
     def _claim(self, starts, need_runs: set[int]) -> list[Job]:
         """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
@@ -444,11 +488,15 @@ class Service:
     def _housekeeping(self) -> None:
         try:
             requeued = self.store.requeue_due()
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at)
+            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                 disk=self._disk_line())
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
             self._note_unplaceable()  # the monitor runs on its own thread (guard), never behind this
-        except Exception:
-            log.exception("housekeeping failed")
+        except Exception as exc:
+            if is_disk_full(exc):
+                self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
+            else:
+                log.exception("housekeeping failed")
