@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
-from sqlalchemy import and_, bindparam, delete, func, select as core_select, text, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select as core_select, text, update
 
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.models import KEEP_MODES, RETRYING_SQL, Job, JobEvent
@@ -21,8 +21,13 @@ _FINAL = and_(JOBS.c.state.in_([s.value for s in FINISHED]), text(f"NOT ({RETRYI
 # What the retention policy reads of each final job that has (or had) a checkpoint dir.
 RETENTION_COLUMNS = ("id", "owner", "experiment", "state", "keep_checkpoint", "phase", "score", "checkpoint_dir",
                      "checkpoint_gc", "finished_at", "mlflow_run_id")
+# Removed dirs stay removed and their jobs are left out: a pass reads the jobs that still hold a checkpoint (a
+# removed trial was outside its session's best then, and scores only get beaten, so ranking without it keeps
+# the same best, or more).
 _RETENTION_ROWS = (core_select(*(JOBS.c[c] for c in RETENTION_COLUMNS))
-                   .where(_FINAL, JOBS.c.checkpoint_dir.is_not(None)).order_by(JOBS.c.id))
+                   .where(_FINAL, JOBS.c.checkpoint_dir.is_not(None),
+                          or_(JOBS.c.checkpoint_gc.is_(None), JOBS.c.checkpoint_gc != "removed"))
+                   .order_by(JOBS.c.id))
 _SET_SCORE = update(JOBS).where(JOBS.c.id == bindparam("_id")).values(score=bindparam("v_score"))
 _SET_GC = (update(JOBS).where(JOBS.c.id == bindparam("_id"))
            .values(checkpoint_gc=bindparam("v_gc"), checkpoint_gc_at=bindparam("v_at")))
@@ -53,7 +58,8 @@ class KeepRecords(RunRecords):
         return self.get(job_id)
 
     def retention_rows(self) -> list[dict[str, Any]]:
-        """Every final job with a checkpoint dir, as plain dicts of `RETENTION_COLUMNS`, oldest first."""
+        """Every final job whose checkpoint dir retention has not removed, as plain dicts of
+        `RETENTION_COLUMNS`, oldest first."""
         with self._reading() as conn:
             return [dict(zip(RETENTION_COLUMNS, row)) for row in conn.execute(_RETENTION_ROWS)]
 
