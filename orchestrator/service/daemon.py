@@ -36,6 +36,7 @@ from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_services
 from orchestrator.core.config import Settings
 from orchestrator.service.diskspace import is_disk_full
+from orchestrator.service.notify import job_notice
 from orchestrator.executors.base import Exit, Executor, executor_class, job_env
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
@@ -141,7 +142,6 @@ class Service:
 
         self.disk = DiskWatch([self.layout.checkpoints_dir, self.layout.logs_dir, self.home],
                               settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self._disk_low)
-        self._disk_noted: set[int] = set()  # queued jobs whose reason says they wait for disk space
         self.guard.on_quarantine = lambda device, why: self.notifier.emit(
             "device.quarantined", device=device, host=self.host, reason=why)
         self.gc_passes = 0  # retention passes completed (tests wait on it)
@@ -165,7 +165,7 @@ class Service:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 disk=self._disk_line())
+                                 disk=self.disk.line())
             self.supervisor.reconcile()
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
@@ -284,18 +284,10 @@ class Service:
             self._notices.submit(self._notify_jobs, ended)
 
     def _notify_jobs(self, job_ids: list[int]) -> None:
-        """job.failed for jobs that failed for good, job.succeeded for people's jobs (the notices thread)."""
+        """job.failed / job.succeeded for these jobs (on the notices thread: it reads the store)."""
         try:
             for job in self.store.get_many(job_ids):
-                if job.state == S.FAILED.value:
-                    event = "job.failed"
-                elif job.state == S.SUCCEEDED.value and job.owner == "human":
-                    event = "job.succeeded"
-                else:
-                    continue
-                self.notifier.emit(event, job=job.id, name=job.name, state=job.state, reason=job.reason,
-                                   exit_code=job.exit_code, owner=job.owner, experiment=job.experiment,
-                                   mlflow_run_id=job.mlflow_run_id, attempts=job.attempts)
+                job_notice(self.notifier, job)
         except Exception:
             log.exception("could not notify about jobs %s", job_ids)
 
@@ -360,7 +352,7 @@ class Service:
         capacity = self._capacity = len(set(usable))
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=capacity + 1,
                                            skip=self._tracking_blocked)
-        queued = self._disk_preflight(queued)
+        queued = self.disk.gate(queued, self.store.note)  # none start while disk space is short
         if self.run_preparer is not None and any(row[4] for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
@@ -374,28 +366,6 @@ class Service:
                      if plan.preempt else [])
         claimed = self._claim(plan.starts, {row[0] for row in queued if row[4]}) if plan.starts else []
         return mine, preempted, claimed
-
-    def _disk_preflight(self, queued: list) -> list:
-        """The queued rows that may start given free disk space: all of them, or none while the checkpoint or
-        log filesystem is short (retention has run first: `DiskWatch`); those waiting then say why."""
-        state = self.disk.state()
-        if state == "ok":
-            self._disk_noted.clear()
-            return queued
-        short = self.disk.shortage
-        if short is not None:
-            notes = {row[0]: short.reason for row in queued if row[0] not in self._disk_noted}
-            if notes:
-                self.store.note(notes)
-                self._disk_noted.update(notes)
-        return []
-
-    def _disk_line(self) -> Optional[str]:
-        """What the service record says about disk space (top's banner, MCP): None when all is well."""
-        short = self.disk.shortage
-        if short is not None:
-            return short.reason.removeprefix("waiting: ")
-        return self.disk.full_error
 
     def _disk_low(self, short) -> None:
         self.notifier.emit("disk.low", host=self.host, path=short.path, free_bytes=short.free,
@@ -489,7 +459,7 @@ class Service:
         try:
             requeued = self.store.requeue_due()
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 disk=self._disk_line())
+                                 disk=self.disk.line())
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs

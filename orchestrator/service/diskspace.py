@@ -75,6 +75,7 @@ class DiskWatch:
         self._short: Optional[Shortage] = None
         self._collector: Optional[threading.Thread] = None
         self.full_error: Optional[str] = None  # the last write that failed for a full disk (the service's)
+        self._noted: set[int] = set()  # queued jobs whose reason says they wait for disk space
 
     @property
     def shortage(self) -> Optional[Shortage]:
@@ -117,6 +118,27 @@ class DiskWatch:
                 self._collector = threading.Thread(target=self._collect_then_decide, name="disk-gc", daemon=True)
                 self._collector.start()
             return self._state
+
+    def gate(self, queued: list, note: Callable[[dict[int, str]], None]) -> list:
+        """The queued rows (id first) that may start: all of them, or none while space is short (retention
+        runs first); the waiting ones get the reason through `note` (once each)."""
+        if self.state() == OK:
+            self._noted.clear()
+            return queued
+        short = self.shortage
+        if short is not None:
+            notes = {row[0]: short.reason for row in queued if row[0] not in self._noted}
+            if notes:
+                note(notes)
+                self._noted.update(notes)
+        return []
+
+    def line(self) -> Optional[str]:
+        """What the service record says (top's banner, MCP's `disk_low`): None when all is well."""
+        short = self.shortage
+        if short is not None:
+            return short.reason.removeprefix("waiting: ")
+        return self.full_error
 
     def _collect_then_decide(self) -> None:
         try:

@@ -239,6 +239,19 @@ class Notifier:
                 pass
 
 
+def job_notice(notifier: "Notifier", job: Any) -> None:
+    """job.failed for a job that failed for good, job.succeeded for a person's job that succeeded."""
+    if job.state == "FAILED":
+        event = "job.failed"
+    elif job.state == "SUCCEEDED" and job.owner == "human":
+        event = "job.succeeded"
+    else:
+        return
+    notifier.emit(event, job=job.id, name=job.name, state=job.state, reason=job.reason, exit_code=job.exit_code,
+                  owner=job.owner, experiment=job.experiment, mlflow_run_id=job.mlflow_run_id,
+                  attempts=job.attempts)
+
+
 def send_test(settings: Any, timeout: float = 30.0) -> list[dict[str, Any]]:
     """`autoresearch notify test`: one test event to every entry, delivered now; [{target, ok, error}]."""
     hidden = secrets()
