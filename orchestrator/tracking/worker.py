@@ -8,10 +8,12 @@ one run id per job as each is made, and stops it after `idle_exit` seconds witho
 exits when the service goes (its stdin closes).
 
 Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}`,
-`{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}` and
-`{"op": "discard", "runs": [run_id, ...]}` and `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`. `runs` answers `{"id": job_id, "run": run_id}` per run made, then
-`{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not tried:
-a store that is down fails them all); `end` answers `{"done": true}` or `{"error": "first line"}`. The
+`{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}`,
+`{"op": "discard", "runs": [run_id, ...]}` and `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`
+(retention's record of a removed checkpoint). `runs` answers `{"id": job_id, "run": run_id}` per run made,
+then `{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not
+tried: a store that is down fails them all); `end` and `tags` answer `{"done": true}` or `{"error": "first
+line"}`. The
 protocol has a descriptor of its own (the worker's original stdout); library chatter on stdout goes to stderr.
 """
 
