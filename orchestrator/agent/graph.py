@@ -215,7 +215,7 @@ class Agent(Phases):
                                     priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
                                     grace=30.0, preemptible=True, owner=self.session_id, env={},
                                     mlflow_run_id=run_id, idempotency_key=t.key,
-                                    project=getattr(self.cfg, "project", "default"))
+                                    project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
                     from orchestrator.tracking.jobruns import image_tags
@@ -263,6 +263,12 @@ class Agent(Phases):
             time.sleep(self.cfg.poll)
         return {"trials": dump(trials), "elapsed": state["elapsed"]}
 
+    def _score(self, t: Trial) -> None:
+        """Record a finished trial's place in the session's ranking on its job (checkpoint retention keeps the
+        best few: `orchestrator.service.retention`)."""
+        if t.job_id is not None and t.value is not None and t.status is S.SUCCEEDED:
+            self.store.set_scores({t.job_id: -t.value if self.spec.direction == "minimize" else t.value})
+
     def analyse(self, state: State) -> State:
         """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
         trials = load(state["trials"])
@@ -271,6 +277,7 @@ class Agent(Phases):
             if not t.ended or t.status in FINAL:
                 continue
             self.outcomes.record_end(t, self.cfg.early_stopping)
+            self._score(t)
             # Once confirmation has begun, the candidates being re-run on fresh seeds stay the best: a search
             # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
             if t.status is S.SUCCEEDED and t.phase is P.SEARCH and state["phase"] == "search" and (
@@ -329,6 +336,7 @@ class Agent(Phases):
                 if t.job_id is not None and self.store.get(t.job_id).final:
                     # A job that finished its budget before the cancel landed still counts.
                     self.outcomes.record_end(t, self.cfg.early_stopping)
+                    self._score(t)
                     continue
                 t.status = S.STOPPED if t.status is S.PAUSED else S.CANCELLED
                 if t.run_id:

@@ -166,6 +166,9 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     service, slots = embedded(settings, store, devices)
+    from orchestrator.service.notify import Notifier
+
+    notifier = Notifier.from_settings(settings)
     try:
         parent = tracker.session_run(session_id, spec.name, {
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
@@ -219,12 +222,19 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         tracker.log_text(parent, report.markdown(summary), report.REPORT)
         tracker.finish(parent)
         registry.update(session_id, status="finished", summary=summary)
+        notifier.emit("session.finished", session=session_id, experiment=spec.name, verdict=summary["headline"],
+                      stop_reason=summary["stop_reason"])
         return summary
     except BaseException as exc:
         if not isinstance(exc, KeyboardInterrupt):
             registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
+            notifier.emit("session.finished", session=session_id, experiment=spec.name,
+                          verdict=f"failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+        else:
+            notifier.emit("session.paused", session=session_id, experiment=spec.name)
         raise
     finally:
+        notifier.close()
         if service is not None:
             service.stop()
 

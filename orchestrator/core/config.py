@@ -110,6 +110,15 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
     "usage_half_life": ("AUTORESEARCH_USAGE_HALF_LIFE", _number),
     "backfill": ("AUTORESEARCH_BACKFILL", _text),
+    "retention": ("AUTORESEARCH_RETENTION", _text),
+    "keep_best": ("AUTORESEARCH_KEEP_BEST", _integer),
+    "keep_people": ("AUTORESEARCH_KEEP_PEOPLE", _text),
+    "gc_every": ("AUTORESEARCH_GC_EVERY", _number),
+    "log_max_bytes": ("AUTORESEARCH_LOG_MAX_BYTES", _integer),
+    "log_compress_days": ("AUTORESEARCH_LOG_COMPRESS_DAYS", _number),
+    "log_delete_days": ("AUTORESEARCH_LOG_DELETE_DAYS", _number),
+    "events_compact_days": ("AUTORESEARCH_EVENTS_COMPACT_DAYS", _number),
+    "disk_min_free_mb": ("AUTORESEARCH_DISK_MIN_FREE_MB", _number),
 }
 
 
@@ -183,6 +192,18 @@ class Settings:
     # weighs, and whether jobs with a time limit may backfill behind a blocked job ("on" | "off").
     usage_half_life: float = 86400.0
     backfill: str = "on"
+    # Retention (orchestrator.service.retention, docs/guides/long-running.md): `ranked` keeps the checkpoints that
+    # matter (the best `keep_best` trials of each session, baselines' and confirmations' latest, people's jobs
+    # as `keep_people` says), `off` keeps every checkpoint. The service applies it every `gc_every` seconds.
+    retention: str = "ranked"
+    keep_best: int = 3
+    keep_people: str = "all"
+    gc_every: float = 60.0
+    log_max_bytes: int = 8 * 1024 * 1024  # a job's log keeps its last half of this once it grows past it
+    log_compress_days: float = 7.0  # finished jobs' logs are gzipped after this many days (0: never)
+    log_delete_days: float = 180.0  # ... and deleted after this many (0: never)
+    events_compact_days: float = 90.0  # jobs finished longer ago keep only their first and last events (0: never)
+    disk_min_free_mb: float = 1024.0  # below this free on the checkpoint or log filesystem, no job starts
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,6 +214,14 @@ class Settings:
             raise BadInput(f"usage_half_life must be more than 0 seconds, got {self.usage_half_life!r}")
         if self.backfill not in ("on", "off"):
             raise BadInput(f"backfill must be on or off, got {self.backfill!r}")
+        if self.retention not in ("ranked", "off"):
+            raise BadInput(f"retention must be ranked or off, got {self.retention!r}")
+        if self.keep_people not in ("all", "latest", "none"):
+            raise BadInput(f"keep_people must be all, latest or none, got {self.keep_people!r}")
+        for name in ("keep_best", "gc_every", "log_max_bytes", "log_compress_days", "log_delete_days",
+                     "events_compact_days", "disk_min_free_mb"):
+            if getattr(self, name) < 0:
+                raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.executor not in ("local", "ray", "slurm"):
             raise BadInput(f"unknown executor {self.executor!r}; expected local, ray or slurm")
 

@@ -256,11 +256,14 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @server.tool()
     @_tool
     def list_devices() -> dict[str, Any]:
-        """Devices (state, reason, last check) and the live services that schedule them."""
+        """Devices (state, reason, last check), the live services that schedule them, and `disk_low`: why
+        services start no job for want of disk space (empty when all have room)."""
         s = store()
+        live = api.live_services(s)
         return {"devices": [d.to_dict() for d in s.devices()],
                 "services": [{"host": r.host, "pid": r.pid, "devices": list(r.devices or []),
-                              "heartbeat_at": r.heartbeat_at} for r in api.live_services(s)]}
+                              "heartbeat_at": r.heartbeat_at, "disk": r.disk} for r in live],
+                "disk_low": [f"{r.host}: {r.disk}" for r in live if r.disk]}
 
     @server.tool(name="run_metrics")
     @_tool

@@ -71,12 +71,13 @@ class HostRecords(Database):
                 session.add(dev)
 
     def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float,
-                  preempt_after: Optional[float] = None) -> None:
-        """Upsert this service's liveness row (with the minimum runtime it preempts after, when given)."""
+                  preempt_after: Optional[float] = None, disk: Optional[str] = None) -> None:
+        """Upsert this service's liveness row (with the minimum runtime it preempts after, when given; `disk`:
+        why it starts no job for want of space, else None)."""
         with self._tx() as session:
             rec = session.get(ServiceRecord, host) or ServiceRecord(host=host)
             rec.pid, rec.home, rec.devices, rec.heartbeat_at = pid, home, list(devices), time.time()
-            rec.started_at = started_at
+            rec.started_at, rec.disk = started_at, disk
             if preempt_after is not None:
                 rec.preempt_after = preempt_after
             session.add(rec)

@@ -21,6 +21,7 @@ from runtime import protocol
 PRIORITY_RANGE = (-1_000_000, 1_000_000)
 MAX_GPUS = 1_000_000
 MAX_ATTEMPTS = 1_000
+KEEP_MODES = ("all", "latest", "none")  # what a finished job keeps of its checkpoint dir (--keep-checkpoint)
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:
@@ -59,6 +60,10 @@ class JobSpec:
     project: str = DEFAULT_PROJECT
     scavenger: bool = False
     deadline: Optional[float] = None
+    # Checkpoint retention (orchestrator.service.retention): all | latest | none, None for the policy's default; and
+    # for agent trials, the phase (baseline | search | confirm) that decides what of them is kept.
+    keep_checkpoint: Optional[str] = None
+    phase: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -90,6 +95,8 @@ class JobSpec:
         if self.deadline is not None and not (isinstance(self.deadline, (int, float))
                                               and not isinstance(self.deadline, bool)):
             raise BadInput(f"--deadline must be a time, got {self.deadline!r}")
+        if self.keep_checkpoint is not None and self.keep_checkpoint not in KEEP_MODES:
+            raise BadInput(f"--keep-checkpoint must be one of {', '.join(KEEP_MODES)}, got {self.keep_checkpoint!r}")
 
 
 def check_priority(priority: Any) -> int:
@@ -153,6 +160,14 @@ class Job(SQLModel, table=True):
     project: Optional[str] = Field(default=DEFAULT_PROJECT, sa_column_kwargs={"server_default": DEFAULT_PROJECT})
     scavenger: Optional[bool] = Field(default=False, sa_column_kwargs={"server_default": "0"})
     deadline: Optional[float] = None  # UNIX seconds the job must finish by (not started when it cannot)
+    # Checkpoint retention (orchestrator.service.retention): the submitter's wish (all | latest | none; None: the
+    # policy's default), an agent trial's phase, and its score in its session's ranking (higher is better,
+    # set by the session once the trial's value is known). What retention did: when, and `removed`/`trimmed`.
+    keep_checkpoint: Optional[str] = None
+    phase: Optional[str] = None
+    score: Optional[float] = None
+    checkpoint_gc_at: Optional[float] = None
+    checkpoint_gc: Optional[str] = None
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -248,6 +263,8 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
         # The attempt's job on a cluster executor (`slurm:ID`, `ray:SID@ADDRESS`); None for local processes.
         "cluster_job": job["proc_start"] if ":" in str(job["proc_start"] or "") else None,
         "project": job["project"] or DEFAULT_PROJECT, "scavenger": bool(job["scavenger"]), "deadline": job["deadline"],
+        "keep_checkpoint": job.get("keep_checkpoint"), "phase": job.get("phase"), "score": job.get("score"),
+        "checkpoint_gc": job.get("checkpoint_gc"), "checkpoint_gc_at": job.get("checkpoint_gc_at"),
     }
 
 
@@ -318,3 +335,4 @@ class ServiceRecord(SQLModel, table=True):
     heartbeat_at: float = 0.0
     # The service's --preempt-after: what `top` and `queue` plan with for its devices (None: an older release).
     preempt_after: Optional[float] = Field(default=None, nullable=True)
+    disk: Optional[str] = None  # why no job starts for want of disk space (orchestrator.service.diskspace), else None

@@ -6,7 +6,7 @@ Methods that act on many jobs (the dispatcher's starts, the reaper's finishes) t
 job its own checked transition and event, but share one commit, and their rows are written with SQLAlchemy Core
 in a few executemany statements (`rows.Writes`) rather than by the ORM's unit of work. Whether a job is final or
 will be retried is the job's rule (`Job.final`, `Job.retrying`).
-The jobs' MLflow runs (`orchestrator.queue.runs`), the reads (`orchestrator.queue.queries`) and devices and
+The jobs' MLflow runs (`orchestrator.queue.runs`), retention records (`orchestrator.queue.keeping`), the reads (`orchestrator.queue.queries`) and devices and
 service heartbeats (`orchestrator.queue.inventory`) are its base classes.
 """
 
@@ -23,7 +23,7 @@ from sqlmodel import Session, select
 
 from orchestrator.core.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
-from orchestrator.queue.runs import RunRecords
+from orchestrator.queue.keeping import KeepRecords
 from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values
 from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, StopCause, allowed
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
@@ -52,7 +52,7 @@ _ROWS_BY_ID = (core_select(*(JOBS.c[name] for name in Moving.COLUMNS))
                .where(JOBS.c.id.in_(bindparam("ids", expanding=True))))
 
 
-class JobStore(RunRecords):
+class JobStore(KeepRecords):
     """Jobs, their events, devices and service heartbeats in one SQL database (SQLite or PostgreSQL).
 
     `retry_backoff` and `retry_backoff_cap` (settings of the same names) are read each time a job fails, so
@@ -130,6 +130,7 @@ class JobStore(RunRecords):
                       time_limit=spec.time_limit, image=spec.image, image_id=spec.image_id,
                       mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
                       project=spec.project, scavenger=spec.scavenger, deadline=spec.deadline,
+                      keep_checkpoint=spec.keep_checkpoint, phase=spec.phase,
                       state=S.QUEUED.value, reason="submitted", submitted_at=now, devices=[])
         try:
             with self._tx() as session:

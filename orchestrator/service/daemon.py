@@ -38,6 +38,8 @@ from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, job_env
 from orchestrator.queue.fairshare import ProjectBook
+from orchestrator.service.diskspace import is_disk_full
+from orchestrator.service.notify import job_notice
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
 from orchestrator.core.layout import Layout
@@ -131,10 +133,26 @@ class Service:
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
+        self._ended: list[int] = []  # jobs the pass being written ended for good (for notifications)
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
         self.projects = ProjectBook(self.store, settings.extra, self.host, settings.usage_half_life)
         self._backfill = settings.backfill == "on"
+        from orchestrator.service.gc import Collector  # retention: its own scheduler job, never in a dispatch pass
+
+        self.collector = Collector(settings, self.store, tag_runs=self.tracking.set_tags)
+        from orchestrator.service.notify import Notifier
+
+        self.notifier = Notifier.from_settings(settings)  # delivers from threads of its own
+        # Jobs that ended are looked up for their notifications here, never by the dispatcher.
+        self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="notices")
+        from orchestrator.service.diskspace import DiskWatch
+
+        self.disk = DiskWatch([self.layout.checkpoints_dir, self.layout.logs_dir, self.home],
+                              settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self._disk_low)
+        self.guard.on_quarantine = lambda device, why: self.notifier.emit(
+            "device.quarantined", device=device, host=self.host, reason=why)
+        self.gc_passes = 0  # retention passes completed (tests wait on it)
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -155,7 +173,7 @@ class Service:
                 self.device_names = inventory
             self.store.sync_devices(self.host, self.device_names)
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 preempt_after=self.preempt_after)
+                                 preempt_after=self.preempt_after, disk=self.disk.line())
             self.supervisor.reconcile()
             self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
@@ -190,6 +208,8 @@ class Service:
                                                                "misfire_grace_time": 5})
         sched.add_job(self.wake, "interval", seconds=self.tick, id="tick")
         sched.add_job(self._housekeeping, "interval", seconds=1.0, id="housekeeping")
+        if self.settings.gc_every:
+            sched.add_job(self.collect_garbage, "interval", seconds=self.settings.gc_every, id="gc")
         if self.recheck_every:
             sched.add_job(self.guard.recheck_idle, "interval", seconds=self.recheck_every, id="recheck")
         if self.health.config.monitor_every:  # its own thread: a slow NVML must not delay the heartbeat
@@ -215,9 +235,12 @@ class Service:
         if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
             try:
                 self._record(self._launched, [])
+                self._notify_ended()
             except Exception:  # the next service finds them by their wrappers' environment
                 log.exception("could not record the last starts")
         self.guard.close()
+        self._notices.shutdown(wait=True)
+        self.notifier.close()
         try:
             self.store.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
@@ -257,9 +280,28 @@ class Service:
         """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
         self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
                                       if not isinstance(out, Exception)], self.host)
-        self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}") for job, out in launched
-                                if isinstance(out, Exception)], self.host)
-        self.supervisor.record(exits)
+        ended = self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}")
+                                        for job, out in launched if isinstance(out, Exception)], self.host)
+        ended = list(ended or []) + list(self.supervisor.record(exits) or [])
+        if ended and (self.notifier.wants("job.failed") or self.notifier.wants("job.succeeded")):
+            # Looked up once the caller's transaction has committed (`_notify_ended`): a pass rolled back
+            # records these exits again later.
+            self._ended.extend(row.id for row in ended
+                               if row.final and row.state in (S.FAILED.value, S.SUCCEEDED.value))
+
+    def _notify_ended(self) -> None:
+        """Hand the jobs that ended for good in the last committed pass to the notices thread."""
+        ended, self._ended = self._ended, []
+        if ended:
+            self._notices.submit(self._notify_jobs, ended)
+
+    def _notify_jobs(self, job_ids: list[int]) -> None:
+        """job.failed / job.succeeded for these jobs (on the notices thread: it reads the store)."""
+        try:
+            for job in self.store.get_many(job_ids):
+                job_notice(self.notifier, job)
+        except Exception:
+            log.exception("could not notify about jobs %s", job_ids)
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
@@ -272,7 +314,17 @@ class Service:
             try:
                 with self.guard.placing():  # devices under an idle check stay out of the pass, to its claim
                     self.dispatch_once()
-            except Exception:
+                if self.disk.full_error is not None and self.disk.shortage is None:
+                    log.warning("the queue database takes writes again")
+                    self.disk.full_error = None
+            except Exception as exc:
+                if is_disk_full(exc):  # one line per episode, not a traceback per pass
+                    if self.disk.full_error is None:
+                        log.error("dispatch pass failed: the disk is full (%s); retrying until space returns",
+                                  str(exc).splitlines()[0][:200])
+                    self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
+                    time.sleep(0.5)
+                    continue
                 log.exception("dispatch pass failed; retrying on the next wake-up")
                 time.sleep(0.2)
 
@@ -289,7 +341,9 @@ class Service:
         except Exception:
             self._launched[:0] = launched
             self.supervisor.put_back(exits)
+            self._ended.clear()
             raise
+        self._notify_ended()
         self.supervisor.settled(exits)
         self.supervisor.enforce_stops(mine)
         for job in preempted:
@@ -315,6 +369,7 @@ class Service:
         window = capacity + 1 + (BACKFILL_WINDOW if self._backfill else 0)
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=window,
                                            skip=self._tracking_blocked, projects=self.projects.names)
+        queued = self.disk.gate(queued, self.store.note)  # none start while disk space is short
         if self.run_preparer is not None and any(row.needs_run for row in queued):
             self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
@@ -335,6 +390,10 @@ class Service:
             self.store.miss_deadlines(plan.expired)
         claimed = self._claim(plan.starts, {row.id for row in queued if row.needs_run}) if plan.starts else []
         return mine, preempted, claimed
+
+    def _disk_low(self, short) -> None:
+        self.notifier.emit("disk.low", host=self.host, path=short.path, free_bytes=short.free,
+                           threshold_bytes=short.threshold, reason=short.reason.removeprefix("waiting: "))
 
     def _claim(self, starts, need_runs: set[int]) -> list[Job]:
         """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
@@ -406,6 +465,18 @@ class Service:
     def _send_stop(self, job: Job) -> None:
         self.supervisor.send_stop(job)
 
+    def collect_garbage(self) -> None:
+        """One retention pass (the scheduler's `gc` job, on its own thread: the queue never waits for it)."""
+        try:
+            report = self.collector.collect(everything=False)
+            if report.bytes_freed:
+                log.info("retention freed %d bytes (%d checkpoints, %d logs capped)", report.bytes_freed,
+                         len(report.checkpoints), report.logs_capped)
+        except Exception:
+            log.exception("retention pass failed")
+        finally:
+            self.gc_passes += 1
+
     # ---- recovery and housekeeping ------------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
@@ -414,11 +485,14 @@ class Service:
             self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
             self.projects.refresh_if_due()
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 preempt_after=self.preempt_after)
+                                 preempt_after=self.preempt_after, disk=self.disk.line())
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
             self._note_unplaceable()  # the monitor runs on its own thread (guard), never behind this
-        except Exception:
-            log.exception("housekeeping failed")
+        except Exception as exc:
+            if is_disk_full(exc):
+                self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
+            else:
+                log.exception("housekeeping failed")

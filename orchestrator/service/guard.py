@@ -48,6 +48,7 @@ class DeviceGuard:
         self._hits: dict[str, int] = {}
         self._nvml = None  # the monitor's long-lived NVML session, opened on first use
         self.open_nvml: Callable[[], object] = self._open_nvml  # the NVML edge (tests give a fake)
+        self.on_quarantine: Callable[[str, str], None] = lambda device, why: None  # the service's notifications
 
     # ---- placement ----------------------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class DeviceGuard:
         """Take `device` out of scheduling until a person enables it again."""
         log.warning("quarantining %s: %s", device, why)
         self.store.set_device_state(self.host, device, "quarantined", why, verdict.for_device(device))
+        self.on_quarantine(device, why)
 
     # ---- the run-time monitor -----------------------------------------------------------------------
 

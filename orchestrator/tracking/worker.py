@@ -8,10 +8,12 @@ one run id per job as each is made, and stops it after `idle_exit` seconds witho
 exits when the service goes (its stdin closes).
 
 Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}`,
-`{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}` and
-`{"op": "discard", "runs": [run_id, ...]}`. `runs` answers `{"id": job_id, "run": run_id}` per run made, then
-`{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not tried:
-a store that is down fails them all); `end` answers `{"done": true}` or `{"error": "first line"}`. The
+`{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}`,
+`{"op": "discard", "runs": [run_id, ...]}` and `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`
+(retention's record of a removed checkpoint). `runs` answers `{"id": job_id, "run": run_id}` per run made,
+then `{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not
+tried: a store that is down fails them all); `end` and `tags` answer `{"done": true}` or `{"error": "first
+line"}`. The
 protocol has a descriptor of its own (the worker's original stdout); library chatter on stdout goes to stderr.
 """
 
@@ -92,6 +94,16 @@ class TrackingWorker:
                 self._read(self._talk({"op": "discard", "runs": list(run_ids)}))
             except TrackingUnavailable as exc:  # an empty run tagged with the job is harmless
                 log.debug("could not discard runs %s: %s", run_ids, exc)
+
+    def set_tags(self, runs: Sequence[dict[str, Any]]) -> None:
+        """Set tags on runs (`[{"run": run_id, "tags": {...}}]`, retention's record of a removed checkpoint);
+        raises TrackingUnavailable."""
+        if not runs:
+            return
+        with self._lock:
+            answer = self._read(self._talk({"op": "tags", "runs": list(runs)}))
+            if "error" in answer:
+                raise TrackingUnavailable(answer["error"])
 
     def close_if_idle(self) -> bool:
         """Stop the worker when it had no work for `idle_exit` seconds; True when it did."""
@@ -213,6 +225,13 @@ def _answer(out, request: dict, tracker) -> None:
     if request.get("op") == "discard":
         for run_id in request.get("runs", []):
             discard_run(tracker, run_id)
+    elif request.get("op") == "tags":
+        try:
+            for item in request.get("runs", []):
+                tracker.set_tags(item["run"], item["tags"])
+        except Exception as exc:
+            out.write(json.dumps({"error": first_line(exc)}) + "\n")
+            return
     elif request.get("op") == "end":
         try:
             end_runs(tracker, request.get("runs", []))

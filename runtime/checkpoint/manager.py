@@ -76,6 +76,13 @@ def _cuda_device() -> int | None:
     return None
 
 
+def _last_line(exc: BaseException) -> str:
+    """The cause of a failed save in one line (DCP's exceptions carry every rank's traceback; the cause, such
+    as "No space left on device", is their last line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -275,10 +282,22 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.wait()
         if not self._agree((self.path_for(step) / METADATA).exists()):
-            dcp.save(_as_dict(state), process_group=self._pg, no_dist=self._pg is None,
-                     storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir, step=step))
+            try:
+                dcp.save(_as_dict(state), process_group=self._pg, no_dist=self._pg is None,
+                         storage_writer=VolumeWriter(self.path_for(step), stage_dir=self.config.stage_dir,
+                                                     step=step))
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException: a loop would miss it
+                self._drop_torn(step)
+                raise CheckpointError(f"checkpoint save of step {step} failed: {_last_line(exc)}") from exc
             self._retain()
         self._account(t0)
+
+    def _drop_torn(self, step: int) -> None:
+        """Remove a save that failed before its `.metadata` was committed (on a full disk its files are space
+        the next save needs); the previous complete checkpoint is untouched and stays the one loaded."""
+        path = self.path_for(step)
+        if _rank() == 0 and not (path / METADATA).exists():
+            shutil.rmtree(path, ignore_errors=True)
 
     def _account(self, t0: float) -> None:
         dt = time.perf_counter() - t0
@@ -304,8 +323,8 @@ class CheckpointManager:
             return
         try:
             done.result()
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint save failed: {exc}") from exc
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"checkpoint save failed: {_last_line(exc)}") from exc
 
     # -- retention ---------------------------------------------------------------------------------------
 

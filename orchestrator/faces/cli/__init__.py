@@ -31,6 +31,7 @@ from orchestrator.faces.cli.app import app  # noqa: E402
 
 # Imported for their side effect of adding commands to `app`.
 from orchestrator.faces.cli import agent, cache, data, faces, gpus, init, jobs, preflight, programs, projects, serve  # noqa: E402,F401,E501
+from orchestrator.faces.cli import gc, notify  # noqa: E402,F401
 
 
 def _is_input_error(exc: BaseException) -> bool:

@@ -58,6 +58,9 @@ def submit(
                                    "first; not charged to the project."),
     deadline: Optional[str] = typer.Option(None, "--deadline", help="Finish by this time (\"2026-12-03 18:00\", "
                                            "ISO, or 2h): not started when it can no longer (now + --time-limit)."),
+    keep_checkpoint: Optional[str] = typer.Option(None, "--keep-checkpoint", help="What the job keeps of its "
+                                                  "checkpoint dir once it ends: all, latest or none (default: "
+                                                  "the keep_people setting)."),
     as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
@@ -71,6 +74,7 @@ def submit(
     options = dict(**sharing, name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
                    preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
                    env_file=env_file, cwd=workdir, image=image, mounts=list(mount) or None,
+                   keep_checkpoint=keep_checkpoint,
                    time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
     if experiment:
         if argv:
@@ -183,6 +187,14 @@ def logs(job_id: int = typer.Argument(..., metavar="ID"),
             job = store.get(job_id)
             path = job.log_path
     elif not path or not os.path.exists(path):
+        if path and os.path.exists(path + ".gz"):  # a finished job's log, compressed by retention
+            import gzip
+            import shutil
+
+            with gzip.open(path + ".gz", "rb") as fh:
+                shutil.copyfileobj(fh, sys.stdout.buffer)
+            sys.stdout.flush()
+            return
         info(f"job {job_id} has no output yet ({job.state})")
         return
     with open(path, "rb") as fh:

@@ -206,10 +206,17 @@ def budget(snap: Snapshot, height: Optional[int]) -> dict[str, Optional[int]]:
     return {k: (max(0, v - 1) if need[k] > v and k != "events" and v else v) for k, v in shown.items()}
 
 
+def banners(snap: Snapshot) -> list[Text]:
+    """A line per live service that starts no job for want of disk space (or whose disk is full)."""
+    return [Text(f"! {svc.host}: {svc.disk}", style="bold red", no_wrap=True, overflow="ellipsis")
+            for svc in snap.services if getattr(svc, "disk", None)]
+
+
 def render(snap: Snapshot, height: Optional[int] = None, live: bool = False) -> Group:
     """One frame, fitted to `height` lines (None: every row)."""
-    rows = budget(snap, height)
-    parts: list[Any] = [header(snap, live)]
+    warnings = banners(snap)
+    rows = budget(snap, None if height is None else max(1, height - len(warnings)))
+    parts: list[Any] = [header(snap, live), *warnings]
     if snap.projects:
         parts.append(projects_line(snap))
     drawn = {"devices": devices_table, "queue": queue_table, "sessions": sessions_table, "events": events_table}

@@ -1,0 +1,267 @@
+"""Applying retention: checkpoints (`orchestrator.service.retention`), job logs, and the event log, with the bytes freed.
+
+`collect` is one pass: `autoresearch gc` runs it once, the service every `gc_every` seconds from a scheduler
+job of its own (never inside a dispatch pass), and the disk preflight before it says a job waits for space.
+
+- Checkpoints: each final job's dir as the policy decides: kept, trimmed to its newest complete checkpoint
+  (`step_N/` with its `.metadata`; a dir of other files is kept whole), or removed. The queue records what was
+  done (`Job.checkpoint_gc`), and the job's MLflow run gets the tag `autoresearch.checkpoint` = `removed` or
+  `latest-only` (the run, its metrics and its leaderboard row stay).
+- Logs: one grown past `log_max_bytes` keeps its newest half (from a line start, after a line saying how much
+  was dropped; a running job's log is cut in place, as logrotate's copytruncate does, since the job appends to
+  it); finished jobs' logs are gzipped after `log_compress_days` and deleted after `log_delete_days`.
+- Events: jobs finished more than `events_compact_days` ago keep their first and last events.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from orchestrator.service.retention import LATEST, REMOVE, Decision, Policy, decide, pending
+
+log = logging.getLogger(__name__)
+DAY = 86400.0
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+METADATA = ".metadata"  # runtime.checkpoint.io.METADATA: a step counts once it is committed
+TAG = "autoresearch.checkpoint"
+SLOW_PARTS_EVERY = 3600.0  # the service ages logs and compacts events at most this often
+
+
+@dataclass
+class Report:
+    """What one pass did (or, dry, would do)."""
+
+    dry_run: bool = False
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # {id, action, why, bytes}
+    checkpoint_bytes: int = 0
+    logs_capped: int = 0
+    logs_compressed: int = 0
+    logs_deleted: int = 0
+    log_bytes: int = 0
+    events_dropped: int = 0
+
+    @property
+    def bytes_freed(self) -> int:
+        """Checkpoint and log bytes freed (or that would be)."""
+        return self.checkpoint_bytes + self.log_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of `gc --json`."""
+        return {**asdict(self), "bytes_freed": self.bytes_freed}
+
+
+def session_states(home: Path) -> dict[str, bool]:
+    """Agent and program session id -> whether it has ended (finished or failed; an interrupted session can be
+    resumed, so it has not). Read from the agent registry, without creating it."""
+    path = Path(home) / "agent" / "agent.db"
+    if not path.exists():
+        return {}
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = conn.execute("SELECT id, status FROM sessions").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:  # no sessions table yet
+        return {}
+    return {sid: status in ("finished", "failed") for sid, status in rows}
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes in the files under `path` (0 when it is gone)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def latest_trim(directory: Path) -> list[Path]:
+    """The step checkpoints of a dir other than its newest complete one (nothing when it has none)."""
+    try:
+        steps = sorted(((int(m.group(1)), p) for p in Path(directory).iterdir()
+                        if p.is_dir() and (m := _STEP_DIR.match(p.name))), reverse=True)
+    except OSError:
+        return []
+    complete = [p for _, p in steps if (p / METADATA).exists()]
+    if not complete:
+        return []
+    return [p for _, p in steps if p != complete[0]]
+
+
+def _apply_checkpoint(decision: Decision, directory: Path, dry_run: bool) -> tuple[int, Optional[str]]:
+    """(bytes freed, what was done) for one decision."""
+    if decision.action == REMOVE:
+        freed = tree_bytes(directory)
+        if not dry_run:
+            shutil.rmtree(directory, ignore_errors=True)
+        return freed, "removed"
+    extra = latest_trim(directory)
+    freed = sum(tree_bytes(p) for p in extra)
+    if not dry_run:
+        for p in extra:
+            shutil.rmtree(p, ignore_errors=True)
+    return freed, "trimmed"
+
+
+def cap_log(path: Path, max_bytes: int) -> int:
+    """Cut a log grown past `max_bytes` to its newest half, from a line start; the bytes dropped (0: none).
+    In place (a running job appends to it with O_APPEND, so its next write lands after the kept tail)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return 0
+    if not max_bytes or size <= max_bytes:
+        return 0
+    keep = max_bytes // 2
+    with open(path, "r+b") as fh:
+        fh.seek(size - keep)
+        tail = fh.read()
+        cut = tail.find(b"\n")
+        if 0 <= cut < len(tail) - 1:
+            tail = tail[cut + 1:]
+        dropped = size - len(tail)
+        marker = f"[autoresearch: {dropped} bytes of earlier output dropped (log_max_bytes = {max_bytes})]\n"
+        fh.seek(0)
+        fh.truncate(0)  # frees the space first: the rewrite below fits even on a full disk
+        fh.write(marker.encode() + tail)
+    return max(0, dropped - len(marker))
+
+
+def gzip_log(path: Path) -> int:
+    """Replace a log by `<log>.gz`; the bytes saved (0 when there was nothing to do)."""
+    target = path.with_name(path.name + ".gz")
+    if not path.exists():
+        return 0
+    tmp = path.with_name(path.name + ".gz.tmp")
+    try:
+        with open(path, "rb") as src, gzip.open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    before = path.stat().st_size
+    path.unlink()
+    return max(0, before - target.stat().st_size)
+
+
+class Collector:
+    """Retention for one home: `collect()` is one pass. The service keeps one (it ages logs and compacts
+    events at most every SLOW_PARTS_EVERY seconds; `gc` does all of it each time)."""
+
+    def __init__(self, settings: Any, store: Any, tag_runs: Optional[Callable[[list[dict]], None]] = None):
+        self.settings = settings
+        self.store = store
+        self.policy = Policy.from_settings(settings)
+        self.tag_runs = tag_runs
+        self._slow_at = 0.0
+
+    def collect(self, *, dry_run: bool = False, everything: bool = True) -> Report:
+        """One pass. `everything` False (the service's periodic pass): logs aged and events compacted only
+        when SLOW_PARTS_EVERY has passed since the last time."""
+        report = Report(dry_run=dry_run)
+        self._checkpoints(report, dry_run)
+        self._cap_logs(report, dry_run)
+        now = time.time()
+        if everything or now - self._slow_at >= SLOW_PARTS_EVERY:
+            self._slow_at = now
+            self._age_logs(report, dry_run, now)
+            days = self.settings.events_compact_days
+            if days and not dry_run:
+                report.events_dropped = self.store.compact_events(now - days * DAY)
+        return report
+
+    def _checkpoints(self, report: Report, dry_run: bool) -> None:
+        rows = self.store.retention_rows()
+        decisions = pending(decide(rows, session_states(self.settings.home), self.policy), rows)
+        by_id = {row["id"]: row for row in rows}
+        done, tags = [], []
+        for d in decisions:
+            row = by_id[d.job_id]
+            directory = Path(row["checkpoint_dir"])
+            if not directory.exists() and d.action == LATEST:
+                continue
+            freed, what = _apply_checkpoint(d, directory, dry_run)
+            if d.action == LATEST and not freed:
+                continue  # nothing but its latest: nothing to say
+            report.checkpoints.append({"id": d.job_id, "action": d.action, "why": d.why, "bytes": freed})
+            report.checkpoint_bytes += freed
+            done.append((d.job_id, what))
+            if row.get("mlflow_run_id"):
+                tags.append({"run": row["mlflow_run_id"],
+                             "tags": {TAG: "removed" if what == "removed" else "latest-only"}})
+        if dry_run:
+            return
+        self.store.record_gc(done)
+        if tags and self.tag_runs is not None:
+            try:
+                self.tag_runs(tags)
+            except Exception as exc:  # the tracking store may be down; the queue has the record
+                log.warning("could not tag runs whose checkpoints were removed: %s", exc)
+
+    def _cap_logs(self, report: Report, dry_run: bool) -> None:
+        cap = self.settings.log_max_bytes
+        logs_dir = Path(self.settings.logs_dir)
+        if not cap or not logs_dir.is_dir():
+            return
+        with os.scandir(logs_dir) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".log"):
+                    continue
+                try:
+                    size = entry.stat().st_size
+                except OSError:
+                    continue
+                if size <= cap:
+                    continue
+                report.logs_capped += 1
+                if dry_run:
+                    report.log_bytes += size - cap // 2
+                else:
+                    report.log_bytes += cap_log(Path(entry.path), cap)
+
+    def _age_logs(self, report: Report, dry_run: bool, now: float) -> None:
+        compress, delete = self.settings.log_compress_days, self.settings.log_delete_days
+        if delete:
+            for _, path in self.store.finished_before(now - delete * DAY):
+                for p in (Path(path), Path(f"{path}.gz")) if path else ():
+                    if p.exists():
+                        report.logs_deleted += 1
+                        report.log_bytes += p.stat().st_size
+                        if not dry_run:
+                            p.unlink(missing_ok=True)
+        if compress:
+            for _, path in self.store.finished_before(now - compress * DAY):
+                if path and Path(path).exists():
+                    report.logs_compressed += 1
+                    if not dry_run:
+                        try:
+                            report.log_bytes += gzip_log(Path(path))
+                        except OSError as exc:  # a full disk: the log stays as it was
+                            log.warning("could not compress %s: %s", path, exc)
+
+
+def run_gc(settings: Any, *, dry_run: bool = False) -> Report:
+    """`autoresearch gc`: one full pass over this home, tagging MLflow runs through a tracking worker."""
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking.worker import TrackingWorker
+
+    store = JobStore.from_settings(settings)
+    worker = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
+    try:
+        return Collector(settings, store, tag_runs=worker.set_tags).collect(dry_run=dry_run)
+    finally:
+        worker.close()
