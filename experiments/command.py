@@ -20,10 +20,13 @@ PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
 SEED = "seed"
 
 
-def format_value(value: Any) -> str:
-    """A parameter's text on a command line (unquoted)."""
+BOOLS = ("True", "False")  # how a bool is written unless the experiment says otherwise (`bools`)
+
+
+def format_value(value: Any, bools: tuple[str, str] = BOOLS) -> str:
+    """A parameter's text on a command line (unquoted); `bools`: the words for True and False."""
     if isinstance(value, bool):
-        return "True" if value else "False"
+        return bools[0] if value else bools[1]
     if isinstance(value, float):
         return repr(value)  # 0.0, 1e-05, 0.003: always readable back as the same float, never as an int
     return str(value)
@@ -39,17 +42,17 @@ def script_params(params: Mapping[str, Any], fixed: Mapping[str, Any], seed_para
 
 
 def render(run: str, args_format: str, params: Mapping[str, Any], *, checkpoint_dir: str, job_id: Any,
-           seed_param: str | None = None) -> str:
+           seed_param: str | None = None, bools: tuple[str, str] = BOOLS) -> str:
     """The shell command of one attempt; `params` are under the script's names (`script_params`)."""
     named = {m.group(1) for m in PLACEHOLDER.finditer(run) if m.group(1)}
     seed_value = params.get(seed_param) if seed_param else None
     if seed_param and SEED in named:
         named.add(seed_param)  # written by {seed}: not again by {args}
-    args = " ".join(args_format.replace("{name}", key).replace("{value}", shlex.quote(format_value(value)))
+    args = " ".join(args_format.replace("{name}", key).replace("{value}", shlex.quote(format_value(value, bools)))
                     for key, value in params.items() if key not in named)
     job = {"args": args, "checkpoint_dir": shlex.quote(str(checkpoint_dir)), "job_id": str(job_id)}
     if seed_value is not None:
-        job["seed"] = shlex.quote(format_value(seed_value))
+        job["seed"] = shlex.quote(format_value(seed_value, bools))
 
     def fill(m: re.Match[str]) -> str:
         text, name = m.group(0), m.group(1)
@@ -58,7 +61,7 @@ def render(run: str, args_format: str, params: Mapping[str, Any], *, checkpoint_
         if name in job:
             return job[name]
         if name in params:
-            return shlex.quote(format_value(params[name]))
+            return shlex.quote(format_value(params[name], bools))
         return text  # a placeholder with no value (checked when the file was read)
 
     return PLACEHOLDER.sub(fill, run).strip()

@@ -33,7 +33,7 @@ SEED_RANGE = (0, 2**31 - 1)
 DEFAULT_ARGS = "--{name}={value}"
 JOB_PLACEHOLDERS = ("args", "checkpoint_dir", "seed", "job_id")
 EXPERIMENT_KEYS = ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "fixed",
-                   "seed", "time_limit", "image", "holdout_metric")
+                   "seed", "time_limit", "image", "holdout_metric", "bools")
 TYPE_KEYS = {"float": ("type", "low", "high", "log", "default", "help"),
              "int": ("type", "low", "high", "log", "default", "help"),
              "choice": ("type", "values", "default", "help")}
@@ -151,6 +151,11 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
             time_limit = parse_duration(section["time_limit"], what="time_limit")
         except BadInput as exc:
             raise ConfigError(f"{where}: {exc}") from None
+    bools = section.get("bools", ["True", "False"])
+    if not (isinstance(bools, list) and len(bools) == 2 and all(isinstance(b, str) and b for b in bools)
+            and bools[0] != bools[1]):
+        raise ConfigError(f"{where}: bools must be the two words for true and false, e.g. [\"true\", \"false\"], "
+                          f"got {bools!r}")
     holdout_metric = section.get("holdout_metric") or None
     if holdout_metric is not None and holdout_metric == metric:
         raise ConfigError(f"{where}: holdout_metric {holdout_metric!r} is the searched metric; name the one the "
@@ -162,7 +167,7 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
                           image=section.get("image") or None, run=section["run"], args_format=args_format,
                           pattern=pattern, resume=section.get("resume") or None, fixed=fixed,
                           seed_param=seed_param, time_limit=time_limit, cwd=str(root), source=source,
-                          holdout_metric=holdout_metric)
+                          holdout_metric=holdout_metric, bools=(bools[0], bools[1]))
 
 
 def parse_dimension(key: str, table: Any, where: str = CONFIG) -> Dimension:

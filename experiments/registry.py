@@ -50,6 +50,7 @@ class ExperimentSpec:
     pattern: str | None = None  # output lines read as metric reports (None: `^<metric>: <number>`)
     resume: str | None = None  # added to the command when the job's checkpoint dir is not empty
     fixed: Mapping[str, Any] = field(default_factory=dict)  # passed like params, never searched or validated
+    bools: tuple[str, str] = ("True", "False")  # the words a bool parameter is written as (True, False)
     seed_param: str | None = None  # the script's name for the `seed` parameter
     time_limit: float | None = None  # seconds an attempt may run
     cwd: str | None = None  # where the command runs (the toml's folder)
@@ -85,7 +86,8 @@ class ExperimentSpec:
         import json
 
         plan = {"run": self.run, "args": self.args_format, "metric": self.metric, "pattern": self.pattern,
-                "resume": self.resume, "fixed": dict(self.fixed), "seed": self.seed_param}
+                "resume": self.resume, "fixed": dict(self.fixed), "seed": self.seed_param,
+                "bools": list(self.bools)}
         return [python, "-m", "orchestrator.executors.scriptjob", json.dumps(plan, separators=(",", ":"))]
 
     def job_fields(self, in_image: bool = False) -> dict[str, Any]:

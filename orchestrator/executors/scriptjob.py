@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     theirs = [p for p in checkpoint_dir.iterdir() if not p.name.startswith(".autoresearch")]
     values = script_params(params, plan.get("fixed") or {}, plan.get("seed"))
     command = render(plan["run"], plan.get("args") or "--{name}={value}", values, checkpoint_dir=str(checkpoint_dir),
-                     job_id=os.environ.get("AUTORESEARCH_JOB_ID", "0"), seed_param=plan.get("seed"))
+                     job_id=os.environ.get("AUTORESEARCH_JOB_ID", "0"), seed_param=plan.get("seed"),
+                     bools=tuple(plan.get("bools") or ("True", "False")))
     start = 0
     if plan.get("resume") and theirs:
         command = f"{command} {plan['resume']}"

@@ -247,3 +247,25 @@ def test_a_holdout_metric_is_declared_apart_from_the_searched_one(tmp_path):
     (folder / "autoresearch.toml").write_text(body.replace("HELD", "val_loss"))
     with pytest.raises(config_file.ConfigError, match="holdout_metric"):
         config_file.load(folder)
+
+
+def test_bools_are_written_as_the_toml_says(tmp_path):
+    from experiments import command, config_file
+
+    folder = tmp_path / "flags"
+    folder.mkdir()
+    body = ('[experiment]\nrun = "python train.py {args}"\nmetric = "loss"\ndirection = "minimize"\nBOOLS\n'
+            '[space]\namp = { type = "choice", values = [true, false], default = true }\n')
+    (folder / "autoresearch.toml").write_text(body.replace("BOOLS", ""))
+    spec = config_file.load(folder)
+    line = command.render(spec.run, spec.args_format, {"amp": False}, checkpoint_dir="/c", job_id=1, bools=spec.bools)
+    assert line == "python train.py --amp=False"  # the default: Python's words
+    (folder / "autoresearch.toml").write_text(body.replace("BOOLS", 'bools = ["true", "false"]'))
+    spec = config_file.load(folder)
+    line = command.render(spec.run, spec.args_format, {"amp": True}, checkpoint_dir="/c", job_id=1, bools=spec.bools)
+    assert line == "python train.py --amp=true"
+    assert '"bools":["true","false"]' in spec.argv()[-1]  # the job's wrapper writes them the same way
+    for bad in ('bools = ["yes"]', 'bools = ["on", "on"]', 'bools = "true"'):
+        (folder / "autoresearch.toml").write_text(body.replace("BOOLS", bad))
+        with pytest.raises(config_file.ConfigError, match="bools"):
+            config_file.load(folder)
