@@ -40,7 +40,7 @@ class SearchTracker:
     metric of a run) by accident.
     """
 
-    _PASS = ("session_run", "trial_run", "find_trial", "params", "tags", "log_params", "set_tags", "log_metrics",
+    _PASS = ("session_run", "trial_run", "find_trial", "params", "tags", "log_params", "set_tags", "log_metrics", "log_points",
              "finish", "log_text", "best_so_far_plot", "tracking_uri", "artifacts_dir")
 
     def __init__(self, tracker: Tracker, spec: ExperimentSpec):

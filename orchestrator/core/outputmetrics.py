@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,5 @@ def sync(tracker: Any, job: Any, metric: str) -> int:
             latest[step] = value
     if not latest:
         return 0
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    tracker.client.log_batch(run_id, metrics=[Metric(metric, v, now, s) for s, v in sorted(latest.items())])
+    tracker.log_points(run_id, metric, sorted(latest.items()))
     return len(latest)

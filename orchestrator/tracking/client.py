@@ -186,6 +186,17 @@ class Tracker:
 
         self.client.log_batch(run_id, tags=[RunTag(str(k), _clip(v)) for k, v in tags.items()])
 
+    def log_points(self, run_id: str, metric: str, points: Iterable[tuple[int, float]]) -> None:
+        """Log one metric at several steps ((step, value) pairs) in one batch."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(metric, float(v), now, int(s)) for s, v in points]
+        if items:
+            self.client.log_batch(run_id, metrics=items)
+
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
         """Log several metrics at one step."""
         import time

@@ -110,7 +110,7 @@ def test_trial_budget_includes_the_confirmation_reruns():
     assert SessionConfig(goal="g", experiment="x", trials=2).split() == (2, 0)
     assert SessionConfig(goal="g", experiment="x").split() == (14, 6)  # no budget at all: 20 trials
     assert SessionConfig(goal="g", experiment="x", budget_minutes=5).split() == (None, 6)
-    for bad in (dict(trials=0), dict(budget_minutes=-1), dict(parallel=0), dict(goal=" "), dict(baseline_seeds=0),
+    for bad in (dict(trials=0), dict(budget_minutes=-1), dict(parallel=0), dict(goal=" ", proposer="llm"), dict(baseline_seeds=0),
                 dict(confirm_top=0)):
         with pytest.raises(BadInput):
             SessionConfig(**{"goal": "g", "experiment": "x", **bad})
