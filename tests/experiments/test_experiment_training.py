@@ -85,10 +85,11 @@ def unigram_entropy(block_size: int) -> float:
     return float(-(probs * probs.log()).sum())
 
 
-# 100 steps is about a second per trial; the margins were measured at 0.09-0.15 nats beyond the bar.
+# 100 steps is about a second per trial; the swiglu variant (dropout, untied) gets 160 to clear the bar on the
+# training files the holdout split leaves.
 @pytest.mark.parametrize("params", [
     {"activation": "swiglu", "norm": "rmsnorm", "positions": "rope", "tied": False, "dropout": 0.1,
-     "schedule": "linear", "grad_clip": 0.0},
+     "schedule": "linear", "grad_clip": 0.0, "max_steps": 160},
     # max_tokens is not a multiple of the 256 tokens per step: the budget rounds up to 100 steps
     {"activation": "relu", "positions": "rope", "heads": 3, "width": 40, "schedule": "constant",
      "max_tokens": 25_500},
