@@ -108,12 +108,12 @@ def judge(spec: ExperimentSpec, baseline: Sequence[float], winner: Sequence[floa
             "text": f"holdout {_signed(v.delta)} ({LEVEL * 100:g}% CI {_signed(v.ci[0])}..{_signed(v.ci[1])})"}
 
 
-def headline(verdict: Mapping[str, Any], holdout: Mapping[str, Any], correction: str = "") -> str:
-    """`improvement +X (95% CI a..b) on validation; holdout +Y (95% CI c..d)`, then any warnings."""
-    pct = f"{verdict['level'] * 100:g}%"
-    lo, hi = verdict["ci"]
-    line = (f"improvement {_signed(verdict['delta'])} ({pct} CI {_signed(lo)}..{_signed(hi)}) on validation; "
-            f"{holdout['text']}{correction}")
+def headline(validation: str, holdout: Mapping[str, Any]) -> str:
+    """`improvement +X (95% CI a..b) over baseline M ± s, N seeds on validation; holdout +Y (95% CI c..d)`:
+    the validation verdict as the gate words it (its baseline and seeds kept), then the holdout's figure, then
+    any warnings. A correction note in brackets (`[...]`) stays at the end of the validation part."""
+    main, sep, note = validation.partition(" [")
+    line = f"{main} on validation; {holdout['text']}" + (f" [{note}" if sep else "")
     return line + "".join(f". Warning: {w}" for w in holdout["warnings"])
 
 
@@ -129,9 +129,7 @@ def attach(board: MutableMapping[str, Any], spec: ExperimentSpec, tracker: Track
                    board["verdict"]["delta"])
     board["holdout"] = result
     if result is not None:
-        head = board.get("headline") or ""
-        correction = head[head.index(" ["):] if " [" in head else ""
-        board["headline"] = headline(board["verdict"], result, correction)
+        board["headline"] = headline(board.get("headline") or "", result)
 
 
 def session_runs(trials: Sequence[Mapping[str, Any]], winner: Mapping[str, Any] | None,

@@ -164,7 +164,7 @@ def test_the_verdict_gives_both_figures_and_warns_when_the_holdout_lead_is_small
     assert held["n_baseline"] == 3 and held["n_winner"] == 3  # the baseline's runs and the fresh re-runs only
     assert held["confirmed"] and held["ci"][0] > 0
     head = board["headline"]
-    assert re.match(r"improvement \+0\.\d+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\) on validation; "
+    assert re.match(r"improvement \+0\.\d+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\) over baseline [^;]+ on validation; "
                     r"holdout \+0\.\d+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\)\. Warning: the holdout lead is less "
                     r"than half the validation lead", head), head
     assert "includes zero" not in head

@@ -90,7 +90,7 @@ def test_the_session_pauses_at_its_token_cap_and_resumes_under_a_higher_one(home
     # The finished session's verdict carries both figures, read once at its end.
     held = done["holdout"]
     assert held["metric"] == "test_loss" and held["n_baseline"] == 1 and held["n_winner"] == 2 and held["confirmed"]
-    assert re.match(r"improvement \+[0-9.]+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\) on validation; holdout \+[0-9.]+ "
+    assert re.match(r"improvement \+[0-9.]+ \(95% CI \+[0-9.]+\.\.\+[0-9.]+\) over baseline [^;]+ on validation; holdout \+[0-9.]+ "
                     r"\(95% CI [-+][0-9.]+\.\.\+[0-9.]+\)", done["headline"]), done["headline"]
     tracker = Tracker.from_settings(Settings.load())
     tags = tracker.tags(done["mlflow_run_id"])
