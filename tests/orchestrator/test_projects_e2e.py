@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from orchestrator.api import jobs as api
+from orchestrator.agent import usage as ledger
 from orchestrator.api import sharing
 from orchestrator.core.config import Settings
 from tests.orchestrator.helpers import ckpt_job, wait_for
@@ -48,7 +49,7 @@ def test_the_owner_runs_within_preempt_after_plus_grace_and_the_flooders_resume(
     text = wait_for(lambda: "attempt 2 starts" in log_of(service, victim) and log_of(service, victim),
                     timeout=60, what="the victim to resume")
     assert int(text.split("attempt 2 starts at step ")[1].split()[0]) > 0
-    rows = {r["project"]: r for r in sharing.usage(settings, store=service.store)}
+    rows = {r["project"]: r for r in ledger.usage(settings, store=service.store)}
     assert rows["owner"]["device_seconds"] > 0 and rows["flood"]["attempts"] >= 3
     for job_id in flood:
         service.store.cancel(job_id)
