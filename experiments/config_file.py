@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from experiments.registry import ExperimentSpec, UnknownExperiment
+from experiments.experiment import ExperimentSpec, UnknownExperiment
 from experiments.space import Categorical, Dimension, Float, Int, SearchSpace, SpaceError
 
 CONFIG = "autoresearch.toml"

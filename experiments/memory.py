@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from experiments.registry import ExperimentSpec
+    from experiments.experiment import ExperimentSpec
 
 FILE = "experiments.json"
 

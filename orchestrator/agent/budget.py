@@ -5,7 +5,7 @@ the reason; `autoresearch resume SESSION --llm-budget-usd Y` (or `--llm-budget-t
 higher cap. A check happens before each call, so a session stops within one call of its cap: the call that
 crosses it is the last one.
 
-Dollars need a price: a model in `orchestrator.agent.proposers.llm.PRICES`, or the `llm_price` setting
+Dollars need a price: a model in `PRICES`, or the `llm_price` setting
 ("in,out" USD per million prompt and completion tokens). A dollar budget without one is refused at start,
 since the spend could never be measured against it.
 """
@@ -54,6 +54,12 @@ class LLMBudget:
         return " or ".join(parts) or "none"
 
 
+DEFAULT_MODEL = "gpt-4o-mini"  # the LLM proposer's model when none is set
+# USD per million (prompt, completion) tokens; AUTORESEARCH_LLM_PRICE="in,out" overrides for other models.
+PRICES = {"gpt-4o-mini": (0.15, 0.60), "gpt-4o": (2.50, 10.0), "gpt-4.1-mini": (0.40, 1.60),
+          "gpt-4.1": (2.00, 8.00), "gpt-4.1-nano": (0.10, 0.40)}
+
+
 def of(config: Any) -> LLMBudget:
     """The budget a SessionConfig asks for."""
     return LLMBudget(getattr(config, "llm_budget_usd", None), getattr(config, "llm_budget_tokens", None))
@@ -74,8 +80,6 @@ def added(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
 
 def price_known(model: str | None, llm_price: str | None) -> bool:
     """Whether the cost of `model`'s tokens can be computed (a listed model, or an `llm_price` "in,out")."""
-    from orchestrator.agent.proposers.llm import DEFAULT_MODEL, PRICES
-
     price = llm_price or os.environ.get("AUTORESEARCH_LLM_PRICE")
     if price:
         try:
@@ -93,7 +97,5 @@ def check(config: Any, settings: Any) -> None:
         return
     model = config.model or getattr(settings, "llm_model", None)
     if not price_known(model, getattr(settings, "llm_price", None)):
-        from orchestrator.agent.proposers.llm import DEFAULT_MODEL
-
         raise BadInput(f"--llm-budget-usd: no price is known for model {model or DEFAULT_MODEL!r}; set llm_price "
                        "(AUTORESEARCH_LLM_PRICE=\"IN,OUT\", USD per million tokens) or use --llm-budget-tokens")

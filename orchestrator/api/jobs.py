@@ -14,10 +14,10 @@ from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.policy import DEFAULT_PROJECT, unplaceable_reason
 from orchestrator.queue.models import Job, JobEvent, JobSpec
+from orchestrator.queue.inventory import SERVICE_STALE_AFTER
 from orchestrator.queue.store import JobStore
 from orchestrator.core.wakeup import notify
 
-SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is gone (submit, reaping)
 
 
 def open_store(settings: Optional[Settings] = None) -> JobStore:

@@ -59,7 +59,7 @@ def parse_since(text: Optional[str], now: Optional[float] = None) -> Optional[fl
 
 def known_devices(store: JobStore) -> int:
     """Devices of every live service of the queue (what a quota may not exceed; 0: none known)."""
-    from orchestrator.api.jobs import SERVICE_STALE_AFTER
+    from orchestrator.queue.inventory import SERVICE_STALE_AFTER
 
     return sum(store.live_capacities(SERVICE_STALE_AFTER))
 

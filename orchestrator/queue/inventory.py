@@ -23,6 +23,8 @@ _AVAILABLE = (core_select(_DEVICES.c.name).where(_DEVICES.c.host == bindparam("h
               .order_by(_DEVICES.c.position))  # built once: building a statement cost more than running it
 
 
+SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is gone (submit, reaping)
+
 class HostRecords(Database):
     """Device inventories and service heartbeats, one row each."""
 

@@ -22,16 +22,13 @@ from typing import Any, Sequence
 
 from experiments.registry import ExperimentSpec
 from experiments.space import SpaceError
+from orchestrator.agent.budget import DEFAULT_MODEL, PRICES  # noqa: F401 - the prices live with the budget
 from orchestrator.agent.proposers.base import Observation, Proposal, Proposer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "gpt-4o-mini"
 MAX_RETRY_AFTER = 30.0  # seconds: a server asking for longer gets this (a session should not stall for minutes)
 _sleep = time.sleep  # the wait between retries (tests record it instead of waiting)
-# USD per million (prompt, completion) tokens; AUTORESEARCH_LLM_PRICE="in,out" overrides for other models.
-PRICES = {"gpt-4o-mini": (0.15, 0.60), "gpt-4o": (2.50, 10.0), "gpt-4.1-mini": (0.40, 1.60),
-          "gpt-4.1": (2.00, 8.00), "gpt-4.1-nano": (0.10, 0.40)}
 SYSTEM = (
     "You are a careful ML research assistant choosing the next hyperparameter configurations to try. "
     "Reply with a single JSON object and nothing else: "
