@@ -14,6 +14,9 @@ A reaper settling another host's jobs builds the `Layout` of that host's home.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -82,3 +85,12 @@ class Layout:
             return int(self.exit_file(job_id, attempt).read_text().strip())
         except (OSError, ValueError):
             return None
+
+
+def node_name(home: Path) -> str:
+    """This service's identity in a shared queue: the host name plus the home, so homes on one host differ."""
+    explicit = os.environ.get("AUTORESEARCH_NODE")
+    if explicit:
+        return explicit
+    digest = hashlib.sha1(str(Path(home).resolve()).encode()).hexdigest()[:6]
+    return f"{socket.gethostname()}-{digest}"

@@ -17,11 +17,9 @@ code their wrapper wrote. No job is lost, none runs twice, every job ends in the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -39,10 +37,10 @@ from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, job_env
 from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.diskspace import is_disk_full
-from orchestrator.service.notify import job_notice
+from orchestrator.service.notices import ServiceNotices
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
-from orchestrator.core.layout import Layout
+from orchestrator.core.layout import Layout, node_name
 from orchestrator.queue.models import Job
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
@@ -61,18 +59,6 @@ SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch ser
 RECORD_STARTS_WITHIN = 0.02
 TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 BACKFILL_WINDOW = 32  # queued jobs read past the first blocked one, as backfill candidates
-PREEMPT_REASONS = {"priority": "preempted for a higher-priority job",
-                   "reclaim": "preempted: its project borrowed devices another project's quota reclaims",
-                   "scavenger": "preempted: a scavenger gives way to any waiting job"}
-
-
-def node_name(home: Path) -> str:
-    """This service's identity in a shared queue: the host name plus the home, so homes on one host differ."""
-    explicit = os.environ.get("AUTORESEARCH_NODE")
-    if explicit:
-        return explicit
-    digest = hashlib.sha1(str(Path(home).resolve()).encode()).hexdigest()[:6]
-    return f"{socket.gethostname()}-{digest}"
 
 
 def embedded(settings: Settings, store: JobStore, devices: Optional[str] = None) -> tuple[Optional["Service"], int]:
@@ -133,7 +119,6 @@ class Service:
         self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
         self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
-        self._ended: list[int] = []  # jobs the pass being written ended for good (for notifications)
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.run_preparer: Optional[RunPreparer] = None
         self.projects = ProjectBook(self.store, settings.extra, self.host, settings.usage_half_life)
@@ -141,18 +126,13 @@ class Service:
         from orchestrator.service.gc import Collector  # retention: its own scheduler job, never in a dispatch pass
 
         self.collector = Collector(settings, self.store, tag_runs=self.tracking.set_tags)
-        from orchestrator.service.notify import Notifier
-
-        self.notifier = Notifier.from_settings(settings)  # delivers from threads of its own
-        # Jobs that ended are looked up for their notifications here, never by the dispatcher.
-        self._notices = ThreadPoolExecutor(max_workers=1, thread_name_prefix="notices")
+        self.notices = ServiceNotices(settings, self.store, self.host)  # announced off the dispatcher
+        self.notifier = self.notices.notifier
         from orchestrator.service.diskspace import DiskWatch
 
         self.disk = DiskWatch([self.layout.checkpoints_dir, self.layout.logs_dir, self.home],
-                              settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self._disk_low)
-        self.guard.on_quarantine = lambda device, why: self.notifier.emit(
-            "device.quarantined", device=device, host=self.host, reason=why)
-        self.gc_passes = 0  # retention passes completed (tests wait on it)
+                              settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self.notices.disk_low)
+        self.guard.on_quarantine = self.notices.quarantined
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
@@ -235,12 +215,11 @@ class Service:
         if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
             try:
                 self._record(self._launched, [])
-                self._notify_ended()
+                self.notices.flush()
             except Exception:  # the next service finds them by their wrappers' environment
                 log.exception("could not record the last starts")
         self.guard.close()
-        self._notices.shutdown(wait=True)
-        self.notifier.close()
+        self.notices.close()
         try:
             self.store.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
@@ -282,26 +261,9 @@ class Service:
                                       if not isinstance(out, Exception)], self.host)
         ended = self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}")
                                         for job, out in launched if isinstance(out, Exception)], self.host)
-        ended = list(ended or []) + list(self.supervisor.record(exits) or [])
-        if ended and (self.notifier.wants("job.failed") or self.notifier.wants("job.succeeded")):
-            # Looked up once the caller's transaction has committed (`_notify_ended`): a pass rolled back
-            # records these exits again later.
-            self._ended.extend(row.id for row in ended
-                               if row.final and row.state in (S.FAILED.value, S.SUCCEEDED.value))
-
-    def _notify_ended(self) -> None:
-        """Hand the jobs that ended for good in the last committed pass to the notices thread."""
-        ended, self._ended = self._ended, []
-        if ended:
-            self._notices.submit(self._notify_jobs, ended)
-
-    def _notify_jobs(self, job_ids: list[int]) -> None:
-        """job.failed / job.succeeded for these jobs (on the notices thread: it reads the store)."""
-        try:
-            for job in self.store.get_many(job_ids):
-                job_notice(self.notifier, job)
-        except Exception:
-            log.exception("could not notify about jobs %s", job_ids)
+        # Announced once the caller's transaction has committed (`notices.flush`): a pass rolled back records
+        # these exits again later.
+        self.notices.ended(list(ended or []) + list(self.supervisor.record(exits) or []))
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
@@ -341,9 +303,9 @@ class Service:
         except Exception:
             self._launched[:0] = launched
             self.supervisor.put_back(exits)
-            self._ended.clear()
+            self.notices.discard()
             raise
-        self._notify_ended()
+        self.notices.flush()
         self.supervisor.settled(exits)
         self.supervisor.enforce_stops(mine)
         for job in preempted:
@@ -378,22 +340,12 @@ class Service:
         running = [scheduling.Running.of(j, now) for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
         # Each victim's event says why and names the job it yields to (what `show` on the victim says).
-        priority = {w.id: w.priority for w in waiting}
-        yields = dict(plan.preempt_for)
-        reasons = {}
-        for victim, why in zip(plan.preempt, plan.why):
-            job_id = yields.get(victim)
-            named = f"preempted for #{job_id} (priority {priority[job_id]})" if job_id in priority else "preempted"
-            reasons[victim] = named if why == "priority" else f"{named}: {PREEMPT_REASONS[why].split(': ', 1)[-1]}"
+        reasons = scheduling.preemption_reasons(plan, waiting)
         preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         if plan.expired:
             self.store.miss_deadlines(plan.expired)
         claimed = self._claim(plan.starts, {row.id for row in queued if row.needs_run}) if plan.starts else []
         return mine, preempted, claimed
-
-    def _disk_low(self, short) -> None:
-        self.notifier.emit("disk.low", host=self.host, path=short.path, free_bytes=short.free,
-                           threshold_bytes=short.threshold, reason=short.reason.removeprefix("waiting: "))
 
     def _claim(self, starts, need_runs: set[int]) -> list[Job]:
         """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
@@ -467,15 +419,12 @@ class Service:
 
     def collect_garbage(self) -> None:
         """One retention pass (the scheduler's `gc` job, on its own thread: the queue never waits for it)."""
-        try:
-            report = self.collector.collect(everything=False)
-            if report.bytes_freed:
-                log.info("retention freed %d bytes (%d checkpoints, %d logs capped)", report.bytes_freed,
-                         len(report.checkpoints), report.logs_capped)
-        except Exception:
-            log.exception("retention pass failed")
-        finally:
-            self.gc_passes += 1
+        self.collector.run_pass()
+
+    @property
+    def gc_passes(self) -> int:
+        """Retention passes completed (tests and the soak benchmark wait on it)."""
+        return self.collector.passes
 
     # ---- recovery and housekeeping ------------------------------------------------------------------------
 

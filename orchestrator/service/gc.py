@@ -168,6 +168,19 @@ class Collector:
         self.policy = Policy.from_settings(settings)
         self.tag_runs = tag_runs
         self._slow_at = 0.0
+        self.passes = 0  # service passes completed (`run_pass`)
+
+    def run_pass(self) -> None:
+        """One pass as the service runs it: what is due, never an exception (logged), counted in `passes`."""
+        try:
+            report = self.collect(everything=False)
+            if report.bytes_freed:
+                log.info("retention freed %d bytes (%d checkpoints, %d logs capped)", report.bytes_freed,
+                         len(report.checkpoints), report.logs_capped)
+        except Exception:
+            log.exception("retention pass failed")
+        finally:
+            self.passes += 1
 
     def collect(self, *, dry_run: bool = False, everything: bool = True) -> Report:
         """One pass. `everything` False (the service's periodic pass): logs aged and events compacted only

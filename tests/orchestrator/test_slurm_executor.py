@@ -198,7 +198,7 @@ def test_an_attempt_never_recorded_is_found_by_its_name(service, home):
     from orchestrator.executors.slurm.executor import SlurmExecutor
     from orchestrator.core.layout import Layout
     from orchestrator.queue.store import JobStore
-    from orchestrator.service.daemon import node_name
+    from orchestrator.core.layout import node_name
 
     settings = Settings.load(devices="cpu:2", executor="slurm")
     store = JobStore.from_settings(settings)

@@ -17,7 +17,7 @@ app.add_typer(gpus_app, name="gpus")
 
 def _resolve(store, idx: str):
     from orchestrator.core.errors import BadInput
-    from orchestrator.service.daemon import node_name
+    from orchestrator.core.layout import node_name
 
     host = node_name(settings().home)
     names = {d.name for d in store.devices(host)}
