@@ -21,6 +21,7 @@ from sqlalchemy import bindparam, func, insert, select as core_select, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
+from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput, InvalidTransition, JobNotFound
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
 from orchestrator.queue.keeping import KeepRecords
@@ -29,8 +30,10 @@ from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, S
 from runtime.protocol import EX_TEMPFAIL, completed_attempt
 
 S = JobState
-DEFAULT_BACKOFF = 5.0  # first retry after 5 s, doubling (Kueue-style) ...
-DEFAULT_BACKOFF_CAP = 300.0  # ... up to 5 minutes
+# The settings' own defaults (declared once, in Settings): the first retry after 5 s, doubling (Kueue-style) up
+# to 5 minutes.
+DEFAULT_BACKOFF = Settings.retry_backoff
+DEFAULT_BACKOFF_CAP = Settings.retry_backoff_cap
 
 
 def backoff(failures: int, base: float = DEFAULT_BACKOFF, cap: float = DEFAULT_BACKOFF_CAP) -> float:
