@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support.home import prepare_home  # noqa: E402 - once the checkout is importable
+
 # Property tests draw the same examples on every run, so the suite passes or fails the same way everywhere (CI
 # included); no example database either, so a machine's earlier failures do not change what runs. To search
 # further by hand: pytest --hypothesis-profile=default (random examples, as Hypothesis draws them by default).
@@ -24,17 +26,7 @@ hypothesis_settings.load_profile("suite")
 def home(tmp_path, monkeypatch, mlflow_template) -> Path:
     """A fresh AUTORESEARCH_HOME with SQLite queue and MLflow stores inside it (the MLflow store a copy of the
     run's migrated empty one: still a real, fresh store, without seconds of migrations per test)."""
-    import shutil
-
-    root = tmp_path / "home"
-    root.mkdir()
-    shutil.copy(mlflow_template, root / "mlflow.db")
-    monkeypatch.setenv("AUTORESEARCH_HOME", str(root))
-    monkeypatch.delenv("AUTORESEARCH_DB_URL", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "AUTORESEARCH_DEVICES", "AUTORESEARCH_FAULTS"):
-        monkeypatch.delenv(var, raising=False)
-    return root
+    return prepare_home(tmp_path / "home", monkeypatch, mlflow_template)
 
 
 @pytest.fixture(scope="session")

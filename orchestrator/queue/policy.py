@@ -437,20 +437,3 @@ def _choose_victims(
             need -= sizes[i]
             slots -= 1
     return chosen
-
-
-_WHY = {"reclaim": "its project borrowed devices another project's quota reclaims",
-        "scavenger": "a scavenger gives way to any waiting job"}
-
-
-def preemption_reasons(plan: Plan, waiting: Sequence[Waiting]) -> dict[int, str]:
-    """Each victim's event reason, by victim id: the job it yields to and, for a reclaim or a scavenger, why
-    (`preempted for #9 (priority 0): its project borrowed devices another project's quota reclaims`)."""
-    priority = {w.id: w.priority for w in waiting}
-    yields = dict(plan.preempt_for)
-    out = {}
-    for victim, why in zip(plan.preempt, plan.why or ("priority",) * len(plan.preempt)):
-        job_id = yields.get(victim)
-        named = f"preempted for #{job_id} (priority {priority[job_id]})" if job_id in priority else "preempted"
-        out[victim] = f"{named}: {_WHY[why]}" if why in _WHY else named
-    return out

@@ -47,7 +47,7 @@ from orchestrator.queue.store import JobStore
 from orchestrator.api.intake import IntakeServer
 from orchestrator.tracking.preparer import RunPreparer
 from orchestrator.tracking.worker import TrackingWorker
-from orchestrator.service.supervisor import Supervisor
+from orchestrator.service.supervisor import Supervisor, preemption_reasons
 from orchestrator.core import wakeup
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ class Service:
         running = [scheduling.Running.of(j, now) for j in mine]
         plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
         # Each victim's event says why and names the job it yields to (what `show` on the victim says).
-        reasons = scheduling.preemption_reasons(plan, waiting)
+        reasons = preemption_reasons(plan, waiting)
         preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []
         if plan.expired:
             self.store.miss_deadlines(plan.expired)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from orchestrator.service.reaper import reap_dead_hosts
 from orchestrator.executors.base import Executor, Exit, owed_signal
 from orchestrator.queue.models import Job
+from orchestrator.queue.policy import Plan, Waiting
 from orchestrator.queue.rows import Held
 from orchestrator.queue.states import HOLDING, JobState
 from orchestrator.queue.store import JobStore
@@ -122,3 +123,20 @@ class Supervisor:
     def reap(self, stale_after: float) -> bool:
         """Settle the jobs of hosts that stopped heart-beating; whether any job changed state."""
         return bool(reap_dead_hosts(self.store, self.host, stale_after, self.executor))
+
+
+_WHY = {"reclaim": "its project borrowed devices another project's quota reclaims",
+        "scavenger": "a scavenger gives way to any waiting job"}
+
+
+def preemption_reasons(plan: Plan, waiting: Sequence[Waiting]) -> dict[int, str]:
+    """Each victim's event reason, by victim id: the job it yields to and, for a reclaim or a scavenger, why
+    (`preempted for #9 (priority 0): its project borrowed devices another project's quota reclaims`)."""
+    priority = {w.id: w.priority for w in waiting}
+    yields = dict(plan.preempt_for)
+    out = {}
+    for victim, why in zip(plan.preempt, plan.why or ("priority",) * len(plan.preempt)):
+        job_id = yields.get(victim)
+        named = f"preempted for #{job_id} (priority {priority[job_id]})" if job_id in priority else "preempted"
+        out[victim] = f"{named}: {_WHY[why]}" if why in _WHY else named
+    return out

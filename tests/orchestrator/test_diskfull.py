@@ -42,17 +42,9 @@ def small_fs(tmp_path):
 @pytest.fixture
 def home(small_fs, monkeypatch, mlflow_template):
     """This module's AUTORESEARCH_HOME: on the small filesystem (`make_service` then serves it)."""
-    import shutil
+    from tests.support.home import prepare_home
 
-    root = small_fs / "home"
-    root.mkdir()
-    shutil.copy(mlflow_template, root / "mlflow.db")
-    monkeypatch.setenv("AUTORESEARCH_HOME", str(root))
-    monkeypatch.delenv("AUTORESEARCH_DB_URL", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "AUTORESEARCH_DEVICES", "AUTORESEARCH_FAULTS"):
-        monkeypatch.delenv(var, raising=False)
-    return root
+    return prepare_home(small_fs / "home", monkeypatch, mlflow_template)
 
 
 def fill(directory: Path, leave: int) -> Path:
