@@ -71,8 +71,10 @@ def test_tpe_searches_a_third_party_script_and_judges_it_without_seed_noise(home
 
 
 def test_random_searches_the_example_folder(home):
-    summary = runner.start(config(str(ROOT / "examples" / "tinyreg"), proposer="random", trials=3, confirm_seeds=0),
-                           devices="cpu:2")
+    # No early stopping: which peers ASHA sees at a rung depends on when each trial reports, and this test is
+    # about the example folder being searched and judged, not about the stopping rule.
+    summary = runner.start(config(str(ROOT / "examples" / "tinyreg"), proposer="random", trials=3, confirm_seeds=0,
+                                  early_stopping=False), devices="cpu:2")
     assert summary["experiment"] == "tinyreg" and summary["counts"] == {"succeeded": 5}
     assert summary["baseline"]["n"] == 2 and summary["baseline"]["spread"] > 0  # seeded: real seed noise
     assert summary["headline"].startswith("no improvement over the baseline found")
