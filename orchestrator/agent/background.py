@@ -83,7 +83,13 @@ def _ready_tracking(settings: Settings) -> None:
 
 def progress(row: dict, store: JobStore, home: Path) -> dict:
     """A session's progress: its trials' jobs by state, and best/baseline where the session records them."""
-    counts = store.state_counts(finished=True, owner=row["id"])  # one GROUP BY, not a row per trial
+    from orchestrator.agent import tally
+
+    by_phase = store.phase_counts(row["id"])  # one GROUP BY, not a row per trial
+    counts: dict[str, int] = {}
+    for _, job_state, n in by_phase:
+        counts[job_state] = counts.get(job_state, 0) + n
+    phases = trial_counts(row, store, by_phase)
     summary = row.get("summary") or {}
     state = _checkpoint_state(home, row["id"]) if not summary else {}
     best = summary.get("winner") or summary.get("best") or state.get("best") or {}
@@ -94,8 +100,7 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
     return {
         "session": row["id"], "experiment": row.get("experiment"), "goal": row.get("goal"),
         "status": row["status"], "stop_reason": summary.get("stop_reason") or state.get("stop_reason") or "",
-        "trials": counts, "done": sum(counts.get(s, 0) for s in ("SUCCEEDED", "FAILED", "CANCELLED")),
-        "planned": _planned(row.get("config") or {}),
+        "trials": counts, "phases": phases, "tally": tally.text(phases),
         "best": _value(best), "baseline": _value(baseline),
         "metric": metric, "direction": direction,
         "headline": summary.get("headline"), "holdout": summary.get("holdout"),
@@ -104,10 +109,12 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
     }
 
 
-def _planned(config: dict) -> Optional[int]:
-    """Jobs the session will run in all: its trial budget plus the baseline's seeds (which come on top)."""
-    trials = config.get("trials")
-    return None if trials is None else int(trials) + int(config.get("baseline_seeds") or 0)
+def trial_counts(row: dict, store: JobStore, by_phase: Optional[list] = None) -> dict:
+    """The session's trials by phase, done of planned (`orchestrator.agent.tally`), from its jobs in the queue."""
+    from orchestrator.agent import tally
+
+    rows = store.phase_counts(row["id"]) if by_phase is None else by_phase
+    return tally.count(rows, tally.planned(row.get("config") or {}))
 
 
 def _baseline_runs(trials: list) -> Optional[float]:

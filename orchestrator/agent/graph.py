@@ -324,8 +324,10 @@ class Agent(Phases):
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
         trials = load(state["trials"])
         pending = [t for t in trials if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None]
+        self.stop_paused(pending, f"session {self.session_id} finished")
         for t in pending:
-            self._cancel(t, f"session {self.session_id} finished")
+            if t.status is not S.PAUSED:
+                self._cancel(t, f"session {self.session_id} finished")
         deadline = time.time() + 90
         waiting = list(pending)
         while waiting and time.time() < deadline:

@@ -36,6 +36,25 @@ class Phases:
             candidates.append(rep.n)
         return candidates
 
+    def stop_paused(self, trials: list[Trial], reason: str) -> None:
+        """Stop the ASHA-paused trials among `trials` while they wait in line (QUEUED -> CANCELLED at once), before
+        anything else of the session is cancelled: a device that a cancel frees must never restart a paused
+        trial only for it to be cancelled a moment later. A paused trial whose job an idle device resumed
+        meanwhile is cancelled like any running one."""
+        for t in trials:
+            if t.status is S.PAUSED and t.job_id is not None:
+                self._cancel(t, reason)
+
+    def _hopeless(self, trials: list[Trial]) -> list[Trial]:
+        """Paused trials no later report can promote: the search proposes nothing more, and every peer without
+        a value at the rung where one was stopped has finished, so its rank there is final."""
+        peers = [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
+        paused = [t for t in trials if t.status is S.PAUSED and not t.ended]
+        promotable = {v["n"] for v in self.asha.promotable([t.config_values() for t in paused],
+                                                            [p.config_values() for p in peers])}
+        return [t for t in paused if t.n not in promotable and t.stopped_at is not None
+                and all(str(t.stopped_at) in p.rungs or p.status in FINAL for p in peers)]
+
     def decide(self, state: State) -> State:
         """Phase changes (search -> confirm -> done) and the route to take next."""
         self._elapsed(state)
@@ -59,13 +78,16 @@ class Phases:
                 reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
             late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
             searching = [t for t in active if t.phase is not P.BASELINE]
+            if exhausted and self.cfg.early_stopping:
+                self.stop_paused(self._hopeless(trials), "ASHA: no later trial can promote it")
             if hit or late or (exhausted and not searching):
                 reason = ("target reached" if hit else "time budget reached" if self._time_up(state)
                           else "time left only for the confirmation re-runs" if late else "trial budget used")
+                # The baseline runs on (it is what the winner is judged against) unless time is up.
+                keep = not self._time_up(state)
+                self.stop_paused(trials, f"session {self.session_id}: {reason}")
                 for t in trials:
-                    # The baseline runs on (it is what the winner is judged against) unless time is up.
-                    keep = t.phase is P.BASELINE and not self._time_up(state)
-                    if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None and not keep:
+                    if t.status in ACTIVE and t.job_id is not None and not (keep and t.phase is P.BASELINE):
                         self._cancel(t, f"session {self.session_id}: {reason}")
                     if t.status is S.PROPOSED:
                         t.status = S.CANCELLED

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
+from orchestrator.agent import tally
 from orchestrator.tracking.client import leaderboard
 
 REPORT = "report.md"
@@ -33,9 +34,11 @@ def summarise(session_id: str, config: Any, state: Mapping[str, Any], spec: Any,
     counts: dict[str, int] = {}
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
+    phases = tally.of_trials(trials, tally.planned(config.to_dict()))
     return {
         "session": session_id, "experiment": config.experiment, "proposer": config.proposer,
         "goal": config.goal, "stop_reason": state.get("stop_reason", ""), "trials": len(trials), "counts": counts,
+        "phases": phases, "tally": tally.text(phases),
         "metric": spec.metric, "direction": spec.direction,
         "best": state.get("best"), "baseline": board["baseline"], "winner": board["winner"],
         "verdict": board["verdict"], "headline": board["headline"], "ranking": board["entries"][:20],
@@ -52,7 +55,7 @@ def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
     metric = summary["metric"]
     lines = [f"# Session {summary['session']}: {summary['experiment']}", "",
              f"**Goal:** {summary['goal']}  ", f"**Proposer:** {summary['proposer']}  ",
-             f"**Ended:** {summary['stop_reason'] or 'done'} after {summary['trials']} trials, "
+             f"**Ended:** {summary['stop_reason'] or 'done'} after {summary.get('tally') or summary['trials']}, "
              f"{summary['elapsed_s']} s, {summary['device_seconds']} device-seconds", "",
              "## Verdict", "", f"**{summary['headline']}**", ""]
     base = summary.get("baseline")

@@ -116,6 +116,12 @@ def counts(conn: Connection, *, finished: bool = False, owner: Optional[str] = N
     return {s: found[s] for s in sorted(found, key=_state_rank)}
 
 
+def phase_counts(conn: Connection, owner: str) -> list[tuple[Optional[str], str, int]]:
+    """(phase, state, how many) of the jobs `owner` submitted: an agent session's trials, in one GROUP BY."""
+    stmt = select(_c.phase, _c.state, func.count()).where(_c.owner == owner).group_by(_c.phase, _c.state)
+    return [(phase, state, n) for phase, state, n in conn.execute(stmt).all()]
+
+
 def rows(conn: Connection, *, finished: bool = False, limit: Optional[int] = DEFAULT_LIMIT,
          owner: Optional[str] = None) -> list[dict[str, Any]]:
     """The first `limit` (None: all) matching jobs in listing order, each a plain dict of its column values."""

@@ -103,6 +103,11 @@ class JobQueries(HostRecords):
         with self._reading() as conn:
             return listings.counts(conn, finished=finished, owner=owner)
 
+    def phase_counts(self, owner: str) -> list[tuple[Optional[str], str, int]]:
+        """(phase, state, how many) of `owner`'s jobs (an agent session's trials by phase), counted in SQL."""
+        with self._reading() as conn:
+            return listings.phase_counts(conn, owner)
+
     def line(self, limit: int) -> list:
         """The first `limit` QUEUED jobs in line order, as read-only rows with the Job's column attributes."""
         with self._reading() as conn:

@@ -121,3 +121,22 @@ def test_reports_number_distinct_steps():
     from orchestrator.agent.outcome import reports
 
     assert reports([(22, 0.5), (44, 0.7), (44, 0.7), (66, 0.8)]) == [(1, 0.5), (2, 0.7), (3, 0.8)]
+
+
+def test_trial_counts_are_one_definition_for_the_session_and_the_queue():
+    """`--trials 4`: three search trials and one re-run out of the 4, the baseline's 3 seeds on top; the count
+    from the session's trials (its output and report) equals the count from its jobs (top, sessions, MCP)."""
+    from orchestrator.agent import tally
+
+    plan = tally.planned({"goal": "", "experiment": "digits", "proposer": "random", "trials": 4})
+    assert plan == {"baseline": 3, "search": 3, "confirm": 1}
+    trials = [{"phase": "baseline", "status": "succeeded", "job_id": i} for i in range(3)]
+    trials += [{"phase": "search", "status": s, "job_id": 3 + i} for i, s in enumerate(("succeeded", "stopped",
+                                                                                          "running"))]
+    trials += [{"phase": "confirm", "status": "cancelled", "job_id": None}]  # recorded, never submitted
+    jobs = [("baseline", "SUCCEEDED", 3), ("search", "SUCCEEDED", 1), ("search", "CANCELLED", 1),
+            ("search", "RUNNING", 1)]
+    assert tally.of_trials(trials, plan) == tally.count(jobs, plan)
+    assert tally.text(tally.count(jobs, plan)) == "baseline 3/3, search 2/3, confirm 0/1"
+    assert tally.planned({"program": "/p", "trials": 8})["search"] == 8 and tally.text(tally.count([], {})) == \
+        "no trials yet"

@@ -141,8 +141,11 @@ def test_kill_9_of_the_service_and_restart_adopts_the_running_container(home, im
 
 def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_retried(home, image, tmp_path):
     store = JobStore(Settings.load().db_url)
-    gate = tmp_path / "gate"
-    script = f'[ "$AUTORESEARCH_ATTEMPT" = 2 ] && exit 0; while [ ! -e {gate} ]; do sleep 0.1; done'
+    gate, passed = tmp_path / "gate", tmp_path / "first-attempt-passed"
+    # The second attempt opens the gate the first waits on: a first attempt left running beside it (not reaped)
+    # passes the gate and says so before its container ends.
+    script = (f'[ "$AUTORESEARCH_ATTEMPT" = 2 ] && {{ touch {gate}; exit 0; }}; '
+              f'while [ ! -e {gate} ]; do sleep 0.1; done; touch {passed}')
     serve = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "serve", "--devices", "cpu:1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                  env={**os.environ, "AUTORESEARCH_RETRY_BACKOFF": "0"})
@@ -162,7 +165,7 @@ def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_re
         assert (done.state, done.attempts) == ("SUCCEEDED", 2)
         assert any("killed" in e.reason for e in store.events(job.id)), [e.reason for e in store.events(job.id)]
         wait_for(lambda: containers_of(home) == [], timeout=15, what="the first attempt's container to go")
-        assert not gate.exists()  # the first attempt never saw its gate: it was stopped, not left to finish
+        assert gate.exists() and not passed.exists()  # the first attempt was stopped, not left to finish
     finally:
         serve.kill()
         serve.wait(timeout=10)

@@ -285,7 +285,9 @@ def test_a_session_is_started_watched_and_stopped_over_mcp(tracked_home, child_e
         return status["sessions"][0], stopped, jobs["jobs"], again
 
     status, stopped, jobs, again = with_client(child_env, body)
-    assert status["status"] == "running" and status["experiment"] == "digits" and status["planned"] == 23  # 20 trials and the baseline on 3 seeds
+    assert status["status"] == "running" and status["experiment"] == "digits" and status["tally"].startswith("baseline ")
+    # --trials 20: 14 search trials and 6 re-runs (2 candidates x 3 seeds), the baseline's 3 seeds on top.
+    assert {p: r["planned"] for p, r in status["phases"].items()} == {"baseline": 3, "search": 14, "confirm": 6}
     assert stopped["status"] == "interrupted"  # resumable with `autoresearch resume`
     assert stopped["cancelled_jobs"] and set(stopped["cancelled_jobs"]) <= {j["id"] for j in jobs}
     assert all(j["state"] in ("CANCELLING", "CANCELLED", "SUCCEEDED", "FAILED") for j in jobs), jobs

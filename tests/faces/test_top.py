@@ -76,7 +76,9 @@ def _busy_snapshot(devices=12, queued=30, events=20) -> Snapshot:
     evs = [(JobEvent(job_id=1, at=NOW - i, src="QUEUED", dst="STARTING", reason=f"placed on cpu:{i} " * 5), "x")
            for i in range(events)]
     sessions = [{"session": "s-0000000a", "experiment": "digits", "status": "running", "trials": {"RUNNING": 2},
-                 "done": 5, "planned": 20, "best": 0.97, "baseline": 0.961, "direction": "maximize", "goal": "g",
+                 "phases": {"baseline": {"done": 3, "submitted": 3, "planned": 3},
+                            "search": {"done": 2, "submitted": 4, "planned": 14},
+                            "confirm": {"done": 0, "submitted": 0, "planned": 6}}, "best": 0.97, "baseline": 0.961, "direction": "maximize", "goal": "g",
                  "holdout": {"delta": 0.0042, "confirmed": False}}]
     return Snapshot(at=NOW, home="/h", services=[service], devices=drows, queue=rows, victims=victims,
                     running=running, events=evs, sessions=sessions, counts={"RUNNING": devices, "QUEUED": queued})
@@ -233,19 +235,22 @@ def test_session_progress_counts_its_trials_and_reads_best_and_baseline(home):
     from orchestrator.agent.background import progress
 
     store = JobStore.from_settings(Settings.load())
-    for name in ("a", "b", "c"):
-        store.submit(JobSpec(argv=["true"], name=name, owner="s-0000beef", track=False))
+    for name, phase in (("a", "baseline"), ("b", "search"), ("c", "search")):
+        store.submit(JobSpec(argv=["true"], name=name, owner="s-0000beef", track=False, phase=phase))
     store.cancel(1)
-    row = {"id": "s-0000beef", "experiment": "digits", "goal": "g", "status": "finished", "config": {"trials": 8},
+    row = {"id": "s-0000beef", "experiment": "digits", "goal": "g", "status": "finished",
+           "config": {"trials": 8, "baseline_seeds": 1},
            "summary": {"winner": None, "best": {"value": 0.975}, "baseline": {"mean": 0.961, "n": 2},
                        "metric": "val_accuracy", "direction": "maximize", "stop_reason": "trials"}}
     p = progress(row, store, home)
-    assert p["trials"] == {"CANCELLED": 1, "QUEUED": 2} and p["done"] == 1 and p["planned"] == 8
+    assert p["trials"] == {"CANCELLED": 1, "QUEUED": 2}
+    # Of --trials 8: 5 search trials and 3 re-runs (SessionConfig.split), the baseline's one seed on top.
+    assert p["tally"] == "baseline 1/1, search 0/5, confirm 0/3"
     assert (p["best"], p["baseline"], p["direction"], p["stop_reason"]) == (0.975, 0.961, "maximize", "trials")
     running = progress({**row, "status": "running", "summary": {}}, store, home)
     assert running["best"] is None and running["direction"] == "maximize"  # from the experiment's spec
     text = "\n".join(_lines(_busy_snapshot(), 100, 40))
-    assert "0.97" in text and "0.961" in text and "5/20" in text
+    assert "0.97" in text and "0.961" in text and "baseline 3/3, search 2/14, confirm 0/6" in text
     assert "holdout" in text and "+0.0042" in text  # the winner's holdout lead, once its session has read it
     held = {"text": "holdout +0.01 (95% CI -0.002..+0.022)", "delta": 0.01, "confirmed": False}
     done = progress({**row, "summary": {**row["summary"], "holdout": held, "usage": {"calls": 3}}}, store, home)

@@ -34,6 +34,19 @@ def spawner_processes() -> list[psutil.Process]:
             if "orchestrator.executors.local.spawner" in " ".join(p.cmdline())]
 
 
+def in_fifo_open() -> bool:
+    """Whether a spawner process is blocked opening a FIFO (the kernel's `wait_for_partner`): it has taken the
+    request and cannot answer until someone reads the FIFO."""
+    for proc in spawner_processes():
+        try:
+            tasks = os.listdir(f"/proc/{proc.pid}/task")
+            if any(open(f"/proc/{proc.pid}/task/{t}/wchan").read() == "wait_for_partner" for t in tasks):
+                return True
+        except OSError:  # it ended meanwhile
+            continue
+    return False
+
+
 @pytest.fixture
 def spawner():
     spawner = Spawner()
@@ -104,7 +117,7 @@ def test_a_spawner_killed_before_it_answers_is_reported_and_replaced(spawner, tm
     answers = []
     waiting = threading.Thread(target=lambda: answers.extend(spawner.spawn_many([request(tmp_path, ["/bin/true"])])))
     waiting.start()
-    time.sleep(0.3)
+    wait_for(in_fifo_open, what="the spawner to block in the FIFO's open")
     assert not answers
     killed = {proc.pid for proc in spawner_processes()}
     for proc in spawner_processes():
@@ -156,7 +169,7 @@ def test_closing_while_a_batch_hangs_stops_its_spawner_soon(tmp_path, monkeypatc
     answers = []
     waiting = threading.Thread(target=lambda: answers.extend(one.spawn_many([request(tmp_path, ["/bin/true"])])))
     waiting.start()
-    time.sleep(0.3)
+    wait_for(in_fifo_open, what="the spawner to block in the FIFO's open")
     started = time.monotonic()
     one.close()
     waiting.join(timeout=10)
@@ -188,7 +201,7 @@ def test_the_service_starts_jobs_after_its_spawners_were_killed(make_service, ho
                           store=service.store)
     assert first.id == 1
     wait_for(lambda: service.store.get(1).job_state is JobState.STARTING, what="job 1 claimed")
-    time.sleep(0.3)  # its spawner is in the open(): nothing answered
+    wait_for(in_fifo_open, what="job 1's spawner to block in the open() of its log")  # nothing answered
     for proc in spawner_processes():
         proc.kill()
     wait_for(lambda: service.store.get(1).attempts >= 1 and service.store.get(1).job_state is not JobState.STARTING,

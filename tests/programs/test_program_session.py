@@ -141,8 +141,15 @@ def drafts(body: dict):
 
 
 def test_four_variants_run_at_once_on_four_slots(home, tmp_path, monkeypatch):
-    slow = ("import os, random, time\nfrom prepare import evaluate\nLR = 1.0\n"
-            "time.sleep(0 if LR == 1.0 else 2.5)\nrandom.seed(int(os.environ.get('AUTORESEARCH_SEED', '0')))\n"
+    # A barrier instead of a sleep: each variant waits (up to 30 s) until all four have started, so they overlap
+    # only if they really ran at once.
+    barrier = tmp_path / "barrier"
+    slow = ("import os, pathlib, random, time\nfrom prepare import evaluate\nLR = 1.0\n"
+            f"gate = pathlib.Path({str(barrier)!r})\n"
+            "if LR != 1.0:\n    gate.mkdir(exist_ok=True)\n    (gate / str(os.getpid())).touch()\n"
+            "    end = time.time() + 30\n"
+            "    while len(list(gate.iterdir())) < 4 and time.time() < end:\n        time.sleep(0.05)\n"
+            "random.seed(int(os.environ.get('AUTORESEARCH_SEED', '0')))\n"
             "print(f'score: {evaluate(LR) + random.gauss(0, 0.01):.6f}', flush=True)\n")
     program = make_program(tmp_path / "proj", repeats=2, train=slow)
     drafts.count = 0

@@ -73,13 +73,13 @@ def _print_summary(summary: dict) -> None:
     """The end of a session for people: the baseline, the winner (if any) and the gate's verdict."""
     metric = summary["metric"]
     if summary.get("status") == "paused":
-        info(f"session {summary['session']} paused ({summary['stop_reason']}) after {summary['trials']} trials "
-             f"{summary['counts']}; continue it with `autoresearch resume {summary['session']} --llm-budget-usd Y` "
+        info(f"session {summary['session']} paused ({summary['stop_reason']}) after {summary['tally']}"
+             f"; continue it with `autoresearch resume {summary['session']} --llm-budget-usd Y` "
              "(or --llm-budget-tokens N) above what it spent")
         _print_usage(summary)
         return
-    info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['trials']} trials "
-         f"{summary['counts']}, {summary['elapsed_s']} s, {summary['device_seconds']} device-s")
+    info(f"session {summary['session']} finished ({summary['stop_reason'] or 'done'}): {summary['tally']}, "
+         f"{summary['elapsed_s']} s, {summary['device_seconds']} device-s")
     base, winner = summary.get("baseline"), summary.get("winner")
     if base:
         print(f"baseline: {metric} {_mean(base)} over {base['n']} seed(s) (the experiment's defaults)")
@@ -227,12 +227,19 @@ def resume(
 @app.command()
 def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
     """Agent sessions and their status (interrupted ones can be resumed)."""
+    from orchestrator.agent import tally
+    from orchestrator.agent.background import trial_counts
     from orchestrator.agent.session import Registry
     from orchestrator.core.config import Settings
+    from orchestrator.queue.store import JobStore
 
-    registry = Registry(Settings.load().home)
+    settings = Settings.load()
+    registry = Registry(settings.home)
     rows = registry.all()
     registry.close()
+    store = JobStore.from_settings(settings)
+    for r in rows:
+        r["phases"] = trial_counts(r, store)
     if as_json:
         print_json(rows)
         return
@@ -249,7 +256,7 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
     print_columns(SESSION_COLUMNS,
                   [(r["id"], r["experiment"], r["proposer"],
                     r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
-                    r["summary"].get("trials", ""), best(r), _llm(r),
+                    tally.text(r["phases"]), best(r), _llm(r),
                     dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"])
                    for r in rows])
 

@@ -20,6 +20,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.agent import tally
 from orchestrator.core.config import Settings
 from orchestrator.faces.views.snapshot import Snapshot, reserved, take
 
@@ -124,15 +125,17 @@ def queue_table(snap: Snapshot, limit: Optional[int]) -> Any:
 
 def sessions_table(snap: Snapshot, limit: Optional[int]) -> Table:
     """Agent sessions: status, trials done (of the budget), best so far against the baseline."""
+    rows = snap.sessions if limit is None else snap.sessions[:limit]
+    counts = [tally.text(s["phases"]) for s in rows]  # never cut: the goal gives way first
     table = _table("agent sessions", ("session", {"min_width": 10}), ("exp", {"ratio": 1, "min_width": 6}),
-                   ("status", {"min_width": 6}), ("trials", {"justify": "right"}), ("running", {"justify": "right"}),
+                   ("status", {"min_width": 6}), ("trials", {"justify": "right", "min_width": max(map(len, counts),
+                                                                                                default=6)}),
+                   ("running", {"justify": "right"}),
                    ("best", {"justify": "right"}), ("baseline", {"justify": "right"}),
                    ("holdout", {"justify": "right"}), ("goal", {"ratio": 2}))
-    rows = snap.sessions if limit is None else snap.sessions[:limit]
-    for s in rows:
+    for s, done in zip(rows, counts):
         trials = s["trials"]
         active = sum(trials.get(k, 0) for k in ("RUNNING", "STARTING", "PREEMPTING", "CANCELLING"))
-        done = f"{s['done']}/{s['planned']}" if s.get("planned") else str(s["done"])
         best, base = s.get("best"), s.get("baseline")
         best_text = Text(_num(best))
         if best is not None and base is not None and s.get("direction") and best != base:
