@@ -122,7 +122,7 @@ def main() -> None:
     assert submitter.stdout.readline().strip() == "ready"
     passes, start, cpu, threads = service.passes, time.perf_counter(), time.process_time(), thread_cpu()
     before, busy_before = os.times(), box_busy()
-    worker_before = cpu_seconds(service.run_preparer.worker.pid) if track else 0.0
+    worker_before = cpu_seconds(service.runs.preparer.worker.pid) if track else 0.0
     submitter.stdin.write("go\n")
     submitter.stdin.flush()
     last = int(submitter.stdout.readline())  # as the throughput benchmark: no look at the queue before the end
@@ -130,7 +130,7 @@ def main() -> None:
                and service.store.count_in(JobState.SUCCEEDED) >= jobs + before_jobs):
         time.sleep(0.02)  # (this process is the service's: its looks take the service's GIL)
     busy = box_busy() - busy_before
-    worker = service.run_preparer.worker.pid if track else None
+    worker = service.runs.preparer.worker.pid if track else None
     worker_total = cpu_seconds(worker)  # its whole life, MLflow's import included, is in the children's CPU
     worker_cpu = worker_total - worker_before
     wall, cpu, passes = time.perf_counter() - start, time.process_time() - cpu, service.passes - passes

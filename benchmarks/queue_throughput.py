@@ -191,6 +191,8 @@ def cli_rows(n: int, home: Path) -> dict[str, tuple[float, float]]:
                        env=served.env, check=True, capture_output=True)
         rows = {
             "submit (lean, service running)": cli_seconds(n, home, "submit", "--no-track", "--", "true"),
+            "submit --project/--scavenger/--deadline (lean)": cli_seconds(
+                n, home, "submit", "--no-track", "--project", "default", "--scavenger", "--deadline", "2h", "--", "true"),
             "submit (full typer CLI)": cli_seconds(n, home, "submit", "--no-track", "--", "true",
                                                    entry="orchestrator.faces.cli"),
             "queue --json (lean)": cli_seconds(n, home, "queue", "--json"),

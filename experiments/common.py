@@ -101,8 +101,8 @@ def setup_torch(device: Any, seed: int):
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     # One intra-op thread per CPU job unless OMP_NUM_THREADS says otherwise: `serve --devices cpu:N` runs
     # N jobs side by side on the same cores, and torch's default of a thread per core then oversubscribes
-    # them; OpenMP's spinning barriers make that up to 10x slower than one thread each. A fixed count also
-    # keeps float reductions in the same order on every attempt of a trial.
+    # them; OpenMP's spinning barriers make that many times slower than one thread each (benchmarks/RESULTS.md).
+    # A fixed count also keeps float reductions in the same order on every attempt of a trial.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     # The public torch.use_deterministic_algorithms(True) also imports torch._inductor.config (seconds of

@@ -3,9 +3,9 @@
 The one place that declares what a trial may change, what it is judged on and how much it may spend. Kept
 import-light (no torch): `autoresearch submit --experiment digits` validates params against this space.
 
-Budget is counted in epochs over the 1,077 training images, never in seconds. The defaults cost about 12 s
-of CPU time (one core; startup included) once the data is prepared; on a GPU raise `scale` (it multiplies
-width and batch size).
+Budget is counted in epochs over the 1,077 training images, never in seconds. The defaults are sized for a
+CPU core (seconds of CPU time once the data is prepared: benchmarks/RESULTS.md); on a GPU raise `scale` (it
+multiplies width and batch size).
 """
 
 from experiments.registry import ExperimentSpec

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from orchestrator.core.errors import BadInput
+from orchestrator.core.config import Settings
 
 USES_LLM = ("llm", "hybrid")
 
@@ -90,7 +91,7 @@ def price_known(model: str | None, llm_price: str | None) -> bool:
     return (model or os.environ.get("AUTORESEARCH_LLM_MODEL") or DEFAULT_MODEL) in PRICES
 
 
-def check(config: Any, settings: Any) -> None:
+def check(config: Any, settings: Settings) -> None:
     """BadInput for a dollar budget on an LLM session whose model has no known price."""
     budget = of(config)
     if budget.usd is None or config.proposer not in USES_LLM:

@@ -213,7 +213,7 @@ class Agent(Phases):
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                     priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
-                                    grace=30.0, preemptible=True, owner=self.session_id, env={},
+                                    grace=self.settings.stop_grace, preemptible=True, owner=self.session_id, env={},
                                     mlflow_run_id=run_id, idempotency_key=t.key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get

@@ -1,8 +1,10 @@
 """A running service takes submits over a Unix socket in its home, so `autoresearch submit` need not import
-the ORM, typer, rich or MLflow (an import-heavy CLI cost 0.4 s of CPU per submit; tsp's client 1 ms).
+the ORM, typer, rich or MLflow (their imports cost a submit many times what queueing it does: the figures are in
+benchmarks/RESULTS.md, "Queue throughput").
 
 - `IntakeServer` (service side): accepts one JSON request per connection, `{"op": "submit", "argv": [...],
-  "options": {...}, "cwd": ..., "db_url": ...}`, submits through `orchestrator.api.jobs.submit` (the same checks as
+  "options": {...}, "cwd": ..., "db_url": ...}` (the options: submit's flag values by key, as
+  `orchestrator.api.submitflags` declares them), submits through `orchestrator.api.jobs.submit` (the same checks as
   the CLI) and answers `{"ok": true, "job": {...}}`, `{"ok": false, "error": "...", "code": 2}` for bad input,
   or `{"fallback": true}` when the client should take the ordinary path (it names another database).
   `{"op": "queue", "all": bool, "limit": N}` and `{"op": "show", "id": N}` answer `{"ok": true, "data": ...}`, the
@@ -19,7 +21,11 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:  # the client side imports the standard library only
+    from orchestrator.core.config import Settings
+    from orchestrator.queue.store import JobStore
 
 log = logging.getLogger(__name__)
 SOCKET_NAME = "service.intake.sock"
@@ -72,7 +78,7 @@ def ask(home: Path, request: dict) -> Optional[dict]:
 class IntakeServer:
     """Takes submits for one service on a daemon thread (one connection at a time: each is a few ms)."""
 
-    def __init__(self, settings: Any, store: Any, on_submit: Any):
+    def __init__(self, settings: Settings, store: JobStore, on_submit: Callable[[], None]):
         self.settings = settings
         self.store = store
         self._on_submit = on_submit
@@ -106,6 +112,7 @@ class IntakeServer:
     def handle(self, request: dict) -> dict:
         """Carry out one request (see the module docstring)."""
         from orchestrator.api import jobs as api
+        from orchestrator.api.submitflags import spec_options
         from orchestrator.core.errors import BadInput
         from orchestrator.queue.models import JobSpec
 
@@ -116,14 +123,10 @@ class IntakeServer:
             return self._read(request)
         if op != "submit":
             return {"fallback": True}
-        opts = dict(request.get("options") or {})
         try:
-            if opts.get("time_limit") is not None:
-                from orchestrator.core.durations import parse_duration
-
-                opts["time_limit"] = parse_duration(opts["time_limit"], what="--time-limit")
-            opts["env"] = api.parse_params(list(opts.get("env") or []))
-            spec = JobSpec(argv=list(request.get("argv") or []), cwd=request.get("cwd"), **opts)
+            opts = spec_options(dict(request.get("options") or {}))
+            opts["cwd"] = opts["cwd"] or request.get("cwd")
+            spec = JobSpec(argv=list(request.get("argv") or []), **opts)
             job, _ = api.submit(spec, self.settings, self.store)
         except BadInput as exc:
             return {"ok": False, "error": str(exc), "code": 2}

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
-from orchestrator.queue.policy import DEFAULT_PROJECT, unplaceable_reason
+from orchestrator.queue.policy import DEFAULT_PROJECT, UNPLACEABLE, unplaceable_reason
 from orchestrator.queue.models import Job, JobEvent, JobSpec
 from orchestrator.queue.inventory import SERVICE_STALE_AFTER
 from orchestrator.queue.store import JobStore
@@ -91,6 +91,16 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     job = store.submit(spec)
     notify(settings.home)
     return job, bool(capacities)
+
+
+def note_unplaceable(store: JobStore) -> None:
+    """Keep the reason of queued jobs that no live service can place (more devices than the largest has) up to
+    date: what `submit` refuses once the services' devices are known (the service's housekeeping calls it)."""
+    largest = largest_capacity(live_services(store))
+    if not largest:
+        return  # no inventory known (a cluster still starting): say nothing rather than something wrong
+    store.note({job.id: unplaceable_reason(job.gpus, largest) or "waiting: a live service can place it"
+                for job in store.waiting_with(gpus_over=largest, reason_prefix=UNPLACEABLE)})
 
 
 def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:

@@ -171,6 +171,9 @@ class Settings:
     preempt_after: float = 60.0  # minimum runtime (s) before a job may be preempted
     retry_backoff: float = 5.0  # first retry of a failed job after this many seconds, doubling ...
     retry_backoff_cap: float = 300.0  # ... up to this
+    # A job's seconds between SIGTERM and SIGKILL when its submitter names none (`--grace`): not a config.toml
+    # key, since a job's grace is its own, but declared here once for every face and the queue.
+    stop_grace: float = 30.0
     # Device health (see orchestrator.service.health.HealthConfig for their meaning).
     preflight: str = "quick"
     preflight_ttl: float = 30.0

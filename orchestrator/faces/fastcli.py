@@ -1,6 +1,7 @@
 """The `autoresearch` console script: `submit` of a command, `queue --json` and `show ID --json` go straight to
-the running service (standard library only, `orchestrator.api.intake`); everything else, and any submit this does not fully understand or that
-no service takes, goes through the full CLI (`orchestrator.faces.cli`, typer) with exactly its behaviour.
+the running service (standard library only, `orchestrator.api.intake`); everything else, and any submit this does
+not fully understand or that no service takes, goes through the full CLI (`orchestrator.faces.cli`, typer) with
+exactly its behaviour. Submit's flags are read as `orchestrator.api.submitflags` declares them, for both paths.
 
 `python -m orchestrator.faces.fastcli ARGS` is the same as `autoresearch ARGS`.
 """
@@ -12,44 +13,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
-
-_VALUED = {"--name": ("name", str), "--priority": ("priority", int), "--gpus": ("gpus", int),
-           "--max-attempts": ("max_attempts", int), "--grace": ("grace", float),
-           "--time-limit": ("time_limit", str)}
-_FLAGS = {"--no-preempt": ("preemptible", False), "--no-track": ("track", False), "--json": ("json", True)}
-
-
-def parse_submit(args: list[str]) -> Optional[tuple[list[str], dict[str, Any]]]:
-    """(argv, options) of `submit ARGS` for the common forms, or None to leave it to the full CLI (experiments,
-    --help, unknown or malformed options: typer then gives its usual message)."""
-    options: dict[str, Any] = {}
-    env: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--":
-            return args[i + 1:], {**options, "env": env}
-        if not arg.startswith("-"):
-            return args[i:], {**options, "env": env}  # the command starts here (no interspersed options)
-        if arg in _FLAGS:
-            key, value = _FLAGS[arg]
-            options[key] = value
-            i += 1
-            continue
-        if (arg in _VALUED or arg == "--env") and i + 1 < len(args):
-            if arg == "--env":
-                env.append(args[i + 1])
-            else:
-                key, kind = _VALUED[arg]
-                try:
-                    options[key] = kind(args[i + 1])
-                except ValueError:
-                    return None
-            i += 2
-            continue
-        return None
-    return [], {**options, "env": env}
-
 
 def _home() -> Path:
     explicit = os.environ.get("AUTORESEARCH_HOME")
@@ -74,11 +37,13 @@ def _config_parses(home: Path) -> bool:
 
 def fast_submit(args: list[str]) -> Optional[int]:
     """Submit through the running service; the exit code, or None when the full CLI must handle it."""
-    parsed = parse_submit(args)
+    from orchestrator.api import submitflags  # the flags' one declaration (standard library only)
+
+    parsed = submitflags.scan(args)
     if parsed is None:
         return None
     argv, options = parsed
-    as_json = options.pop("json", False)
+    as_json = options.pop("as_json", False)
     if not _config_parses(_home()):
         return None  # the full CLI names the malformed file (exit 2)
     from orchestrator.api import intake

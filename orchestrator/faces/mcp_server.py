@@ -183,7 +183,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def submit_job(ctx: Context, command: Optional[list[str]] = None, experiment: Optional[str] = None,
                    params: Optional[dict[str, Any]] = None, name: str = "", priority: int = DEFAULT_PRIORITY,
-                   gpus: int = 1, max_attempts: int = 1, grace: float = 30.0, preemptible: bool = True,
+                   gpus: int = 1, max_attempts: int = 1, grace: float = Settings.stop_grace, preemptible: bool = True,
                    time_limit: Optional[str] = None, env: Optional[dict[str, str]] = None,
                    cwd: Optional[str] = None, project: Optional[str] = None, scavenger: bool = False,
                    deadline: Optional[str] = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Listings of the queue for people and programs (`queue`, `show`, `top`, the MCP tools), read through SQLAlchemy
-Core: plain rows and dicts, no ORM object per job (at 10,000 unfinished jobs the old listing built 10,000 ORM
-objects: 0.5-1.6 s).
+Core: plain rows and dicts, no ORM object per job (building one per listed job made a long queue's listing slow:
+benchmarks/RESULTS.md, "Queue throughput").
 
 Listing order: the unfinished jobs first, those holding devices (STARTING, RUNNING, PREEMPTING, CANCELLING) by id,
 then QUEUED jobs in line order (priority descending, then submit time, then id: the order the service starts them),
@@ -134,7 +134,7 @@ def rows(conn: Connection, *, finished: bool = False, limit: Optional[int] = DEF
             stmt = stmt.limit(limit - len(out))
         result = conn.execute(stmt)
         keys = list(result.keys())
-        out.extend(dict(zip(keys, row)) for row in result)  # 10x cheaper than attribute access on each Row
+        out.extend(dict(zip(keys, row)) for row in result)  # cheaper than attribute access on each Row
     return out
 
 

@@ -102,7 +102,8 @@ def _update_of(keys: tuple[str, ...]) -> Any:
 class Writes:
     """The row changes of one transaction's transitions, written just before it commits in as few statements
     as the batch allows (SQLAlchemy Core, no ORM unit of work): one executemany UPDATE per set of changed
-    columns and one INSERT of every event row. The ORM flush cost ~3x these statements per transition."""
+    columns and one INSERT of every event row. The ORM's flush cost several times these statements per transition
+(benchmarks/RESULTS.md, "Queue throughput")."""
 
     def __init__(self) -> None:
         self.rows: dict[int, dict[str, Any]] = {}  # job id -> its new column values (later changes win)

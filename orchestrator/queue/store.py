@@ -68,7 +68,7 @@ class JobStore(KeepRecords):
         self.retry_backoff_cap = retry_backoff_cap
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "JobStore":
+    def from_settings(cls, settings: Settings) -> "JobStore":
         """The store of a `Settings`: its database and its retry backoff."""
         return cls(settings.db_url, retry_backoff=settings.retry_backoff,
                    retry_backoff_cap=settings.retry_backoff_cap)

@@ -31,12 +31,12 @@ from typing import Callable, Optional
 from orchestrator.core import devices as devspec
 from orchestrator.service import homelock
 from orchestrator.queue import policy as scheduling
-from orchestrator.api.jobs import SERVICE_STALE_AFTER, largest_capacity, live_services
+from orchestrator.api.jobs import SERVICE_STALE_AFTER, live_services, note_unplaceable
 from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, job_env
 from orchestrator.queue.fairshare import ProjectBook
-from orchestrator.service.diskspace import is_disk_full
+from orchestrator.service.diskspace import DiskWatch
 from orchestrator.service.notices import ServiceNotices
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.health import Health, HealthConfig
@@ -45,7 +45,7 @@ from orchestrator.queue.models import Job
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.api.intake import IntakeServer
-from orchestrator.tracking.preparer import RunPreparer
+from orchestrator.service.rungate import RunGate
 from orchestrator.tracking.worker import TrackingWorker
 from orchestrator.service.supervisor import Supervisor, preemption_reasons
 from orchestrator.core import wakeup
@@ -57,7 +57,6 @@ SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch ser
 # Seconds a started attempt may wait for a pass to record it RUNNING: soon, not at once (a pass right away
 # takes the CPU from the jobs starting up; any wake-up meanwhile, an exit or a submit, records it sooner).
 RECORD_STARTS_WITHIN = 0.02
-TRACKING_RETRY_AFTER = 5.0  # after the tracking store failed, wait this long before asking it again
 BACKFILL_WINDOW = 32  # queued jobs read past the first blocked one, as backfill candidates
 
 
@@ -113,14 +112,12 @@ class Service:
         self.health = Health(config, paths=[self.layout.checkpoints_dir])
         self.recheck_every = self.health.config.recheck_every
         self.guard = DeviceGuard(self.store, self.host, self.health, heartbeat_file=self.layout.heartbeat_file,
-                                 stop_job=self._send_stop, wake=self.wake)
+                                 stop_job=self.supervisor.send_stop, wake=self.wake)
         # MLflow runs are made by a child process started when tracked jobs wait: the service never imports it.
         self.tracking = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
-        self._tracking_retry_at = 0.0  # monotonic time before which a failed tracking store is not asked again
-        self._tracking_blocked: set[int] = set()  # jobs waiting for the tracking store, out of the plan meanwhile
+        self.runs = RunGate(self.store, self.tracking)  # tracked jobs are claimed once their MLflow run exists
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
-        self.run_preparer: Optional[RunPreparer] = None
         self.projects = ProjectBook(self.store, settings.extra, self.host, settings.usage_half_life)
         self._backfill = settings.backfill == "on"
         from orchestrator.service.gc import Collector  # retention: its own scheduler job, never in a dispatch pass
@@ -128,8 +125,6 @@ class Service:
         self.collector = Collector(settings, self.store, tag_runs=self.tracking.set_tags)
         self.notices = ServiceNotices(settings, self.store, self.host)  # announced off the dispatcher
         self.notifier = self.notices.notifier
-        from orchestrator.service.diskspace import DiskWatch
-
         self.disk = DiskWatch([self.layout.checkpoints_dir, self.layout.logs_dir, self.home],
                               settings.disk_min_free_mb, collect=self.collect_garbage, on_low=self.notices.disk_low)
         self.guard.on_quarantine = self.notices.quarantined
@@ -158,8 +153,7 @@ class Service:
             self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
-            self.run_preparer = RunPreparer(self.store, self.tracking, lambda: self._capacity, self._wake.set,
-                                            retry_after=TRACKING_RETRY_AFTER).start()
+            self.runs.start(lambda: self._capacity, self._wake.set)
             self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
                                             self.wake)
             self._listeners.append(IntakeServer(self.settings, self.store, self.wake))
@@ -208,8 +202,7 @@ class Service:
         for listener in self._listeners:
             listener.close()
         self._launchers.shutdown(wait=True)
-        if self.run_preparer is not None:
-            self.run_preparer.close()
+        self.runs.close()
         if self.executor is not None:
             self.executor.close()
         if self._launched:  # the last pass's starts: their processes run, so the store gets their pids
@@ -232,8 +225,8 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
         # The service's threads make many short SQLite and MLflow calls that release the GIL; with the default
-        # 5 ms switch interval each one waits up to 5 ms to get it back while another thread computes (a convoy:
-        # MLflow's create_run took 70 ms in the service against 3 ms alone). A whole process of our own: set here.
+        # switch interval each one waits for a whole interval to get it back while another thread computes (a
+        # convoy: benchmarks/RESULTS.md, "The switch interval"). A whole process of our own: set here.
         sys.setswitchinterval(SWITCH_INTERVAL)
         self.start()
         try:
@@ -246,8 +239,7 @@ class Service:
 
     def wake(self) -> None:
         """Run a dispatch pass soon. (The pass wakes the run preparer when tracked jobs in its window lack an
-        MLflow run: waking it on every submit and exit cost a query of the queue each, ~1 ms of the service's
-        CPU per untracked no-op job.)"""
+        MLflow run: waking it on every submit and exit cost a query of the queue each, for every job.)"""
         self._wake.set()
 
     # ---- events from the executor -----------------------------------------------------------------------
@@ -276,15 +268,13 @@ class Service:
             try:
                 with self.guard.placing():  # devices under an idle check stay out of the pass, to its claim
                     self.dispatch_once()
-                if self.disk.full_error is not None and self.disk.shortage is None:
-                    log.warning("the queue database takes writes again")
-                    self.disk.full_error = None
+                self.disk.write_ok()
             except Exception as exc:
-                if is_disk_full(exc):  # one line per episode, not a traceback per pass
-                    if self.disk.full_error is None:
+                first = self.disk.full_error is None
+                if self.disk.write_failed(exc):  # one line per episode, not a traceback per pass
+                    if first:
                         log.error("dispatch pass failed: the disk is full (%s); retrying until space returns",
                                   str(exc).splitlines()[0][:200])
-                    self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
                     time.sleep(0.5)
                     continue
                 log.exception("dispatch pass failed; retrying on the next wake-up")
@@ -309,7 +299,7 @@ class Service:
         self.supervisor.settled(exits)
         self.supervisor.enforce_stops(mine)
         for job in preempted:
-            self._send_stop(job)
+            self.supervisor.send_stop(job)
         self._start_claimed(claimed)
         self.passes += 1
 
@@ -317,8 +307,6 @@ class Service:
         """Read the queue, plan, and write the plan's preemptions and claims (in the pass's transaction).
         Returns the jobs this host holds (as read), those preempted and those claimed."""
         usable = self.guard.schedulable(self.store.available_devices(self.host))
-        if self._tracking_blocked and time.monotonic() >= self._tracking_retry_at:
-            self._tracking_blocked.clear()  # the pause is over: ask the tracking store again
         # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
         # at most one per usable device plus the first it must stop at (each start or reservation uses at least
         # one device that is free, being released, or preemptible; a job that finds none ends the pass), and
@@ -330,10 +318,9 @@ class Service:
         # Backfill looks past the first blocked job: a few more rows than the devices.
         window = capacity + 1 + (BACKFILL_WINDOW if self._backfill else 0)
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=window,
-                                           skip=self._tracking_blocked, projects=self.projects.names)
+                                           skip=self.runs.skipped(), projects=self.projects.names)
         queued = self.disk.gate(queued, self.store.note)  # none start while disk space is short
-        if self.run_preparer is not None and any(row.needs_run for row in queued):
-            self.run_preparer.wake()  # it makes their runs, and those of the next jobs in line
+        self.runs.look_ahead(queued)  # the preparer makes their runs, and those of the next jobs in line
         mine = self.supervisor.expire(mine)  # time limits first: those jobs stop in this pass
         now = time.time()
         waiting = [scheduling.Waiting.of(row) for row in queued]
@@ -349,13 +336,8 @@ class Service:
 
     def _claim(self, starts, need_runs: set[int]) -> list[Job]:
         """Claim the starts that can be (each claim is an attempt). `need_runs`: ids of jobs that are tracked
-        and have no MLflow run yet."""
-        if need_runs and self.run_preparer is not None and self.run_preparer.healthy:
-            # The preparer makes these runs (in line order) and wakes us: their devices stay free this pass.
-            starts = [start for start in starts if start[0] not in need_runs]
-            self.run_preparer.wake()
-        else:
-            starts = self._prepare_runs(list(starts), need_runs)
+        and have no MLflow run yet (they wait for it: `RunGate`)."""
+        starts = self.runs.claimable(list(starts), need_runs)
         return self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                 log_root=str(self.layout.logs_dir))
 
@@ -379,32 +361,6 @@ class Service:
                 log.error("could not start job %s: %s", job.id, outcome)
         self._launched.extend((job, outcome) for (job, _), outcome in zip(batch, outcomes))
 
-    def _prepare_runs(self, starts: list, need_runs: set[int]) -> list:
-        """The starts that may be claimed now: not the tracked jobs without an MLflow run (the run preparer
-        makes runs, in line order, in its tracking worker: the dispatcher never waits on MLflow). While the
-        tracking store fails, those jobs stay QUEUED with the reason, no attempt spent, and out of the plan
-        until the preparer asks the store again (TRACKING_RETRY_AFTER later), so others may start."""
-        wanted = [job_id for job_id, _ in starts if job_id in need_runs]
-        if not wanted:
-            return starts
-        preparer = self.run_preparer
-        if preparer is not None and preparer.paused:
-            blocked = {job_id: preparer.failure for job_id in wanted}
-            self._tracking_retry_at = preparer.paused_until
-            self._tracking_blocked.update(blocked)
-            self.store.note(blocked)
-        return [start for start in starts if start[0] not in need_runs]
-
-    def _note_unplaceable(self) -> None:
-        """Keep the reason of queued jobs that no live service can place (too many devices) up to date."""
-        largest = largest_capacity(live_services(self.store))
-        if not largest:
-            return  # no inventory known (a cluster still starting): say nothing rather than something wrong
-        notes = {}
-        for job in self.store.waiting_with(gpus_over=largest, reason_prefix=scheduling.UNPLACEABLE):
-            notes[job.id] = scheduling.unplaceable_reason(job.gpus, largest) or "waiting: a live service can place it"
-        self.store.note(notes)
-
     def _warm_up(self) -> None:
         """Start-up costs paid off the dispatch path: a first preflight of every device (passes are trusted
         for the TTL, failures quarantined). Nothing here imports torch or MLflow (GPUs are checked in a child
@@ -412,10 +368,7 @@ class Service:
         if self._local_devices:
             self.guard.warm_up()
 
-    # ---- stopping jobs ----------------------------------------------------------------------------------
-
-    def _send_stop(self, job: Job) -> None:
-        self.supervisor.send_stop(job)
+    # ---- retention ----------------------------------------------------------------------------------------
 
     def collect_garbage(self) -> None:
         """One retention pass (the scheduler's `gc` job, on its own thread: the queue never waits for it)."""
@@ -439,9 +392,7 @@ class Service:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs
                 self.wake()
-            self._note_unplaceable()  # the monitor runs on its own thread (guard), never behind this
+            note_unplaceable(self.store)  # the monitor runs on its own thread (guard), never behind this
         except Exception as exc:
-            if is_disk_full(exc):
-                self.disk.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
-            else:
+            if not self.disk.write_failed(exc):
                 log.exception("housekeeping failed")

@@ -140,6 +140,20 @@ class DiskWatch:
             return short.reason.removeprefix("waiting: ")
         return self.full_error
 
+    def write_failed(self, exc: BaseException) -> bool:
+        """Whether a failed write of the service's (a dispatch pass, housekeeping) failed for a full disk; if so,
+        the service record says so (`line`) until `write_ok`."""
+        if not is_disk_full(exc):
+            return False
+        self.full_error = f"disk full: {str(exc).splitlines()[0][:160]}"
+        return True
+
+    def write_ok(self) -> None:
+        """A dispatch pass committed: the queue database takes writes again (said once, when it had not)."""
+        if self.full_error is not None and self.shortage is None:
+            log.warning("the queue database takes writes again")
+            self.full_error = None
+
     def _collect_then_decide(self) -> None:
         try:
             self._collect()

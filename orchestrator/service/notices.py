@@ -16,6 +16,7 @@ from orchestrator.core.config import Settings
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.service.notify import Notifier, job_notice
+from orchestrator.service.diskspace import Shortage
 
 log = logging.getLogger(__name__)
 _ANNOUNCED = (JobState.FAILED.value, JobState.SUCCEEDED.value)
@@ -57,7 +58,7 @@ class ServiceNotices:
         """`device.quarantined`, from the device guard."""
         self.notifier.emit("device.quarantined", device=device, host=self._host, reason=why)
 
-    def disk_low(self, short: Any) -> None:
+    def disk_low(self, short: Shortage) -> None:
         """`disk.low`, from the disk gate (`short`: its `Shortage`)."""
         self.notifier.emit("disk.low", host=self._host, path=short.path, free_bytes=short.free,
                            threshold_bytes=short.threshold, reason=short.reason.removeprefix("waiting: "))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.core.errors import BadInput
+from orchestrator.core.config import Settings
 
 log = logging.getLogger(__name__)
 EVENTS = ("job.failed", "job.succeeded", "session.finished", "session.paused", "device.quarantined", "disk.low")
@@ -70,7 +71,7 @@ class Target:
         return self.command.split()[0]
 
 
-def targets(settings: Any) -> list[Target]:
+def targets(settings: Settings) -> list[Target]:
     """The `[[notify]]` entries of a `Settings` (BadInput naming the bad one)."""
     raw = (getattr(settings, "extra", None) or {}).get("notify") or []
     if isinstance(raw, Mapping):
@@ -174,7 +175,7 @@ class Notifier:
             self._threads.append(thread)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "Notifier":
+    def from_settings(cls, settings: Settings) -> "Notifier":
         """A notifier for the `[[notify]]` entries of these settings (none: `emit` does nothing)."""
         return cls(targets(settings))
 
@@ -252,7 +253,7 @@ def job_notice(notifier: "Notifier", job: Any) -> None:
                   attempts=job.attempts)
 
 
-def send_test(settings: Any, timeout: float = 30.0) -> list[dict[str, Any]]:
+def send_test(settings: Settings, timeout: float = 30.0) -> list[dict[str, Any]]:
     """`autoresearch notify test`: one test event to every entry, delivered now; [{target, ok, error}]."""
     hidden = secrets()
     out = []

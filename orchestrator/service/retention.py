@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
+from orchestrator.core.config import Settings
 
 KEEP, LATEST, REMOVE = "keep", "latest", "remove"
 _MODE_ACTION = {"all": KEEP, "latest": LATEST, "none": REMOVE}
@@ -43,7 +44,7 @@ class Policy:
             raise ValueError("keep_best must be >= 0")
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "Policy":
+    def from_settings(cls, settings: Settings) -> "Policy":
         """The policy of a `Settings`."""
         return cls(mode=settings.retention, keep_best=settings.keep_best, keep_people=settings.keep_people)
 

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+from orchestrator.core.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class Tracker:
         self._experiments: dict[str, str] = {}
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "Tracker":
+    def from_settings(cls, settings: Settings) -> "Tracker":
         """The tracker of a `Settings` home (its tracking URI, artifacts under the home)."""
         return cls(settings.tracking_uri, settings.artifacts_dir)
 

@@ -9,10 +9,9 @@ made from it by `create_run` in the process that holds the MLflow client (the tr
 first and twice as many in each next one up to `MAX_RUNS_PER_COMMIT` (the first jobs of a burst get their runs
 soon, the rest cheaply), with MLflow's own table models and validation, the same rows `MlflowClient.create_run`
 and `log_batch` write (a test compares them): `create_run` re-reads the experiment, commits and builds the
-returned run's inputs for every run, 3-4 ms of CPU a run against 0.15-0.35 ms here
-(`benchmarks/run_creation.py`). Anything else (an MLflow server over HTTP, a store whose
-models no longer take these columns, an inactive experiment) takes the client's path, one run at a time, with
-MLflow's own errors.
+returned run's inputs for every run, many times the CPU a run costs here (`benchmarks/run_creation.py`; the
+figures in benchmarks/RESULTS.md). Anything else (an MLflow server over HTTP, a store whose models no longer
+take these columns, an inactive experiment) takes the client's path, one run at a time, with MLflow's own errors.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from orchestrator.queue.models import Job
 from orchestrator.tracking.client import OPEN, TAG_EXPERIMENT, TAG_JOB, Tracker
 
 DEFAULT_EXPERIMENT = "jobs"
-RUNS_PER_COMMIT = 8  # runs in a batch's first transaction: its first job waits for the others (~0.3 ms each)
-MAX_RUNS_PER_COMMIT = 32  # ... doubling up to this: 0.13-0.15 ms of CPU a run against 0.30-0.34 at 8
+RUNS_PER_COMMIT = 8  # runs in a batch's first transaction: its first job waits for the others to be written
+MAX_RUNS_PER_COMMIT = 32  # ... doubling up to this: bigger transactions cost less CPU a run (benchmarks/RESULTS.md)
 log = logging.getLogger(__name__)
 
 

@@ -197,9 +197,9 @@ _tuned: set[str] = set()
 def tune_sqlite_tracking(tracking_uri: str) -> None:
     """Give this process's connections to a SQLite MLflow store the queue database's settings: WAL and
     synchronous=NORMAL (durable across process crashes, as `orchestrator.queue.db`). MLflow's defaults (a
-    rollback journal, synchronous=FULL) fsync several times per `create_run`: on a busy disk that made a run
-    cost 70 ms instead of 3. MLflow builds its engine itself, so this listens on every engine's connects and
-    acts only on this store's file."""
+    rollback journal, synchronous=FULL) fsync several times per `create_run`, which on a busy disk made runs
+    many times slower (benchmarks/RESULTS.md). MLflow builds its engine itself, so this listens on every engine's
+    connects and acts only on this store's file."""
     if not tracking_uri.startswith("sqlite:///") or tracking_uri in _tuned:
         return
     from sqlalchemy import event

@@ -106,8 +106,8 @@ class _Spec:
 # torch moves every tensor of a batch through its own shared-memory segment: the worker creates it, and the
 # consumer, unpickling, asks the worker's resource-sharer thread for the file descriptor over a socket. That
 # round trip waits for the worker process to be scheduled and for its GIL, which the worker holds while it
-# reads and decodes the next batches: a median 0.6 ms, a mean 3 ms per batch measured on a busy 2-core host,
-# even for a batch of 32 labels. Small tensors therefore travel inside the queue message itself (a copy of a
+# reads and decodes the next batches: milliseconds per batch on a busy host (benchmarks/RESULTS.md), even for
+# a batch of 32 labels. Small tensors therefore travel inside the queue message itself (a copy of a
 # few KiB, no second process involved); big ones keep torch's shared memory, where one descriptor is cheaper
 # than copying the bytes through a pipe.
 INLINE_MAX_BYTES = 64 << 10

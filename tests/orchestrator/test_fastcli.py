@@ -109,3 +109,29 @@ def test_queue_and_show_json_come_from_the_service_in_the_full_cli_shape(make_se
     missing = fast("show", "999", "--json")
     assert missing.returncode == 2 and missing.stderr.startswith("autoresearch: ") and missing.stdout == ""
     service.store.cancel(first)
+
+
+def test_project_scavenger_and_deadline_are_read_by_the_lean_path(make_service):
+    service = make_service("cpu:2")
+    out = fast_only("--json", "--no-track", "--project", "default", "--scavenger", "--deadline", "2h", "--", "true")
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stderr
+    stored = service.store.get(json.loads(out.stdout)["id"])
+    assert (stored.project, stored.scavenger, stored.preemptible) == ("default", True, True)
+    assert 7100 < stored.deadline - stored.submitted_at <= 7200
+    both = fast_only("--scavenger", "--no-preempt", "--", "true")
+    assert both.returncode == 2 and both.stderr.startswith("autoresearch: --scavenger jobs are always preemptible")
+    past = fast_only("--deadline", "2001-01-01 00:00", "--", "true")
+    assert past.returncode == 2 and "is in the past" in past.stderr
+
+
+def test_the_typer_command_takes_every_submit_flag_as_declared():
+    import typer.main
+
+    from orchestrator.api.submitflags import FLAGS, default
+    from orchestrator.faces.cli import app
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["submit"].params}
+    for flag in FLAGS:
+        assert params[flag.key].opts == [flag.name] and params[flag.key].default == default(flag), flag.name
+    assert set(params) == {flag.key for flag in FLAGS} | {"argv"}

@@ -253,7 +253,7 @@ class LocalExecutor(Executor):
 
     def forget(self, job_id: int, attempt: int) -> None:
         self.layout.exit_file(job_id, attempt).unlink(missing_ok=True)
-        self._watcher.remove_cgroup(job_id, attempt)  # ~1 ms in the kernel: off the dispatch pass
+        self._watcher.remove_cgroup(job_id, attempt)  # kernel time: off the dispatch pass
 
     def close(self) -> None:
         self._spawner.close()  # first: the answers still due are watched

@@ -27,7 +27,7 @@ from typing import Optional, Union
 from orchestrator.executors.local.procs import start_time
 
 log = logging.getLogger(__name__)
-SPAWNERS = 4  # processes at most: with one, spawns starved on a busy machine (0.7x the jobs/s with a core taken)
+SPAWNERS = 4  # processes at most: with one, spawns starved on a busy machine (benchmarks/RESULTS.md)
 PER_SPAWNER = 2  # requests of a batch per process before another is used
 ANSWER_WITHIN = 60.0  # seconds a batch may wait for its answers before the spawners owing them are stopped
 CLOSE_WAIT = 5.0  # seconds `close` waits for a batch under way before it kills the spawners
@@ -43,8 +43,8 @@ DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT)
 
 
 def _spawn(request: dict, devnull: int) -> dict:
-    """Start one request. posix_spawn (vfork and exec) measured 0.7 ms a spawn here against fork's 1.5 ms
-    (a fork copies this process's page tables, and the child runs Python until its exec)."""
+    """Start one request. posix_spawn (vfork and exec), not fork: a fork copies this process's page tables, and
+    the child runs Python until its exec (benchmarks/RESULTS.md has both measured)."""
     try:
         fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:

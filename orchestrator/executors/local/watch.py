@@ -4,8 +4,8 @@
 process or init for an adopted one, reaps it), the attempt's leftover processes are killed (the device is not
 handed back while a rank still holds it), and the exit is reported with the code the wrapper recorded. The
 same thread refreshes the process trees of attempts without a cgroup (so a worker that outlives its parent is
-still known to be the job's) and removes the cgroups of attempts the service has forgotten (about 1 ms of
-kernel time each, kept off the dispatch pass).
+still known to be the job's) and removes the cgroups of attempts the service has forgotten (kernel time the
+dispatch pass need not wait for).
 
 `scan` finds an attempt's live processes by environment: its wrapper (a session leader whose environment
 names the attempt's exit file) and any process started with the attempt's Contract 3 variables.

@@ -42,6 +42,7 @@ from orchestrator.executors.ray.jobs import (PREFIX, WRAPPER, client_for, exit_o
                                              parse_handle, submission_id)
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
+from orchestrator.core.config import Settings
 from runtime import protocol
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class RayExecutor(Executor):
         self._thread.start()
 
     @classmethod
-    def create(cls, settings: Any, layout: Layout, on_exit: OnExit) -> "RayExecutor":
+    def create(cls, settings: Settings, layout: Layout, on_exit: OnExit) -> "RayExecutor":
         return cls(settings, on_exit)
 
     # ---- the Executor interface ---------------------------------------------------------------------------

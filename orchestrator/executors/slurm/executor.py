@@ -3,8 +3,8 @@ a node of the partition, under the cluster's own fair share and limits.
 
 Why sbatch and not srun under one allocation: an allocation held by the service would keep its nodes busy
 while our queue is empty and hide our work from the cluster's fair share; a batch job per attempt is what
-a cluster admin expects, survives the service (slurmstepd keeps it running), and starts in about 0.5 s on
-an idle cluster (benchmarks/slurm_submit.py).
+a cluster admin expects, survives the service (slurmstepd keeps it running), and starts soon enough on an idle
+cluster (benchmarks/slurm_submit.py; benchmarks/RESULTS.md, "Slurm executor").
 
 Placement. The service plans with slots as on one host; Slurm decides where a job runs:
 - `--devices auto` (the default): the slots are the GPUs the partition offers (`slurm:0`, ...; the sum of
@@ -43,6 +43,7 @@ from orchestrator.executors.slurm import jobs as sj
 from orchestrator.executors.base import Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
+from orchestrator.core.config import Settings
 from runtime import protocol
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class SlurmExecutor(Executor):
         self._thread.start()
 
     @classmethod
-    def create(cls, settings: Any, layout: Layout, on_exit: OnExit) -> "SlurmExecutor":
+    def create(cls, settings: Settings, layout: Layout, on_exit: OnExit) -> "SlurmExecutor":
         return cls(settings, layout, on_exit)
 
     # ---- capacity -----------------------------------------------------------------------------------------
@@ -301,7 +302,7 @@ def describe_target(partition: Optional[str], account: Optional[str], qos: Optio
     return ", ".join(parts + ([f"qos {qos}"] if qos else []))
 
 
-def check_target(settings: Any) -> list[tuple[str, int, int]]:
+def check_target(settings: Settings) -> list[tuple[str, int, int]]:
     """The nodes (name, CPUs, GPUs) of the partition the settings name, once the controller has said that a
     job there under the account and QoS would be accepted (`sbatch --test-only`); BadInput (one line)
     when it would not, or when Slurm cannot be asked."""

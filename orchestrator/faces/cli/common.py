@@ -48,8 +48,8 @@ def print_columns(columns: Sequence[tuple[str, dict]], rows: Iterable[Sequence[A
     """Print rows as plain aligned columns, one line each, within `width` (default: the terminal's, 80 when
     there is none, COLUMNS when set), like `squeue` or `docker ps`. A column is (header, options): `right`
     (align right), `ratio` and `min_width`: columns without a ratio are never cut; those with one share what
-    is left of the width by their ratios (never narrower than their header), cut with an ellipsis. Plain text: 50 rows cost well under a
-    millisecond (a rich table: 2 ms a row)."""
+    is left of the width by their ratios (never narrower than their header), cut with an ellipsis. Plain text, not
+    a rich table, which costs far more a row (benchmarks/RESULTS.md)."""
     import shutil
 
     from rich.cells import cell_len, set_cell_size

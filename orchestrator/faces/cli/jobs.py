@@ -11,6 +11,8 @@ from typing import List, Optional
 import typer
 
 from orchestrator.api import jobs as api
+from orchestrator.api import submitflags
+from orchestrator.api.submitflags import BY_NAME, spec_options
 from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_columns, print_json, print_table, settings
 from orchestrator.core.errors import BadInput
@@ -29,53 +31,39 @@ def _date(ts: object) -> str:
     return dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
+def _flag(name: str):
+    """The typer option of a submit flag, as `orchestrator.api.submitflags` declares it."""
+    flag = BY_NAME[name]
+    return typer.Option(submitflags.default(flag), flag.name, help=flag.help)
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def submit(
+    ctx: typer.Context,
     argv: Optional[List[str]] = typer.Argument(None, help="The command to run, after `--`."),
-    name: str = typer.Option("", "--name", help="A name for people."),
-    priority: int = typer.Option(10, "--priority", help="Higher wins; agent trials use 0."),
-    gpus: int = typer.Option(1, "--gpus", help="Devices the job needs (all at once)."),
-    max_attempts: int = typer.Option(1, "--max-attempts", help="Attempts before the job stays FAILED."),
-    grace: float = typer.Option(30.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
-    no_preempt: bool = typer.Option(False, "--no-preempt", help="Never preempt this job."),
-    experiment: Optional[str] = typer.Option(None, "--experiment", help="Run an experiment: a bundled name, a "
-                                             "folder holding autoresearch.toml (or its path), or a name used "
-                                             "before."),
-    param: List[str] = typer.Option([], "--param", help="KEY=VALUE for --experiment (repeatable)."),
-    env: List[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's environment (repeatable)."),
-    env_file: Optional[str] = typer.Option(None, "--env-file", help="A dotenv file of KEY=VALUE lines added "
-                                           "to the job's environment (--env wins); values are never shown."),
-    workdir: Optional[str] = typer.Option(None, "--workdir", help="Directory the job runs in (default: here)."),
-    image: Optional[str] = typer.Option(None, "--image", help="Run the job in this container image "
-                                        "(podman, or docker: the container_engine setting)."),
-    mount: List[str] = typer.Option([], "--mount", help="SRC:DST[:ro] bind mount for --image (repeatable)."),
-    no_track: bool = typer.Option(False, "--no-track", help="Create no MLflow run for this job."),
-    time_limit: Optional[str] = typer.Option(None, "--time-limit", help="Stop an attempt that runs longer "
-                                             "(90s, 5m, 2h): SIGTERM, SIGKILL after --grace, then FAILED."),
-    project: Optional[str] = typer.Option(None, "--project", help="The project charged for the job "
-                                          "(`autoresearch projects`; default: the default project)."),
-    scavenger: bool = typer.Option(False, "--scavenger", help="Use only idle devices; preempted by any job, "
-                                   "first; not charged to the project."),
-    deadline: Optional[str] = typer.Option(None, "--deadline", help="Finish by this time (\"2026-12-03 18:00\", "
-                                           "ISO, or 2h): not started when it can no longer (now + --time-limit)."),
-    keep_checkpoint: Optional[str] = typer.Option(None, "--keep-checkpoint", help="What the job keeps of its "
-                                                  "checkpoint dir once it ends: all, latest or none (default: "
-                                                  "the keep_people setting)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+    name: str = _flag("--name"),
+    priority: int = _flag("--priority"),
+    gpus: int = _flag("--gpus"),
+    max_attempts: int = _flag("--max-attempts"),
+    grace: float = _flag("--grace"),
+    no_preempt: bool = _flag("--no-preempt"),
+    experiment: Optional[str] = _flag("--experiment"),
+    param: List[str] = _flag("--param"),
+    env: List[str] = _flag("--env"),
+    env_file: Optional[str] = _flag("--env-file"),
+    workdir: Optional[str] = _flag("--workdir"),
+    image: Optional[str] = _flag("--image"),
+    mount: List[str] = _flag("--mount"),
+    no_track: bool = _flag("--no-track"),
+    time_limit: Optional[str] = _flag("--time-limit"),
+    project: Optional[str] = _flag("--project"),
+    scavenger: bool = _flag("--scavenger"),
+    deadline: Optional[str] = _flag("--deadline"),
+    keep_checkpoint: Optional[str] = _flag("--keep-checkpoint"),
+    as_json: bool = _flag("--json"),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
-    from orchestrator.core.durations import parse_duration
-    from orchestrator.api.sharing import parse_deadline
-
-    if scavenger and no_preempt:
-        raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
-    sharing = dict(project=project or "default", scavenger=scavenger,
-                   deadline=None if deadline is None else parse_deadline(deadline))
-    options = dict(**sharing, name=name, priority=priority, gpus=gpus, max_attempts=max_attempts, grace=grace,
-                   preemptible=not no_preempt, env=api.parse_params(env), track=not no_track,
-                   env_file=env_file, cwd=workdir, image=image, mounts=list(mount) or None,
-                   keep_checkpoint=keep_checkpoint,
-                   time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
+    options = spec_options(ctx.params)
     if experiment:
         if argv:
             raise BadInput("give either --experiment or a command after `--`, not both")

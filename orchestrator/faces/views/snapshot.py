@@ -20,6 +20,7 @@ from orchestrator.core.config import Settings
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
 from orchestrator.queue.states import HOLDING, JobState
+from orchestrator.queue.store import JobStore
 
 S = JobState
 QUEUE_ROWS = 200  # the queue is planned and shown up to this many waiting jobs (more than a screen holds)
@@ -176,7 +177,7 @@ def _coming_of_age(line: list[scheduling.Waiting], running: list[scheduling.Runn
     return None
 
 
-def line_plans(settings: Settings, store: Any = None) -> dict[int, str]:
+def line_plans(settings: Settings, store: Optional[JobStore] = None) -> dict[int, str]:
     """What the next plan does about each of the first waiting jobs (`QUEUE_ROWS`), by id: the reason `queue`
     and `show` give a QUEUED job, the same words `top` shows."""
     store = store or api.open_store(settings)
