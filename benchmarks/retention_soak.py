@@ -13,6 +13,9 @@ every job has ended the session is marked finished. We report:
 
 Run: ``python benchmarks/retention_soak.py [--jobs 2000] [--mb 2] [--slots 8] [--gc-every 1]``
 (``--jobs 200`` for a quick look). Needs a few GB free in the temp dir for the retention-off run.
+
+``--pass-cost N`` instead times the service's retention pass over a home of months: N finished people's jobs
+(kept) and N session trials whose checkpoints were removed, against a full pass (what `gc` does) over it.
 """
 
 from __future__ import annotations
@@ -99,6 +102,51 @@ def run(jobs: int, mb: float, slots: int, gc_every: float, retention: str) -> di
     return out
 
 
+def pass_cost(n: int, passes: int = 5) -> None:
+    """Seconds per service pass (nothing changed since the last) and per full pass over 2n finished jobs."""
+    from sqlalchemy import text
+
+    root = Path(tempfile.mkdtemp(prefix="soak-pass-"))
+    os.environ.update(AUTORESEARCH_HOME=str(root), MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    os.environ.pop("AUTORESEARCH_DB_URL", None)
+    from orchestrator.agent.session import Registry
+    from orchestrator.core.config import Settings
+    from orchestrator.queue.models import JobSpec
+    from orchestrator.queue.store import JobStore
+    from orchestrator.service.gc import Collector
+
+    settings = Settings.load()
+    store = JobStore(settings.db_url)
+    registry = Registry(root)
+    with registry.conn:
+        registry.conn.execute("INSERT INTO sessions (id, experiment, status, created_at, updated_at) "
+                              "VALUES (?, 'soak', 'finished', 0, 0)", (SESSION,))
+    registry.close()
+    for owner in (SESSION, "human"):
+        for _ in range(n):
+            store.submit(JobSpec(argv=["true"], owner=owner, experiment="soak", track=False))
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET state = 'SUCCEEDED', finished_at = :now, checkpoint_dir = :d || id, "
+                          "log_path = :l || id || '.log'"),
+                     {"d": f"{root / 'checkpoints'}/", "l": f"{logs}/", "now": time.time() - 60})
+        conn.execute(text("UPDATE jobs SET checkpoint_gc = 'removed' WHERE owner = :s"), {"s": SESSION})
+    for i in range(1, 2 * n + 1):
+        (logs / f"{i}.log").write_text("x\n")
+    collector = Collector(settings, store)
+    collector.collect(everything=False)  # the service's first pass does everything
+    timed = []
+    for everything in (False, True):
+        start = time.perf_counter()
+        for _ in range(passes):
+            collector.collect(everything=everything)
+        timed.append((time.perf_counter() - start) / passes)
+    print(f"retention pass over {2 * n} finished jobs: service pass {1000 * timed[0]:.1f} ms, full pass "
+          f"{1000 * timed[1]:.1f} ms ({timed[1] / timed[0]:.1f}x)")
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     """Both runs, then the ratios."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -108,7 +156,12 @@ def main() -> None:
     ap.add_argument("--gc-every", type=float, default=1.0, help="seconds between the service's retention passes")
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs, alternating which goes first (the "
                     "rate ratio is the median of the pairs': a shared machine's load drifts)")
+    ap.add_argument("--pass-cost", type=int, default=0, metavar="N", help="time the retention pass over N "
+                    "people's jobs and N removed trials instead")
     args = ap.parse_args()
+    if args.pass_cost:
+        pass_cost(args.pass_cost)
+        return
     pairs = []
     for i in range(args.repeat):
         order = ("ranked", "off") if i % 2 == 0 else ("off", "ranked")

@@ -58,8 +58,9 @@ class Agent(Phases):
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
                  tracker: Tracker, parallel: int, proposer: Proposer | None = None,
                  notify: Callable[[], None] = lambda: None, on_event: Callable[[dict], None] = lambda e: None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, on_usage: Callable[[dict], None] = lambda u: None):
         self.session_id = session_id
+        self.on_usage = on_usage  # told the session's LLM spend in all after each proposal round
         self.settings = settings
         self.cfg = config
         self.spec = spec
@@ -170,6 +171,8 @@ class Agent(Phases):
                 proposals = self.proposer.propose(n, history)
                 take = getattr(self.proposer, "take_usage", None)
                 state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
+                if state["usage"]:
+                    self.on_usage(dict(state["usage"]))
                 if self.llm is not None and self.llm.budget_hit:
                     state["budget_stop"] = self.llm.budget_hit
                 for p in proposals:

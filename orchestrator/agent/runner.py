@@ -178,7 +178,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
                       parallel=config.parallel or slots, proposer=proposer,
                       notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),
-                      settings=settings)
+                      settings=settings, on_usage=lambda u: registry.spent(session_id, u))
         saver = SqliteSaver(connect(settings.home))
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}

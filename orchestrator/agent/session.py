@@ -137,18 +137,22 @@ class Registry:
                 "CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, experiment TEXT, goal TEXT, "
                 "proposer TEXT, config TEXT, status TEXT, pid INTEGER, mlflow_run_id TEXT, summary TEXT, "
                 "created_at REAL, updated_at REAL)")
+            if "llm_usage" not in {r[1] for r in self.conn.execute("PRAGMA table_info(sessions)")}:
+                self.conn.execute("ALTER TABLE sessions ADD COLUMN llm_usage TEXT")  # a home from before it
 
     def create(self, session_id: str, config: SessionConfig) -> None:
         now = time.time()
         with self.conn:
             self.conn.execute(
-                "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO sessions (id, experiment, goal, proposer, config, status, pid, mlflow_run_id, summary, "
+                "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (session_id, config.experiment, config.goal, config.proposer, json.dumps(config.to_dict()),
                  "running", os.getpid(), None, "{}", now, now))
 
     def update(self, session_id: str, **fields: Any) -> None:
-        if "summary" in fields:
-            fields["summary"] = json.dumps(fields["summary"], default=str)
+        for key in ("summary", "llm_usage"):
+            if key in fields:
+                fields[key] = json.dumps(fields[key], default=str)
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.conn:
@@ -170,9 +174,15 @@ class Registry:
         out = dict(zip(cols, row))
         out["config"] = json.loads(out["config"] or "{}")
         out["summary"] = json.loads(out["summary"] or "{}")
+        out["llm_usage"] = json.loads(out.get("llm_usage") or "{}")
         if out["status"] == "running" and not _alive(out["pid"]):
             out["status"] = "interrupted"  # its process is gone: `autoresearch resume` continues it
         return out
+
+    def spent(self, session_id: str, usage: dict[str, Any]) -> None:
+        """Record what the session's LLM calls have cost so far (in all), as it goes: `usage` shows a running
+        session's spend, not only a finished one's."""
+        self.update(session_id, llm_usage=usage)
 
     def close(self) -> None:
         self.conn.close()

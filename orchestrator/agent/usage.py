@@ -41,7 +41,8 @@ def _llm_usage(settings: Settings) -> dict[str, dict]:
     try:
         out = {}
         for row in registry.all():
-            u = (row.get("summary") or {}).get("usage") or {}
+            # The spend recorded as it went (a running session's too), else a finished session's summary.
+            u = row.get("llm_usage") or (row.get("summary") or {}).get("usage") or {}
             if u.get("calls"):
                 out[row["id"]] = {"llm_calls": u.get("calls", 0), "prompt_tokens": u.get("prompt_tokens", 0),
                                   "completion_tokens": u.get("completion_tokens", 0),

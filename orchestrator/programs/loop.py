@@ -35,11 +35,12 @@ class Loop(Judge):
 
     def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any, repo: Any,
                  trees: tree.TreeStore, llm: Any, parallel: int, home: Path, parent_run: str,
-                 notify: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda s: None):
+                 notify: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda s: None,
+                 on_usage: Callable[[dict], None] = lambda u: None):
         self.sid, self.cfg, self.spec = session_id, config, spec
         self.store, self.tracker, self.repo, self.trees, self.llm = store, tracker, repo, trees, llm
         self.parallel, self.home, self.parent_run = parallel, Path(home), parent_run
-        self.notify, self.say = notify, say
+        self.notify, self.say, self.on_usage = notify, say, on_usage
         self.experiment = f"program:{spec.name}"
         self.trials: list[dict] = trees.trials(session_id)
         self.state: dict = trees.state(session_id) or self._initial_state()
@@ -158,7 +159,8 @@ class Loop(Judge):
                 tags={"autoresearch.session": self.sid, "autoresearch.owner": self.sid,
                       "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
                       "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
-                      "autoresearch.node": str(t["node"])})
+                      "autoresearch.node": str(t["node"]),
+                      "autoresearch.project": self.cfg.project})
             python = "python3" if self.spec.image else sys.executable  # an image has its own python
             argv = [python, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
                     "--pattern", self.spec.pattern]
@@ -167,7 +169,8 @@ class Loop(Judge):
                 argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
             spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t['n']}",
                            priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
-                           owner=self.sid, params={"commit": t["commit"], "seed": t["seed"]},
+                           owner=self.sid, project=self.cfg.project,
+                           params={"commit": t["commit"], "seed": t["seed"]},
                            env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
                            idempotency_key=t["key"], time_limit=self.spec.time_limit, image=self.spec.image)
             if spec.image:  # pinned to the image's content id; the run says which
@@ -332,6 +335,8 @@ class Loop(Judge):
         usage = self.state["usage"]
         for k, v in self.llm.take_usage().items():
             usage[k] = usage.get(k, 0) + v
+        if usage:
+            self.on_usage(dict(usage))  # in all so far: `usage` shows a running session's spend
 
 
 def _resolve(commits: list[str], ref: str) -> str | None:

@@ -38,6 +38,7 @@ class ProgramConfig:
     poll: float = 1.0
     llm: dict[str, Any] = field(default_factory=dict)
     proposer: str = "llm"
+    project: str = "default"  # the project its runs are charged to (orchestrator.queue.projects)
 
     def __post_init__(self) -> None:
         if not self.goal.strip():  # a program session is the LLM's: the goal is what it is told
@@ -50,6 +51,8 @@ class ProgramConfig:
             raise BadInput(f"--budget-minutes must be > 0, got {self.budget_minutes}")
         if self.max_reasks < 0:
             raise BadInput("max_reasks must be >= 0")
+        if not isinstance(self.project, str) or not self.project.strip():
+            raise BadInput("--project must be a non-empty name")
 
     @property
     def experiment(self) -> str:
@@ -152,16 +155,19 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
     from orchestrator.tracking.client import Tracker
     from orchestrator.core.wakeup import notify
 
+    from orchestrator.service.notify import Notifier
+
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     trees = tree.TreeStore(settings.home)
     service, slots = embedded(settings, store, devices)
+    notifier = Notifier.from_settings(settings)
+    experiment = f"program:{spec.name}"
     try:
         repo = Repo(spec.repo)
         dirty = repo.dirty([spec.repo_path(f) for f in (*spec.edit, *spec.protected)])
         if dirty:
             say(f"note: uncommitted changes in {', '.join(dirty)} are not part of the session (it starts from HEAD)")
-        experiment = f"program:{spec.name}"
         parallel = config.parallel or slots
         parent = tracker.session_run(session_id, experiment, {
             "goal": config.goal, "program": str(spec.root), "trials": config.trials, "parallel": parallel,
@@ -171,7 +177,7 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
         loop = Loop(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker, repo=repo,
                     trees=trees, llm=llm or ProgramLLM(config.goal, model=config.model, options=config.llm),
                     parallel=parallel, home=settings.home, parent_run=parent, notify=lambda: notify(settings.home),
-                    say=say)
+                    say=say, on_usage=lambda u: registry.spent(session_id, u))
         state = loop.run()
         summary = summarise(session_id, config, spec, state, trees.trials(session_id), parallel)
         tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
@@ -181,12 +187,19 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
                                      "device_seconds": summary["device_seconds"]}, step=summary["trials"])
         tracker.finish(parent)
         registry.update(session_id, status="finished", summary=summary)
+        notifier.emit("session.finished", session=session_id, experiment=experiment, verdict=headline(summary),
+                      stop_reason=summary["stop_reason"])
         return summary
     except BaseException as exc:
         if not isinstance(exc, KeyboardInterrupt):
             registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
+            notifier.emit("session.finished", session=session_id, experiment=experiment,
+                          verdict=f"failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+        else:
+            notifier.emit("session.paused", session=session_id, experiment=experiment)
         raise
     finally:
+        notifier.close()
         trees.close()
         if service is not None:
             service.stop()
@@ -213,6 +226,17 @@ def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, s
         "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1), "usage": state.get("usage", {}),
         "rejected_rounds": state.get("rejected", 0), "parallel": parallel, "finished_at": time.time(),
     }
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """A finished session's verdict in one line (what `session.finished` notifications carry)."""
+    best, metric = summary.get("best") or {}, summary["metric"]
+    base = summary.get("baseline")
+    base_text = "n/a" if base is None else f"{base:.5g}"
+    if best.get("trial"):
+        return (f"{metric} {best['mean']:.5g} against the baseline's {base_text}: commit {best['commit'][:10]} "
+                f"on {summary['branch']} ({best['rationale']})")
+    return f"no variant beat the baseline's {metric} {base_text} through the noise gate"
 
 
 def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str, Any]]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select as core_select, text, update
+from sqlalchemy import and_, bindparam, case, delete, func, or_, select as core_select, text, update
 
 from orchestrator.core.errors import BadInput
 from orchestrator.queue.models import KEEP_MODES, RETRYING_SQL, Job, JobEvent
 from orchestrator.queue.runs import RunRecords
-from orchestrator.queue.states import FINISHED
+from orchestrator.queue.states import FINISHED, HOLDING
 
 JOBS = Job.__table__
 EVENTS = JobEvent.__table__
@@ -24,10 +24,17 @@ RETENTION_COLUMNS = ("id", "owner", "experiment", "state", "keep_checkpoint", "p
 # Removed dirs stay removed and their jobs are left out: a pass reads the jobs that still hold a checkpoint (a
 # removed trial was outside its session's best then, and scores only get beaten, so ranking without it keeps
 # the same best, or more).
-_RETENTION_ROWS = (core_select(*(JOBS.c[c] for c in RETENTION_COLUMNS))
-                   .where(_FINAL, JOBS.c.checkpoint_dir.is_not(None),
-                          or_(JOBS.c.checkpoint_gc.is_(None), JOBS.c.checkpoint_gc != "removed"))
-                   .order_by(JOBS.c.id))
+_HOLDS_CHECKPOINT = and_(_FINAL, JOBS.c.checkpoint_dir.is_not(None),
+                         or_(JOBS.c.checkpoint_gc.is_(None), JOBS.c.checkpoint_gc != "removed"))
+_RETENTION_ROWS = core_select(*(JOBS.c[c] for c in RETENTION_COLUMNS)).where(_HOLDS_CHECKPOINT).order_by(JOBS.c.id)
+# What the policy reads of those rows, summed in one aggregate: which jobs, their scores, marks and what was done.
+# Equal sums mean nothing the policy reads has changed (ids weigh each change, so two rarely cancel out).
+_KEEP_CODE = case((JOBS.c.keep_checkpoint == "all", 1), (JOBS.c.keep_checkpoint == "latest", 2),
+                  (JOBS.c.keep_checkpoint == "none", 3), else_=0)
+_RETENTION_FINGERPRINT = core_select(
+    func.count(), func.max(JOBS.c.id), func.sum(JOBS.c.id), func.count(JOBS.c.score),
+    func.sum(JOBS.c.score * JOBS.c.id), func.sum(_KEEP_CODE * JOBS.c.id),
+    func.sum(case((JOBS.c.checkpoint_gc.is_not(None), JOBS.c.id), else_=0))).where(_HOLDS_CHECKPOINT)
 _SET_SCORE = update(JOBS).where(JOBS.c.id == bindparam("_id")).values(score=bindparam("v_score"))
 _SET_GC = (update(JOBS).where(JOBS.c.id == bindparam("_id"))
            .values(checkpoint_gc=bindparam("v_gc"), checkpoint_gc_at=bindparam("v_at")))
@@ -62,6 +69,21 @@ class KeepRecords(RunRecords):
         `RETENTION_COLUMNS`, oldest first."""
         with self._reading() as conn:
             return [dict(zip(RETENTION_COLUMNS, row)) for row in conn.execute(_RETENTION_ROWS)]
+
+    def retention_fingerprint(self) -> tuple:
+        """A summary of what `retention_rows` would return (which jobs, scores, marks, what retention did):
+        equal between two reads when none of it changed (the service's pass skips the policy then)."""
+        with self._reading() as conn:
+            return tuple(conn.execute(_RETENTION_FINGERPRINT).one())
+
+    def growing_logs(self, since: float) -> list[str]:
+        """Log paths of the jobs that may have written to their log since `since`: those holding devices and
+        those that finished since (a finished job's log no longer grows)."""
+        stmt = core_select(JOBS.c.log_path).where(
+            JOBS.c.log_path.is_not(None),
+            or_(JOBS.c.state.in_([s.value for s in HOLDING]), JOBS.c.finished_at >= since))
+        with self._reading() as conn:
+            return [row[0] for row in conn.execute(stmt)]
 
     def record_gc(self, done: Sequence[tuple[int, str]], at: Optional[float] = None) -> None:
         """Record what retention did to these jobs' checkpoints (`removed` or `trimmed`)."""

@@ -11,6 +11,11 @@ job of its own (never inside a dispatch pass), and the disk preflight before it 
   was dropped; a running job's log is cut in place, as logrotate's copytruncate does, since the job appends to
   it); finished jobs' logs are gzipped after `log_compress_days` and deleted after `log_delete_days`.
 - Events: jobs finished more than `events_compact_days` ago keep their first and last events.
+
+The service's pass does only what can have changed since its last: the policy runs again only when the
+queue's summary of final jobs with checkpoints (`JobStore.retention_fingerprint`) or the sessions' states
+changed, and it caps only the logs of jobs that held devices since (every log on the slow pass and in `gc`).
+So a pass over a home of many finished jobs costs about one aggregate query, not a read of every job.
 """
 
 from __future__ import annotations
@@ -169,6 +174,8 @@ class Collector:
         self.tag_runs = tag_runs
         self._slow_at = 0.0
         self.passes = 0  # service passes completed (`run_pass`)
+        self._settled: Optional[tuple] = None  # what the policy read when it last found nothing left to do
+        self._logs_at: Optional[float] = None  # when the service's pass last looked at the logs
 
     def run_pass(self) -> None:
         """One pass as the service runs it: what is due, never an exception (logged), counted in `passes`."""
@@ -186,10 +193,11 @@ class Collector:
         """One pass. `everything` False (the service's periodic pass): logs aged and events compacted only
         when SLOW_PARTS_EVERY has passed since the last time."""
         report = Report(dry_run=dry_run)
-        self._checkpoints(report, dry_run)
-        self._cap_logs(report, dry_run)
         now = time.time()
-        if everything or now - self._slow_at >= SLOW_PARTS_EVERY:
+        slow = everything or now - self._slow_at >= SLOW_PARTS_EVERY
+        self._checkpoints(report, dry_run, again=slow)
+        self._cap_logs(report, dry_run, every=slow)
+        if slow:
             self._slow_at = now
             self._age_logs(report, dry_run, now)
             days = self.settings.events_compact_days
@@ -197,9 +205,14 @@ class Collector:
                 report.events_dropped = self.store.compact_events(now - days * DAY)
         return report
 
-    def _checkpoints(self, report: Report, dry_run: bool) -> None:
+    def _checkpoints(self, report: Report, dry_run: bool, again: bool = True) -> None:
+        sessions = session_states(self.settings.home)
+        # Read before the rows: a change that lands after it makes the next pass decide again.
+        seen = (self.store.retention_fingerprint(), tuple(sorted(sessions.items())))
+        if not again and seen == self._settled:
+            return  # nothing the policy reads has changed since it last had nothing to do
         rows = self.store.retention_rows()
-        decisions = pending(decide(rows, session_states(self.settings.home), self.policy), rows)
+        decisions = pending(decide(rows, sessions, self.policy), rows)
         by_id = {row["id"]: row for row in rows}
         done, tags = [], []
         for d in decisions:
@@ -218,6 +231,7 @@ class Collector:
                              "tags": {TAG: "removed" if what == "removed" else "latest-only"}})
         if dry_run:
             return
+        self._settled = None if done else seen  # what it did changes the rows: the next pass looks once more
         self.store.record_gc(done)
         if tags and self.tag_runs is not None:
             try:
@@ -225,26 +239,31 @@ class Collector:
             except Exception as exc:  # the tracking store may be down; the queue has the record
                 log.warning("could not tag runs whose checkpoints were removed: %s", exc)
 
-    def _cap_logs(self, report: Report, dry_run: bool) -> None:
+    def _cap_logs(self, report: Report, dry_run: bool, every: bool = True) -> None:
         cap = self.settings.log_max_bytes
         logs_dir = Path(self.settings.logs_dir)
         if not cap or not logs_dir.is_dir():
             return
-        with os.scandir(logs_dir) as entries:
-            for entry in entries:
-                if not entry.name.endswith(".log"):
-                    continue
-                try:
-                    size = entry.stat().st_size
-                except OSError:
-                    continue
-                if size <= cap:
-                    continue
-                report.logs_capped += 1
-                if dry_run:
-                    report.log_bytes += size - cap // 2
-                else:
-                    report.log_bytes += cap_log(Path(entry.path), cap)
+        started = time.time()
+        if every or self._logs_at is None:
+            with os.scandir(logs_dir) as entries:
+                paths = [entry.path for entry in entries if entry.name.endswith(".log")]
+        else:  # only logs that can have grown since the last look (a margin for clocks and commits)
+            paths = self.store.growing_logs(self._logs_at - 5.0)
+        for path in paths:
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue
+            if size <= cap:
+                continue
+            report.logs_capped += 1
+            if dry_run:
+                report.log_bytes += size - cap // 2
+            else:
+                report.log_bytes += cap_log(Path(path), cap)
+        if not dry_run:
+            self._logs_at = started
 
     def _age_logs(self, report: Report, dry_run: bool, now: float) -> None:
         compress, delete = self.settings.log_compress_days, self.settings.log_delete_days

@@ -78,6 +78,7 @@ def test_the_session_pauses_at_its_token_cap_and_resumes_under_a_higher_one(home
         assert paused["counts"] == {"succeeded": len(jobs)} and paused["baseline"]["n"] == 1
         row = Registry(Settings.load().home).get(paused["session"])
         assert row["status"] == "paused" and row["summary"]["usage"]["calls"] == calls
+        assert row["llm_usage"] == paused["usage"]  # recorded as it was spent: `usage` shows it while running
         tags = Tracker.from_settings(Settings.load()).tags(paused["mlflow_run_id"])
         assert tags["autoresearch.status"] == "paused" and tags["autoresearch.llm_calls"] == str(calls)
 
@@ -88,7 +89,8 @@ def test_the_session_pauses_at_its_token_cap_and_resumes_under_a_higher_one(home
     assert done["usage"]["calls"] > calls and len(fake.requests) == done["usage"]["calls"]
     later = JobStore(Settings.load().db_url).list(owner=paused["session"])
     assert len(later) == 1 + 6 and [j.id for j in later[:len(jobs)]] == [j.id for j in jobs]  # no re-run
-    assert Registry(Settings.load().home).get(paused["session"])["status"] == "finished"
+    row = Registry(Settings.load().home).get(paused["session"])
+    assert row["status"] == "finished" and row["llm_usage"]["calls"] == done["usage"]["calls"]
     # The finished session's verdict carries both figures, read once at its end.
     held = done["holdout"]
     assert held["metric"] == "test_loss" and held["n_baseline"] == 1 and held["n_winner"] == 2 and held["confirmed"]

@@ -2,8 +2,9 @@
 
 The disk preflight (retention first, then the wait with its reason, a banner, a notification, and the queue
 resuming when space returns), the queue database refusing a write with nothing half-written, a checkpoint
-save that hits ENOSPC leaving the previous checkpoint loadable, and a job whose writes fail never SUCCEEDED.
-Skipped with the reason where mounting is impossible (not root); under CI=true that fails instead."""
+save that hits ENOSPC leaving the previous checkpoint loadable, and a job whose writes fail never SUCCEEDED;
+the same for the MLflow store alone on the small filesystem. Skipped with the reason where mounting is
+impossible (not root); under CI=true that fails instead."""
 
 from __future__ import annotations
 
@@ -162,3 +163,80 @@ def test_a_checkpoint_save_hitting_enospc_keeps_the_previous_loadable(small_fs):
     fresh = state()
     assert CheckpointManager(directory).load_latest(fresh) == 1
     assert torch.equal(fresh.model.weight, state().model.weight)  # step 1's weights, not step 2's
+
+
+METRIC_JOB = '''import os, sys, time
+from runtime.context import JobContext
+
+with JobContext.from_env() as ctx:
+    ctx.log_metrics({"train_loss": 1.0}, step=1)
+    while not os.path.exists(sys.argv[1]):  # the test fills the store's disk meanwhile
+        time.sleep(0.05)
+    ctx.log_metrics({"val_loss": 0.25}, step=2)
+print("logged", flush=True)
+'''
+
+
+@pytest.mark.slow  # two attempts of a job importing MLflow, and a tracking worker
+def test_a_full_mlflow_disk_loses_no_result_says_why_and_recovers(small_fs, tmp_path, monkeypatch, mlflow_template,
+                                                                  caplog):
+    """The MLflow store alone on the small filesystem (the queue and the home elsewhere): runs cannot be made
+    while it is full, so tracked jobs wait with the reason and no attempt spent while untracked ones run; a job
+    whose metric write failed is not SUCCEEDED and runs again; when space returns every result is in MLflow."""
+    import logging
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from orchestrator.service.daemon import Service
+    from tests.orchestrator.helpers import kill_leftovers
+    from tests.support.home import prepare_home
+
+    prepare_home(tmp_path / "home", monkeypatch, mlflow_template)
+    (small_fs / "mlflow").mkdir()
+    shutil.copy(mlflow_template, small_fs / "mlflow" / "mlflow.db")
+    uri = f"sqlite:///{small_fs / 'mlflow' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("AUTORESEARCH_RETRY_BACKOFF", "2")
+    script = tmp_path / "metric_job.py"
+    script.write_text(METRIC_JOB)
+    go = tmp_path / "go"
+    caplog.set_level(logging.WARNING, logger="orchestrator.tracking.preparer")
+    service = Service(Settings.load(), devices="cpu:2", preempt_after=0.0, tick=0.2).start()
+    store = service.store
+    client = MlflowClient(uri)
+    ballast = None
+    try:
+        writer = store.submit(JobSpec(argv=[sys.executable, str(script), str(go)], max_attempts=5, name="writer"))
+        wait_for(lambda: store.get(writer.id).mlflow_run_id and "train_loss" in client.get_run(
+            store.get(writer.id).mlflow_run_id).data.metrics, timeout=90, what="a metric logged before")
+        ballast = fill(small_fs, 0)
+        go.write_text("")  # the writer logs its metric now, onto the full disk
+        wait_for(lambda: store.get(writer.id).failures >= 1, timeout=90, what="the writer's failed write")
+        assert store.get(writer.id).state != "SUCCEEDED"
+        assert "full" in open(store.get(writer.id).log_path).read().lower()  # its log says why
+        # While the store is full: a tracked job waits for its run, with the reason; an untracked one runs.
+        waiting = store.submit(JobSpec(argv=["true"], name="waiting"))
+        plain = store.submit(JobSpec(argv=["true"], track=False, name="plain"))
+        wait_for(lambda: "MLflow tracking store not usable" in (store.get(waiting.id).reason or ""), timeout=60,
+                 what="the waiting reason")
+        job = store.get(waiting.id)
+        assert "full" in job.reason.lower() and job.state == "QUEUED" and job.attempts == 0
+        wait_for(lambda: store.get(plain.id).state == "SUCCEEDED", timeout=60, what="an untracked job meanwhile")
+        assert any("not usable" in r.getMessage() and "full" in r.getMessage().lower() for r in caplog.records)
+        assert service._dispatcher.is_alive()
+
+        ballast.unlink()
+        ballast = None  # space returns: no restart
+        for j in (writer, waiting):
+            wait_for(lambda: store.get(j.id).state == "SUCCEEDED", timeout=120, what=f"{j.name} to succeed")
+        wait_for(lambda: all(client.get_run(store.get(j.id).mlflow_run_id).info.status == "FINISHED"
+                             for j in (writer, waiting)), timeout=60, what="every run ended")
+        # What was logged before the disk filled is still there, and what failed on it was logged again.
+        assert client.get_run(store.get(writer.id).mlflow_run_id).data.metrics == {"train_loss": 1.0,
+                                                                                   "val_loss": 0.25}
+    finally:
+        if ballast is not None:
+            ballast.unlink()
+        kill_leftovers(store)
+        service.stop()

@@ -112,13 +112,13 @@ def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
             os.killpg(orphan.pid, signal.SIGKILL)
 
 
-def _serve(home: Path, node: str, db_url: str, log: Path) -> subprocess.Popen:
+def _serve(home: Path, node: str, db_url: str, log: Path, devices: str = "cpu:4") -> subprocess.Popen:
     env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_DB_URL=db_url, AUTORESEARCH_NODE=node,
                TEST_HOST=node, MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow.db'}",
                AUTORESEARCH_PREFLIGHT="off")  # device preflight is the health suite's; it costs a torch import
     home.mkdir(parents=True, exist_ok=True)
     exe = Path(sys.executable).with_name("autoresearch")
-    return subprocess.Popen([str(exe), "serve", "--devices", "cpu:4", "--preempt-after", "0"], env=env,
+    return subprocess.Popen([str(exe), "serve", "--devices", devices, "--preempt-after", "0"], env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -212,3 +212,54 @@ def test_reaper_waits_on_a_job_it_cannot_judge(tmp_path):
         assert [s.host for s in store.services()] == ["dead"]  # tried again on a later pass
     finally:
         executor.close()
+
+
+def test_a_projects_quota_holds_across_two_hosts(pg_url, tmp_path, home):
+    """Two `serve` processes (2 slots each) on one PostgreSQL queue: a flood at a high priority borrows all four
+    devices; the owner of a quota of 2 submits two jobs and both run within preempt_after + grace, wherever the
+    borrowers ran, and the flood keeps exactly its own quota of 2 across the two hosts meanwhile."""
+    from orchestrator.api import sharing
+    from orchestrator.core.config import Settings
+    from tests.orchestrator.helpers import ckpt_job
+
+    grace = 2.0
+    store = JobStore(pg_url)
+    services: dict[str, subprocess.Popen] = {}
+    try:
+        for host in ("A", "B"):
+            services[host] = _serve(tmp_path / f"home{host}", host, pg_url, tmp_path / f"{host}.log", "cpu:2")
+        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A", "B"}, timeout=90, what="both hosts")
+        settings = Settings.load()
+        for name in ("owner", "flood"):  # 2 + 2: the devices of both hosts together, not of either
+            sharing.set_project(settings, name, share=1, quota=2, store=store)
+        flood = [api.submit(ckpt_job(4000, priority=90, project="flood", grace=grace, name=f"flood{i}"),
+                            store=store)[0].id for i in range(6)]
+
+        def running(ids):
+            return [store.get(j) for j in ids if store.get(j).state == "RUNNING"]
+
+        wait_for(lambda: {j.host for j in running(flood)} == {"A", "B"} and len(running(flood)) == 4, timeout=60,
+                 what="the flood on both hosts")
+        submitted = time.time()
+        owner = [api.submit(ckpt_job(400, priority=0, project="owner", grace=grace, name=f"owner{i}"),
+                            store=store)[0].id for i in range(2)]
+        wait_for(lambda: len(running(owner)) == 2, timeout=60, what="the owner's jobs to run")
+        started = max(next(e.at for e in store.events(j) if e.dst == "STARTING") for j in owner)
+        # preempt_after is 0 here; the rest is grace, the services' passes and their 5 s look at the other host.
+        assert started - submitted <= grace + 10.0
+        wait_for(lambda: len(running(flood)) == 2 and not [j for j in flood if store.get(j).state == "PREEMPTING"],
+                 timeout=30, what="the flood back at its quota")
+        assert len(running(owner)) == 2  # both still run: nothing took their devices back
+        victims = [j for j in flood if store.get(j).preemptions]
+        assert 2 <= len(victims) and all(any("reclaim" in e.reason for e in store.events(j) if e.dst == "PREEMPTING")
+                                         for j in victims)
+    finally:
+        for proc in services.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        kill_leftovers(store)
+        store.close()

@@ -224,3 +224,27 @@ def test_old_logs_are_compressed_then_deleted_and_old_events_compacted(home, mon
     monkeypatch.setenv("AUTORESEARCH_LOG_DELETE_DAYS", "8")
     assert Collector(Settings.load(), store).collect().logs_deleted == 1
     assert not Path(f"{old_log}.gz").exists()
+
+
+def test_the_service_pass_decides_again_only_when_something_changed(stocked, monkeypatch):
+    """The service's pass over a settled home reads no job rows (a home of months of finished jobs costs
+    one aggregate query a pass), yet acts at its next pass on a new score, a mark, an ended session."""
+    settings, store, root, ids = stocked
+    collector = Collector(settings, store)
+    first = collector.collect(everything=False)  # the first pass does everything
+    assert {c["id"] for c in first.checkpoints} >= {ids["t1"], ids["t3"]}
+    collector.collect(everything=False)  # its own record_gc changed the rows: one more look, nothing to do
+    reads = []
+    monkeypatch.setattr(store, "retention_rows", lambda real=store.retention_rows: reads.append(1) or real())
+    assert collector.collect(everything=False).checkpoints == [] and reads == []
+    store.set_scores({ids["t4"]: 0.1})  # s1's third best drops out of the best three: its dir goes
+    assert [c["id"] for c in collector.collect(everything=False).checkpoints] == [ids["t4"]]
+    store.set_keep(ids["person"], "none")
+    assert [c["id"] for c in collector.collect(everything=False).checkpoints] == [ids["person"]]
+    _session(settings.home, "s3", "running")
+    s3 = _job(store, root, owner="s3", phase="search", score=1.0)
+    collector.collect(everything=False)
+    assert _steps(root, s3) == ["step_0000000010", "step_0000000020"]  # still the best of a live session
+    reads.clear()
+    collector.collect(everything=False)  # settled again
+    assert reads == []

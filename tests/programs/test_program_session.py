@@ -239,3 +239,66 @@ def test_sandbox_fails_a_variant_that_writes_the_protected_file_or_opens_a_socke
 
 def _host_ip() -> str:
     return "127.0.0.1"
+
+
+def test_start_program_with_a_project_shows_its_llm_spend_while_running_and_notifies_its_end(home, tmp_path,
+                                                                                              monkeypatch):
+    """`start --program --project`: every run is charged to the project (job and MLflow run), `usage --by
+    session` shows the LLM spend while the session still runs, and its end is notified like an experiment's."""
+    import time
+
+    from orchestrator.agent.session import Registry
+    from orchestrator.agent.usage import usage
+    from orchestrator.api.sharing import set_project
+
+    settings = Settings.load()
+    set_project(settings, "nlp", share=1)
+    got = tmp_path / "events.jsonl"
+    (home / "config.toml").write_text(f'[[notify]]\ncommand = "cat >> {got}; echo >> {got}"\n'
+                                      'events = ["session.finished", "session.paused"]\n')
+    program = make_program(tmp_path / "proj", sleep=1.5, repeats=1)
+    script = [ok(answer(edit("LR = 1.0", "LR = 2.0", why="the optimum is near 3")))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with FakeLLM(script) as fake:
+        env["OPENAI_BASE_URL"] = fake.base_url
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.faces.cli", "start", "--goal", "lower it",
+                                 "--program", str(program), "--project", "nlp", "--trials", "2", "--parallel", "1",
+                                 "--devices", "cpu:1", "--json"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        live, deadline = None, time.monotonic() + 120
+        while live is None and proc.poll() is None and time.monotonic() < deadline:
+            rows = [r for r in usage(settings, by="session") if r.get("llm_calls")]
+            registry = Registry(home)
+            try:
+                running = [r["id"] for r in registry.all() if r["status"] == "running"]
+            finally:
+                registry.close()
+            if rows and rows[0]["session"] in running:  # read before the session ended: the live record
+                live = rows[0]
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert live is not None and live["session"] == summary["session"], "no LLM spend seen while it ran"
+    assert live["llm_calls"] == 1 and live["prompt_tokens"] > 0
+    [after] = [r for r in usage(settings, by="session") if r["session"] == summary["session"]]
+    assert after["llm_calls"] == 1 and after["device_seconds"] > 0
+    runs = jobs(summary["session"])
+    assert len(runs) == 2 and {j.project for j in runs} == {"nlp"}
+    tags, _ = run_tags(runs[0].mlflow_run_id)
+    assert tags["autoresearch.project"] == "nlp"
+    [event] = [json.loads(line) for line in got.read_text().splitlines() if line.strip()]
+    assert event["event"] == "session.finished" and event["session"] == summary["session"]
+    assert event["experiment"] == "program:proj" and "score" in event["verdict"]
+    assert event["stop_reason"] == summary["stop_reason"]
+
+
+def test_an_undeclared_project_on_start_program_is_refused(home, tmp_path):
+    from orchestrator.api.sharing import set_project
+
+    set_project(Settings.load(), "nlp", share=1)
+    program = make_program(tmp_path / "proj")
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "start", "--goal", "g", "--program",
+                          str(program), "--project", "ghost"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 2 and "ghost" in out.stderr and len(out.stderr.strip().splitlines()) == 1

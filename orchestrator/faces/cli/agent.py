@@ -108,7 +108,7 @@ def _print_usage(summary: dict) -> None:
 
 def _llm(row: dict) -> str:
     """A session's LLM spend for the sessions table: calls, tokens, cost ("" for none)."""
-    usage = (row.get("summary") or {}).get("usage") or {}
+    usage = row.get("llm_usage") or (row.get("summary") or {}).get("usage") or {}
     if not usage.get("calls"):
         return ""
     tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
@@ -169,7 +169,7 @@ def start(
 
         return programs.start(goal=goal, program=program, trials=trials, parallel=parallel, devices=devices,
                               budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
-                              model=model or Settings.load().llm_model)
+                              model=model or Settings.load().llm_model, project=_project(project))
     name = proposer or default_name()
     settings = Settings.load()
     config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,

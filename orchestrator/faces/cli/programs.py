@@ -19,13 +19,14 @@ def _fmt(value: object) -> str:
 
 def start(*, goal: str, program: str, trials: Optional[int], parallel: Optional[int],
           budget_minutes: Optional[float], priority: int, model: Optional[str], sandbox: bool,
-          devices: Optional[str], as_json: bool) -> None:
+          devices: Optional[str], as_json: bool, project: str = "default") -> None:
     """`autoresearch start --program DIR`: run a program session and print its summary."""
     from orchestrator.agent.session import new_id
     from orchestrator.programs.session import ProgramConfig, check
 
     config = ProgramConfig(goal=goal, program=program, trials=trials, parallel=parallel,
-                           budget_minutes=budget_minutes, priority=priority, model=model, sandbox=sandbox)
+                           budget_minutes=budget_minutes, priority=priority, model=model, sandbox=sandbox,
+                           project=project)
     check(config, devices)
     session_id = new_id()
     info(f"session {session_id} on program {program} (branch autoresearch/{session_id})")
