@@ -149,9 +149,11 @@ def start_service(home, kind, request, monkeypatch):
         service.stop()
 
 
-def local_only(kind) -> None:
-    if not kind.startswith("local"):
-        pytest.skip("how the local executor starts an attempt's processes")
+def local_service(request, kind, warm_only=False):
+    """`start_service`, for a local kind only (skipped before a cluster is asked for)."""
+    if not kind.startswith("local") or (warm_only and kind != "local"):
+        pytest.skip("the warm pool's choice" if warm_only else "how the local executor starts an attempt")
+    return request.getfixturevalue("start_service")
 
 
 def started(service, job_id) -> list[str]:
@@ -190,9 +192,8 @@ def test_exit_codes_retries_and_exit_75(start_service, tmp_path):
     assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
 
 
-def test_a_warm_start_is_a_cold_start_to_the_job(start_service, kind, tmp_path):
-    local_only(kind)
-    service = start_service()
+def test_a_warm_start_is_a_cold_start_to_the_job(request, kind, tmp_path):
+    service = local_service(request, kind)()
     probe = str(SCRIPTS / "start_probe.py")
     as_file = submit(JobSpec(argv=[sys.executable, probe, "75"], cwd=str(tmp_path), env={"FOO": "bar"}, track=False))
     as_module = submit(JobSpec(argv=[sys.executable, "-m", "start_probe", "4"], cwd=str(SCRIPTS), track=False))
@@ -228,14 +229,13 @@ def _pids(service, job_id) -> list[int]:
     return [int(e.reason.split()[1].rstrip(",")) for e in service.store.events(job_id) if e.dst == "RUNNING"]
 
 
-def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(start_service, kind, tmp_path, monkeypatch):
-    if kind != "local":
-        pytest.skip("the warm pool's choice")
+def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(request, kind, tmp_path, monkeypatch):
+    start = local_service(request, kind, warm_only=True)
     extra = tmp_path / "warm_extra.py"
     extra.write_text("")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("AUTORESEARCH_WARM_PRELOAD", "runtime.context,warm_extra")
-    service = start_service()
+    service = start()
     probe = str(SCRIPTS / "start_probe.py")
     why = {submit(JobSpec(argv=[sys.executable, "-u", probe, "0"], track=False)): "cold: interpreter options (-u)",
            submit(JobSpec(argv=[sys.executable, probe, "0"], env={"OMP_NUM_THREADS": "3"}, track=False)):
@@ -253,6 +253,21 @@ def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(start_servic
     again = submit(JobSpec(argv=[sys.executable, probe, "0"], track=False))
     wait_for(lambda: state(service, again) == "SUCCEEDED", timeout=60)
     assert started(service, again)[0].endswith(", warm")
+
+
+def test_a_config_file_experiment_runs_its_python_script_warm(request, kind, tmp_path):
+    (tmp_path / "train.py").write_text("import sys\nprint('preloaded', 'runtime.context' in sys.modules, sys.argv[1:])"
+                                       "\nprint('val_loss: 0.5')\n")
+    (tmp_path / "autoresearch.toml").write_text('[experiment]\nrun = "python train.py {args}"\nmetric = "val_loss"\n'
+                                                'direction = "minimize"\n[space]\nlr = { type = "float", '
+                                                'low = 0.001, high = 0.1, default = 0.01 }\n')
+    service = local_service(request, kind)()
+    job_id = submit(api.experiment_spec(str(tmp_path), {"lr": 0.02}, track=False))
+    wait_for(lambda: state(service, job_id) in ("SUCCEEDED", "FAILED"), timeout=60, what="the experiment's run")
+    text = log_of(service, job_id)
+    assert state(service, job_id) == "SUCCEEDED" and "preloaded" in text
+    warm = kind == "local"  # its wrapper forked from the pool, and the script from the wrapper
+    assert text.count("(warm)") == int(warm) and f"preloaded {warm} ['--lr=0.02']" in text
 
 
 def test_cancel_queued_and_running_and_sigkill_after_grace(start_service):

@@ -68,8 +68,12 @@ def _show_environ(env: dict[str, str]) -> None:
         mem.write(blob + b"\0" * (end - start - len(blob)))
 
 
-class _Become(BaseException):
-    """Raised in the job's process: unwinds the pool's loop so the job runs at the top level (`run`)."""
+STARTED_WARM = False  # True in a job forked from the pool (its own warm children: executors.scriptjob)
+
+
+class Become(BaseException):
+    """Raised in a forked job's process with what it runs (`{"warm": python_target}`) and its environment: it
+    unwinds the caller's stack, so that the job runs at the top level (`run`), as a script's code does."""
 
     def __init__(self, request: dict, env: dict[str, str]):
         super().__init__()
@@ -77,6 +81,8 @@ class _Become(BaseException):
 
     def run(self) -> None:
         """Set the process up as `python -m MOD ARGS` or `python FILE ARGS` would, and run the job."""
+        global STARTED_WARM
+        STARTED_WARM = True
         for sig, handler in _STARTED_WITH.items():
             try:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -114,7 +120,7 @@ class _Become(BaseException):
 
 
 def _attempt(request: dict, log_fd: int, devnull: int, own: list) -> NoReturn:
-    """The first child: the wrapper's twin (see the module's docstring). Raises `_Become` in the job."""
+    """The first child: the wrapper's twin (see the module's docstring). Raises `Become` in the job."""
     code = 127
     try:
         signal.set_wakeup_fd(-1)
@@ -147,13 +153,13 @@ def _attempt(request: dict, log_fd: int, devnull: int, own: list) -> NoReturn:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         pid = os.fork()
         if pid == 0:
-            raise _Become(request, job_env)
+            raise Become(request, job_env)
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
         with open(exit_file, "w") as fh:
             fh.write(str(code))
-    except _Become:
+    except Become:
         raise
     except BaseException as exc:  # (nothing of the pool's may run on in a child)
         try:
@@ -175,7 +181,7 @@ def _spawn(request: dict, devnull: int, own: list) -> dict:
             os.close(fd)
         return {"error": f"{type(exc).__name__}: {exc}"}
     if pid == 0:
-        _attempt(request, fd, devnull, own)  # (never returns: it exits, or raises _Become in the job)
+        _attempt(request, fd, devnull, own)  # (never returns: it exits, or raises Become in the job)
     os.close(fd)
     return {"pid": pid, "start": start_time(pid)}
 
@@ -214,6 +220,7 @@ def _write_json(path: str, data: dict) -> None:
 def main(ready_file: Optional[str] = None) -> None:
     """The pool: preload, write the ready file, then fork what stdin asks for until it closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C at the service's terminal is the service's to handle
+    sys.modules.setdefault("orchestrator.executors.local.warmpool", sys.modules["__main__"])  # (one Become)
     names = os.environ.get(PRELOAD_VAR)
     files = preload([n for n in names.split(",") if n] if names is not None else PRELOAD)
     if ready_file:
@@ -258,10 +265,10 @@ def main(ready_file: Optional[str] = None) -> None:
 
 
 if __name__ == "__main__":
-    _job: Optional[_Become] = None
+    _job: Optional[Become] = None
     try:
         main(sys.argv[1] if len(sys.argv) > 1 else None)
-    except _Become as become:
+    except Become as become:
         _job = become.with_traceback(None)  # (the pool's frames: nothing of them is the job's)
     if _job is not None:  # outside the handler: the job's own exceptions have no pool context
         _job.run()

@@ -59,6 +59,29 @@ def load_time_differences(job_env: dict[str, str], pool_env: dict[str, str]) -> 
     return sorted(k for k in keys if job_env.get(k) != pool_env.get(k))
 
 
+def first_path(target: dict, cwd: str) -> str:
+    """The job's first `sys.path` entry: its folder for a module, the file's (links resolved) for a file."""
+    return cwd if "module" in target else os.path.dirname(os.path.realpath(os.path.join(cwd, target["script"])))
+
+
+def shadowed(folder: str, modules: dict[str, Optional[str]]) -> str:
+    """An entry of `folder` (a job's first sys.path entry) that is another copy of one of `modules` (imported
+    ones and their files), or ""."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    for entry in names:
+        name = entry[:-3] if entry.endswith(".py") else entry
+        if name not in modules:
+            continue
+        mine = os.path.join(folder, entry)
+        theirs = modules[name]
+        if theirs is not None and not os.path.realpath(theirs).startswith(os.path.realpath(mine)):
+            return entry
+    return ""
+
+
 class WarmPool:
     """The executor's warm pool process (one, started on first use): `plan` says whether an attempt can
     start there, `spawn_many` starts those that can (the spawner's protocol)."""
@@ -142,28 +165,11 @@ class WarmPool:
         why = self._state()
         if why:
             return None, why
-        first = cwd if "module" in target else os.path.dirname(os.path.realpath(os.path.join(cwd, target["script"])))
-        shadow = self._shadowed(first)
+        first = first_path(target, cwd)
+        shadow = shadowed(first, self._ready["modules"])
         if shadow:
             return None, f"{shadow} in {first} is not the warm pool's"
         return target, ""
-
-    def _shadowed(self, folder: str) -> str:
-        """A module the pool imported that `folder` (the job's first sys.path entry) holds another copy of."""
-        modules = self._ready["modules"]
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            return ""
-        for entry in names:
-            name = entry[:-3] if entry.endswith(".py") else entry
-            if name not in modules:
-                continue
-            mine = os.path.join(folder, entry)
-            theirs = modules[name]
-            if theirs is not None and not os.path.realpath(theirs).startswith(os.path.realpath(mine)):
-                return entry
-        return ""
 
     def spawn_many(self, requests: list[dict]) -> list:
         """Start the requests in the pool (the spawner's answers: (pid, start) or an OSError each)."""
