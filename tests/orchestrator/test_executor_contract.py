@@ -431,3 +431,15 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
         executor.close()
     job = store.get(job_id)
     assert job.state == "QUEUED" and "host lost lost" in job.reason and job.failures == 0
+
+
+def test_the_warm_setting_turns_warm_starts_on_and_off(home, monkeypatch):
+    from orchestrator.core.errors import BadInput
+
+    assert Settings.load().warm is True  # the default
+    for raw, value in (("0", False), ("off", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("AUTORESEARCH_WARM", raw)
+        assert Settings.load().warm is value
+    monkeypatch.setenv("AUTORESEARCH_WARM", "maybe")
+    with pytest.raises(BadInput, match="AUTORESEARCH_WARM"):
+        Settings.load()
