@@ -1,6 +1,7 @@
 """Warm starts against cold ones: a digits trial's start, from the service's claim to its first training step.
 
     python benchmarks/warm_start.py [--trials 4] [--epochs 1] [--slots 1]
+    python benchmarks/warm_start.py --imports     (where a warm trial's start still goes)
 
 One embedded service (`--slots` cpu slots) in a fresh AUTORESEARCH_HOME runs digits trials (the bundled
 experiment, tracked in MLflow as every trial is) one after another, alternating cold and warm starts, so both
@@ -53,12 +54,34 @@ def run_trial(service, api, params: dict, warm: bool) -> dict:
     return {"start": first - claim, "device": events[-1].at - claim, "how": running.reason.split(", ", 1)[-1]}
 
 
+IMPORTS = """
+import time
+t0 = time.perf_counter()
+from orchestrator.executors.local import warmpool
+warmpool.preload()
+t1 = time.perf_counter()
+import experiments.digits.train
+t2 = time.perf_counter()
+from mlflow.tracking import MlflowClient
+from mlflow.entities import Metric, Param
+t3 = time.perf_counter()
+print(f"the pool's PRELOAD {t1 - t0:.2f} s; then experiments.digits.train {t2 - t1:.2f} s; "
+      f"then MLflow's client {t3 - t2:.2f} s")
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=4, help="timed trials per mode")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--slots", type=int, default=1)
+    ap.add_argument("--imports", action="store_true", help="time the imports a warm trial still pays, and stop")
     args = ap.parse_args()
+    if args.imports:
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", IMPORTS], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return
     home = Path(tempfile.mkdtemp(prefix="warm-bench-"))
     os.environ["AUTORESEARCH_HOME"] = str(home)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
