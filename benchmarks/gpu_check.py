@@ -20,6 +20,8 @@ Checks (each in its own child process, time-boxed; one failing or hanging does n
   torchrun_two_ranks   2 ranks (sharing GPU 0 on a one-GPU box) with async saves; `nvidia-smi
                        --query-compute-apps` and each rank's primary contexts catch a stray context on GPU 0
   bf16_burst           --burst-s seconds of 8192^3 bf16 matmuls with NVML throttle sampling every 0.5 s
+  warm_start           a job forked from the local executor's warm pool: the pool holds no CUDA context,
+                       the job initialises CUDA itself and trains at the cold job's speed (gpu_warm.py)
 
 Prints PASS/FAIL/SKIP per check and a summary; exits 1 when any check failed. With $OUT set, also writes
 $OUT/gpu_check.json.
@@ -44,12 +46,13 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as jobs get it (Cont
 
 import gpu_probes  # noqa: E402  (next to this file; after the repo root is on sys.path)
 import gpu_training  # noqa: E402
+import gpu_warm  # noqa: E402
 
 CHECKS = ["environment", "uuid_identity", "cvd_uuid", "cvd_reorder", "nvml", "foreign_context",
-          "preflight_nccl_debug", "async_checkpoint", "torchrun_two_ranks", "bf16_burst"]
+          "preflight_nccl_debug", "async_checkpoint", "torchrun_two_ranks", "bf16_burst", "warm_start"]
 LIMITS = {"environment": 60, "uuid_identity": 60, "cvd_uuid": 60, "cvd_reorder": 60, "nvml": 60,
           "foreign_context": 120, "preflight_nccl_debug": 150, "async_checkpoint": 120, "torchrun_two_ranks": 180,
-          "bf16_burst": 60}
+          "bf16_burst": 60, "warm_start": 180}
 
 
 # ---- the parent: one child per check, time-boxed ----------------------------------------------------------
@@ -57,7 +60,8 @@ LIMITS = {"environment": 60, "uuid_identity": 60, "cvd_uuid": 60, "cvd_reorder":
 
 def child(name: str, a) -> None:
     try:
-        fn = getattr(gpu_probes, f"check_{name}", None) or getattr(gpu_training, f"check_{name}")
+        fn = next(getattr(m, f"check_{name}") for m in (gpu_probes, gpu_training, gpu_warm)
+                  if hasattr(m, f"check_{name}"))
         ok, detail, data = fn(a)
         result = {"status": "PASS" if ok else "FAIL", "detail": detail, "data": data}
     except gpu_probes.Skip as exc:

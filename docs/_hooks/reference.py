@@ -33,6 +33,9 @@ _DESCRIBED = {
     "executor": "Where jobs run: `local` (this host) or `ray` (a Ray cluster).",
     "ray_address": "The Ray cluster's Jobs API address, e.g. `http://HEAD:8265`.",
     "preflight": "Checks before each start: `quick` or `off`.",
+    "warm": "Start Python attempts warm: forked from a pool with torch and the runtime imported, where the "
+            "pool can make them exactly what a fresh interpreter would be ([warm starts](job-protocol.md#warm-starts)); "
+            "`0`: every attempt starts a fresh interpreter.",
     "preflight_ttl": "Seconds a device that passed its checks is trusted without checking again.",
     "recheck_level": "The level of the checks idle devices get: `quick` or `full`.",
     "recheck_every": "Seconds between the checks of idle devices.",

@@ -74,6 +74,18 @@ def _integer(raw: Any) -> int:
         raise ValueError("not an integer") from None
 
 
+def _switch(raw: Any) -> bool:
+    """On or off: true/false (a toml bool), 1/0, on/off, yes/no."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "on", "true", "yes"):
+        return True
+    if text in ("0", "off", "false", "no"):
+        return False
+    raise ValueError("not on or off (1/0, on/off, true/false)")
+
+
 def _text(raw: Any) -> str:
     if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
         raise ValueError("not a string")
@@ -119,6 +131,7 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "log_delete_days": ("AUTORESEARCH_LOG_DELETE_DAYS", _number),
     "events_compact_days": ("AUTORESEARCH_EVENTS_COMPACT_DAYS", _number),
     "disk_min_free_mb": ("AUTORESEARCH_DISK_MIN_FREE_MB", _number),
+    "warm": ("AUTORESEARCH_WARM", _switch),
 }
 
 
@@ -207,6 +220,9 @@ class Settings:
     log_delete_days: float = 180.0  # ... and deleted after this many (0: never)
     events_compact_days: float = 90.0  # jobs finished longer ago keep only their first and last events (0: never)
     disk_min_free_mb: float = 1024.0  # below this free on the checkpoint or log filesystem, no job starts
+    # The local executor forks Python attempts from a pool with torch and the runtime imported
+    # (orchestrator.executors.local.warmstart); off: every attempt starts a fresh interpreter.
+    warm: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

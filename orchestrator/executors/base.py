@@ -49,6 +49,7 @@ class Launched:
 
     pid: int
     proc_start: Optional[str] = None
+    how: str = ""  # how it started, for its RUNNING event (the local executor's `warm` or `cold: why`)
 
 
 class Liveness(str, enum.Enum):

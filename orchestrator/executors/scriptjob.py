@@ -19,12 +19,18 @@ exits 0 with neither exits 1 with that reason: no result is ever made up. Standa
 no MLflow import for its metric.
 The wrapper shares the job's process group: the queue's SIGTERM reaches the script, and the wrapper waits for
 it and exits with its code.
+
+Warm: when this wrapper was itself forked from the local executor's warm pool (torch and the runtime are
+imported here) and the command is this environment's Python running a file or a module plainly, the script is
+forked from this process instead of started through `/bin/sh`, set up as a fresh interpreter would be
+(`executors.local.warmpool.Become`); the log's `running:` line then ends with `(warm)`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -33,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 from experiments.command import exec_form, render, script_params, with_interpreter
+from orchestrator.executors.local import warmpool
+from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
 
@@ -70,14 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         say(f"attempt {state['attempts'] + 1} starts again from scratch: {why}")
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=start)
     command = with_interpreter(command, sys.executable)
-    say(f"running: {command}")
+    env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
+    target = warm_target(command, env)
+    say(f"running: {command}" + (" (warm)" if target else ""))
     reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
     # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
-    env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
-    proc = subprocess.Popen(["/bin/sh", "-c", exec_form(command)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env)
+    if target is not None:
+        proc: subprocess.Popen | Forked = Forked(target, env)
+    else:
+        proc = subprocess.Popen(["/bin/sh", "-c", exec_form(command)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     out = sys.stdout.buffer
     for raw in iter(proc.stdout.readline, b""):
         out.write(raw)
@@ -92,6 +104,46 @@ def main(argv: list[str] | None = None) -> int:
             "to MLflow")
         return NO_RESULT_EXIT
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def warm_target(command: str, env: dict[str, str]) -> dict | None:
+    """What to fork for `command` when this wrapper runs warm and the command is a plain run of this
+    environment's Python (no shell syntax, no interpreter options, no other copy of a module imported here
+    first on its path), else None: it runs through /bin/sh."""
+    if not warmpool.STARTED_WARM or exec_form(command) == command:
+        return None
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return None
+    target, _ = python_target(argv, env)
+    if target is None or shadowed(first_path(target, os.getcwd()), warmpool.imported()):
+        return None
+    return target
+
+
+class Forked:
+    """The command forked from this (warm) process, its output on a pipe: what `subprocess.Popen` offers."""
+
+    def __init__(self, target: dict, env: dict[str, str]):
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            os.close(devnull)
+            os.close(read)
+            os.close(write)
+            raise warmpool.Become({"warm": target}, env)  # (caught at this module's top level: it runs there)
+        os.close(write)
+        self.stdout = os.fdopen(read, "rb")
+
+    def wait(self) -> int:
+        """Its exit code (negative: the signal that killed it), as Popen's."""
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
 
 
 def _read_state(checkpoint_dir: Path) -> dict:
@@ -129,4 +181,11 @@ def logged_by_script(metric: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _script: warmpool.Become | None = None
+    try:
+        _code = main()
+    except warmpool.Become as become:  # the forked script's process: it runs here, outside the handler
+        _script = become.with_traceback(None)
+    if _script is None:
+        sys.exit(_code)
+    _script.run()

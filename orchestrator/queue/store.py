@@ -207,16 +207,16 @@ class JobStore(KeepRecords):
             raise JobNotFound(job_id)
         return self.get(job_id)
 
-    def mark_running_many(self, launched: Sequence[tuple[int, int, Optional[str]]], host: Optional[str] = None
-                          ) -> list[int]:
-        """`mark_running` for many (job id, pid, proc start) in one commit; returns the ids of the jobs found."""
+    def mark_running_many(self, launched: Sequence[tuple], host: Optional[str] = None) -> list[int]:
+        """`mark_running` for many (job id, pid, proc start[, how it started]) in one commit (`how`, e.g. the
+        local executor's `warm`, goes into the RUNNING event's reason); returns the ids of the jobs found."""
         now = time.time()
         out: list[int] = []
         if not launched:
             return out
         with self._moving() as (session, writes):
-            rows = self._lock_rows(session, [job_id for job_id, _, _ in launched])
-            for job_id, pid, proc_start in launched:
+            rows = self._lock_rows(session, [start[0] for start in launched])
+            for job_id, pid, proc_start, *how in launched:
                 job = rows.get(job_id)
                 if job is None:
                     continue
@@ -224,7 +224,8 @@ class JobStore(KeepRecords):
                 if job.job_state is not S.STARTING:
                     writes.set(job, pid=pid, proc_start=proc_start)
                     continue
-                self._move(writes, job, S.RUNNING, f"pid {pid}", host, now, pid=pid, proc_start=proc_start,
+                reason = f"pid {pid}, {how[0]}" if how and how[0] else f"pid {pid}"
+                self._move(writes, job, S.RUNNING, reason, host, now, pid=pid, proc_start=proc_start,
                            started_at=now)
         return out
 

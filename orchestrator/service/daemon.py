@@ -249,7 +249,7 @@ class Service:
 
     def _record(self, launched: list, exits: list[Exit]) -> None:
         """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
-        self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
+        self.store.mark_running_many([(job.id, out.pid, out.proc_start, out.how) for job, out in launched
                                       if not isinstance(out, Exception)], self.host)
         ended = self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}")
                                         for job, out in launched if isinstance(out, Exception)], self.host)

@@ -1,5 +1,5 @@
-"""One contract for every executor: the same scenarios pass on the local executor, on a real Ray cluster and
-on a real Slurm cluster.
+"""One contract for every executor: the same scenarios pass on the local executor (its attempts forked warm
+from its pool, and started cold), on a real Ray cluster and on a real Slurm cluster.
 
 The Ray cluster is a local head started once for the session (`ray start --head` on free ports, 2 CPUs and
 2 logical GPUs); it is skipped with a reason when Ray is not installed. Services run in-process on cpu:2
@@ -10,6 +10,7 @@ Slurm cases skip with the reason (and fail under CI).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ from orchestrator.executors.base import Liveness
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from tests.support.requires import require
-from tests.orchestrator.helpers import ckpt_job, kill_leftovers, wait_for
+from tests.orchestrator.helpers import SCRIPTS, ckpt_job, kill_leftovers, wait_for
 from tests.support.dispatch import wait_for_dispatch
 
 
@@ -100,8 +101,9 @@ def slurm_cluster():
     return slurm_node()
 
 
-@pytest.fixture(params=["local", "ray", "slurm"])
+@pytest.fixture(params=["local", "local-cold", "ray", "slurm"])
 def kind(request):
+    """The executor under test; `local` forks Python attempts from its warm pool, `local-cold` does not."""
     return request.param
 
 
@@ -112,6 +114,10 @@ def start_service(home, kind, request, monkeypatch):
 
     # Device preflight (tested with the health module) imports torch at the first start: seconds per test.
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
+    monkeypatch.setenv("AUTORESEARCH_WARM", "0" if kind == "local-cold" else "1")
+    # The pool's imports are the runtime's context only: how it forks is under test, not torch's seconds.
+    monkeypatch.setenv("AUTORESEARCH_WARM_PRELOAD", "runtime.context")
+    executor = "local" if kind.startswith("local") else kind
 
     address = request.getfixturevalue("ray_head") if kind == "ray" else None
     if kind == "slurm":
@@ -119,11 +125,13 @@ def start_service(home, kind, request, monkeypatch):
     started = []
 
     def start(devices="cpu:2"):
-        settings = Settings.load(devices=devices, executor=kind)
+        settings = Settings.load(devices=devices, executor=executor)
         if address:
             settings.extra["ray_address"] = address
-        service = Service(settings, devices=devices, executor=kind, preempt_after=0, tick=0.2).start()
+        service = Service(settings, devices=devices, executor=executor, preempt_after=0, tick=0.2).start()
         started.append(service)
+        if kind == "local":  # (its pool starts with the first Python attempt: here, before any)
+            assert service.executor.warm_pool.wait_ready(60)
         return service
 
     yield start
@@ -139,6 +147,18 @@ def start_service(home, kind, request, monkeypatch):
         else:
             kill_leftovers(service.store)
         service.stop()
+
+
+def local_service(request, kind, warm_only=False):
+    """`start_service`, for a local kind only (skipped before a cluster is asked for)."""
+    if not kind.startswith("local") or (warm_only and kind != "local"):
+        pytest.skip("the warm pool's choice" if warm_only else "how the local executor starts an attempt")
+    return request.getfixturevalue("start_service")
+
+
+def started(service, job_id) -> list[str]:
+    """How each attempt of the job started, as `show` says it (its RUNNING events' reasons)."""
+    return [e.reason for e in api.show(job_id, service.store)[1] if e.dst == "RUNNING"]
 
 
 def state(service, job_id):
@@ -170,6 +190,84 @@ def test_exit_codes_retries_and_exit_75(start_service, tmp_path):
     assert (state(service, bad), service.store.get(bad).exit_code) == ("FAILED", 3)
     job = service.store.get(temp)
     assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
+
+
+def test_a_warm_start_is_a_cold_start_to_the_job(request, kind, tmp_path):
+    service = local_service(request, kind)()
+    probe = str(SCRIPTS / "start_probe.py")
+    as_file = submit(JobSpec(argv=[sys.executable, probe, "75"], cwd=str(tmp_path), env={"FOO": "bar"}, track=False))
+    as_module = submit(JobSpec(argv=[sys.executable, "-m", "start_probe", "4"], cwd=str(SCRIPTS), track=False))
+    wait_for(lambda: all(state(service, j) in ("SUCCEEDED", "FAILED") for j in (as_file, as_module)), timeout=60)
+    # What a fresh interpreter has: the reference for the signals, the mask, the threads and stdin.
+    fresh = json.loads(subprocess.run([sys.executable, probe, "0"], stdin=subprocess.DEVNULL, capture_output=True,
+                                      text=True, start_new_session=True).stdout)
+    job = service.store.get(as_file)
+    assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
+    assert (state(service, as_module), service.store.get(as_module).exit_code) == ("FAILED", 4)
+    how = "warm" if kind == "local" else "cold: warm starts are off (AUTORESEARCH_WARM=0)"
+    assert started(service, as_file) == [f"pid {p}, {how}" for p in _pids(service, as_file)]
+    text = log_of(service, as_file)
+    reports = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert len(reports) == 2 and text.count("probe-stderr") == 2  # stdout and stderr of each attempt
+    report = reports[-1]
+    assert report["argv"] == [probe, "75"] and report["name"] == "__main__" and report["main_file"] == probe
+    assert report["spec"] is None and report["cwd"] == str(tmp_path) and report["path0"] == str(SCRIPTS)
+    assert report["own_session"]  # its wrapper leads a session of its own, and the job is in it
+    assert report["contract"] == {"AUTORESEARCH_JOB_ID": str(as_file), "AUTORESEARCH_ATTEMPT": "2",
+                                  "AUTORESEARCH_CHECKPOINT_DIR": job.checkpoint_dir, "AUTORESEARCH_PARAMS": "{}",
+                                  "CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "FOO": "bar"}
+    assert report["proc_environ_matches"] and report["wrapper_vars"] == []  # /proc shows the job's environment
+    for key in ("handlers", "blocked", "threads", "stdin"):
+        assert report[key] == fresh[key], key
+    if service.executor.tracking == "cgroup":
+        assert report["cgroup"][0].endswith(f"/{as_file}.2")
+    module = json.loads(next(line for line in log_of(service, as_module).splitlines() if line.startswith("{")))
+    assert module["argv"] == [probe, "4"] and module["spec"] == "start_probe" and module["path0"] == str(SCRIPTS)
+
+
+def _pids(service, job_id) -> list[int]:
+    return [int(e.reason.split()[1].rstrip(",")) for e in service.store.events(job_id) if e.dst == "RUNNING"]
+
+
+def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(request, kind, tmp_path, monkeypatch):
+    start = local_service(request, kind, warm_only=True)
+    extra = tmp_path / "warm_extra.py"
+    extra.write_text("")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("AUTORESEARCH_WARM_PRELOAD", "runtime.context,warm_extra")
+    service = start()
+    probe = str(SCRIPTS / "start_probe.py")
+    why = {submit(JobSpec(argv=[sys.executable, "-u", probe, "0"], track=False)): "cold: interpreter options (-u)",
+           submit(JobSpec(argv=[sys.executable, probe, "0"], env={"OMP_NUM_THREADS": "3"}, track=False)):
+               "cold: its environment sets OMP_NUM_THREADS otherwise than the warm pool's",
+           submit(JobSpec(argv=["sh", "-c", "exit 0"], track=False)): "cold: sh is not a Python interpreter",
+           submit(JobSpec(argv=[sys.executable, probe, "0"], cwd=str(tmp_path), track=False)): "warm"}
+    wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in why), timeout=60, what="four jobs")
+    for job_id, reason in why.items():
+        assert started(service, job_id)[0].endswith(f", {reason}")
+    os.utime(extra)  # a module the pool imported changed: the pool is stale
+    changed = submit(JobSpec(argv=[sys.executable, probe, "0"], track=False))
+    wait_for(lambda: state(service, changed) == "SUCCEEDED", timeout=60)
+    assert started(service, changed)[0].endswith(", cold: the environment changed since the warm pool started")
+    assert service.executor.warm_pool.wait_ready(60)  # a new pool, with the module as it is now
+    again = submit(JobSpec(argv=[sys.executable, probe, "0"], track=False))
+    wait_for(lambda: state(service, again) == "SUCCEEDED", timeout=60)
+    assert started(service, again)[0].endswith(", warm")
+
+
+def test_a_config_file_experiment_runs_its_python_script_warm(request, kind, tmp_path):
+    (tmp_path / "train.py").write_text("import sys\nprint('preloaded', 'runtime.context' in sys.modules, sys.argv[1:])"
+                                       "\nprint('val_loss: 0.5')\n")
+    (tmp_path / "autoresearch.toml").write_text('[experiment]\nrun = "python train.py {args}"\nmetric = "val_loss"\n'
+                                                'direction = "minimize"\n[space]\nlr = { type = "float", '
+                                                'low = 0.001, high = 0.1, default = 0.01 }\n')
+    service = local_service(request, kind)()
+    job_id = submit(api.experiment_spec(str(tmp_path), {"lr": 0.02}, track=False))
+    wait_for(lambda: state(service, job_id) in ("SUCCEEDED", "FAILED"), timeout=60, what="the experiment's run")
+    text = log_of(service, job_id)
+    assert state(service, job_id) == "SUCCEEDED" and "preloaded" in text
+    warm = kind == "local"  # its wrapper forked from the pool, and the script from the wrapper
+    assert text.count("(warm)") == int(warm) and f"preloaded {warm} ['--lr=0.02']" in text
 
 
 def test_cancel_queued_and_running_and_sigkill_after_grace(start_service):
@@ -333,3 +431,15 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
         executor.close()
     job = store.get(job_id)
     assert job.state == "QUEUED" and "host lost lost" in job.reason and job.failures == 0
+
+
+def test_the_warm_setting_turns_warm_starts_on_and_off(home, monkeypatch):
+    from orchestrator.core.errors import BadInput
+
+    assert Settings.load().warm is True  # the default
+    for raw, value in (("0", False), ("off", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("AUTORESEARCH_WARM", raw)
+        assert Settings.load().warm is value
+    monkeypatch.setenv("AUTORESEARCH_WARM", "maybe")
+    with pytest.raises(BadInput, match="AUTORESEARCH_WARM"):
+        Settings.load()

@@ -15,6 +15,9 @@ def prepare_home(root: Path, monkeypatch, mlflow_template: Path) -> Path:
     monkeypatch.setenv("AUTORESEARCH_HOME", str(root))
     monkeypatch.delenv("AUTORESEARCH_DB_URL", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    # Warm pools (executors.local.warmstart) import only the runtime's context: how attempts are forked is the
+    # same, without torch's seconds of CPU per service (the executor contract suite covers both modes).
+    monkeypatch.setenv("AUTORESEARCH_WARM_PRELOAD", "runtime.context")
     for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "AUTORESEARCH_DEVICES", "AUTORESEARCH_FAULTS"):
         monkeypatch.delenv(var, raising=False)
     return root

@@ -30,6 +30,7 @@ from orchestrator.executors import container
 from orchestrator.executors.local import procs
 from orchestrator.executors.base import Executor, Launched, Liveness, OnExit, Probe, describe, job_argv
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
+from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
 from orchestrator.executors.local.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
@@ -50,7 +51,7 @@ class LocalExecutor(Executor):
     name = "local"
 
     def __init__(self, layout: Layout, on_exit: OnExit, *, cgroup: str = "auto",
-                 container_engine: Optional[str] = None):
+                 container_engine: Optional[str] = None, warm: bool = True):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.container_engine = container_engine  # for --image jobs (executors.container), resolved per use
         self.layout.ensure()
@@ -61,11 +62,12 @@ class LocalExecutor(Executor):
         self._watcher = ExitWatcher(self.layout, self.cgroups, on_exit)
         self._spawner = Spawner()
         self._spawner.start()  # the first one: its start-up (an interpreter and psutil) overlaps the service's
+        self.warm_pool = WarmPool(self.layout.run_dir, enabled=warm)  # (executors.local.warmstart)
 
     @classmethod
     def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
         mode = os.environ.get("AUTORESEARCH_CGROUP") or str(settings.extra.get("cgroup", "auto"))
-        return cls(layout, on_exit, cgroup=mode, container_engine=settings.container_engine)
+        return cls(layout, on_exit, cgroup=mode, container_engine=settings.container_engine, warm=settings.warm)
 
     @property
     def tracking(self) -> str:
@@ -82,27 +84,28 @@ class LocalExecutor(Executor):
         """Start attempts: each is prepared here, the spawner processes start them all (one write of requests
         each), and each started one is watched. Outcomes in order: a handle, or why it did not start."""
         outcomes: list[Optional[Outcome]] = [None] * len(batch)
-        prepared, requests = [], []
+        prepared: dict[bool, list] = {False: [], True: []}  # cold and warm starts: (index, job, cgroup, request, how)
         for i, (job, env) in enumerate(batch):
             try:
-                request, cgroup = self._request(job, env)
+                request, cgroup, how = self._request(job, env)
             except Exception as exc:  # reported as a failed start
                 outcomes[i] = exc
                 continue
-            prepared.append((i, job, cgroup))
-            requests.append(request)
-        try:
-            answers = self._spawner.spawn_many(requests)
-        except Exception as exc:  # nothing was sent (a request it could not encode): none started
-            answers = [exc] * len(requests)
-        for (i, job, cgroup), answer in zip(prepared, answers):
+            prepared["warm" in request].append((i, job, cgroup, request, how))
+        for warm, starts in prepared.items():
+            spawner = self.warm_pool if warm else self._spawner
             try:
-                outcomes[i] = self._started(job, cgroup, answer)
-            except Exception as exc:  # (the watch could not be set up: out of file descriptors)
-                outcomes[i] = exc
+                answers = spawner.spawn_many([request for *_, request, _ in starts])
+            except Exception as exc:  # nothing was sent (a request it could not encode): none started
+                answers = [exc] * len(starts)
+            for (i, job, cgroup, _, how), answer in zip(starts, answers):
+                try:
+                    outcomes[i] = self._started(job, cgroup, answer, how)
+                except Exception as exc:  # (the watch could not be set up: out of file descriptors)
+                    outcomes[i] = exc
         return outcomes  # type: ignore[return-value]
 
-    def _started(self, job: Job, cgroup: Optional[Path], answer) -> Outcome:
+    def _started(self, job: Job, cgroup: Optional[Path], answer, how: str = "") -> Outcome:
         """Watch an attempt the spawner answered for; its handle, or why it did not start."""
         if isinstance(answer, SpawnerGone):  # it may have started before the spawner stopped
             return self._found_after_loss(job) or answer
@@ -122,11 +125,11 @@ class LocalExecutor(Executor):
             self._watcher.settle(watch)
         else:
             self._watcher.watch(watch, fd)
-        return Launched(pid, start)
+        return Launched(pid, start, how)
 
-    def _request(self, job: Job, env: dict[str, str]) -> tuple[dict, Optional[Path]]:
-        """What the spawner needs to start the attempt (its exit file, cgroup, log and checkpoint folders
-        made ready here), and the attempt's cgroup."""
+    def _request(self, job: Job, env: dict[str, str]) -> tuple[dict, Optional[Path], str]:
+        """What the spawner (or the warm pool) needs to start the attempt (its exit file, cgroup, log and
+        checkpoint folders made ready here), the attempt's cgroup, and `warm` or `cold: why`."""
         exit_file = self.layout.exit_file(job.id, job.attempts)
         exit_file.unlink(missing_ok=True)
         cgroup = self.cgroups.create(job.id, job.attempts) if self.cgroups is not None else None
@@ -147,8 +150,12 @@ class LocalExecutor(Executor):
             argv = job_argv(job)
         header = (f"=== autoresearch: attempt {job.attempts} of job {job.id} on "
                   f"{','.join(job.devices) or '-'}: {describe(argv)}\n")
-        return {"argv": [SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], "env": env,
-                "log": str(log_path), "header": header}, cgroup
+        request = {"argv": [SHELL, "-c", WRAPPER, "autoresearch-job", cwd, *argv], "env": env,
+                   "log": str(log_path), "header": header}
+        target, why = self.warm_pool.plan(argv, env, cwd, image=bool(job.image), gpus=job.gpus)
+        if target is None:
+            return request, cgroup, f"{COLD}: {why}"
+        return {"warm": target, "cwd": cwd, "env": env, "log": str(log_path), "header": header}, cgroup, WARM
 
     def _found_after_loss(self, job: Job) -> Optional[Launched]:
         """The attempt's handle when it started before the spawner stopped without answering (it is then
@@ -257,6 +264,7 @@ class LocalExecutor(Executor):
 
     def close(self) -> None:
         self._spawner.close()  # first: the answers still due are watched
+        self.warm_pool.close()
         self._watcher.close()
 
 def _kill_after(tree: procs.ProcessTree, grace: float) -> None:

@@ -117,14 +117,23 @@ class Spawner:
     pipes. Several processes: a spawn waits for its child's exec, and on a busy machine several waits overlap;
     a batch of two or fewer needs only one."""
 
-    def __init__(self, processes: int = SPAWNERS) -> None:
+    def __init__(self, processes: int = SPAWNERS, *, argv: Optional[list[str]] = None,
+                 env: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> None:
         self._lock = threading.Lock()  # one batch at a time: a process's answers are always the last batch's
         self._procs: list[Optional[subprocess.Popen]] = [None] * max(1, processes)
+        # What each process runs (another program speaking this protocol: executors.local.warmpool).
+        self._argv = argv or [sys.executable, "-m", "orchestrator.executors.local.spawner"]
+        self._env, self._cwd = env, cwd
 
     def start(self) -> None:
         """Start the first spawner process now (its start-up overlaps the caller's work)."""
         with self._lock:
             self._live(0)
+
+    def alive(self, i: int) -> bool:
+        """Whether process `i` runs now (False before it was first needed)."""
+        proc = self._procs[i]
+        return proc is not None and proc.poll() is None
 
     def _live(self, i: int) -> subprocess.Popen:
         proc = self._procs[i]
@@ -132,8 +141,8 @@ class Spawner:
             if proc is not None:
                 _close_pipes(proc)
             proc = self._procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.executors.local.spawner"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+                self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
+                env=self._env, cwd=self._cwd)
             os.set_blocking(proc.stdin.fileno(), False)  # written between reads: a big batch cannot deadlock
         return proc
 
