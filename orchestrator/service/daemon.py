@@ -257,10 +257,9 @@ class Service:
         self.supervisor.on_exit(exit_)
 
     def _record(self, launched: list, exits: list[Exit]) -> None:
-        """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
+        """Record the last pass's starts (RUNNING, or failed: a `StartLost` one requeued free), then the exits."""
         self.store.mark_running_many([(job.id, out.pid, out.proc_start) for job, out in launched
                                       if not isinstance(out, Exception)], self.host)
-        # A start the executor lost before it began (StartLost) goes back in line without spending an attempt.
         ended = self.store.finish_many([(job.id, job.attempts, EX_TEMPFAIL if isinstance(out, StartLost) else 127,
                                          f"could not start: {out}")
                                         for job, out in launched if isinstance(out, Exception)], self.host)
