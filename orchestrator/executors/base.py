@@ -52,6 +52,11 @@ class Launched:
     how: str = ""  # how it started, for its RUNNING event (the local executor's `warm` or `cold: why`)
 
 
+class StartLost(OSError):
+    """An attempt the executor lost before it began (its starter died under it): nothing of the job ran, so
+    the job goes back in line without spending an attempt."""
+
+
 class Liveness(str, enum.Enum):
     """What a probe found out about an attempt."""
 

@@ -34,7 +34,7 @@ from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, live_services, note_unplaceable
 from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
-from orchestrator.executors.base import Exit, Executor, job_env
+from orchestrator.executors.base import Exit, Executor, StartLost, job_env
 from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.diskspace import DiskWatch
 from orchestrator.service.notices import ServiceNotices
@@ -49,6 +49,7 @@ from orchestrator.service.rungate import RunGate
 from orchestrator.tracking.worker import TrackingWorker
 from orchestrator.service.supervisor import Supervisor, preemption_reasons
 from orchestrator.core import wakeup
+from runtime.protocol import EX_TEMPFAIL
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -248,10 +249,11 @@ class Service:
         self.supervisor.on_exit(exit_)
 
     def _record(self, launched: list, exits: list[Exit]) -> None:
-        """Record the last pass's starts (RUNNING with their pids, or failed to start), then the exits."""
+        """Record the last pass's starts (RUNNING, or failed: a `StartLost` one requeued free), then the exits."""
         self.store.mark_running_many([(job.id, out.pid, out.proc_start, out.how) for job, out in launched
                                       if not isinstance(out, Exception)], self.host)
-        ended = self.store.finish_many([(job.id, job.attempts, 127, f"could not start: {out}")
+        ended = self.store.finish_many([(job.id, job.attempts, EX_TEMPFAIL if isinstance(out, StartLost) else 127,
+                                         f"could not start: {out}")
                                         for job, out in launched if isinstance(out, Exception)], self.host)
         # Announced once the caller's transaction has committed (`notices.flush`): a pass rolled back records
         # these exits again later.

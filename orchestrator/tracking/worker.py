@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 log = logging.getLogger(__name__)
 IDLE_EXIT = 45.0  # seconds without work before the service stops its worker (the next batch starts another)
+ANSWER_WITHIN = 300.0  # seconds the worker may take for one answer (a store that hangs) before it is stopped
 
 
 class TrackingUnavailable(Exception):
@@ -53,6 +55,7 @@ class TrackingWorker:
         self._proc: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()  # one conversation at a time
         self._used = 0.0
+        self._unread = b""  # the worker's output read and not yet answered (part of a line)
 
     @property
     def pid(self) -> Optional[int]:
@@ -130,8 +133,10 @@ class TrackingWorker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "orchestrator.tracking.worker", self.tracking_uri, str(self.artifacts_dir or "")]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-                                bufsize=1, close_fds=True)
+        # Its answers are read from the descriptor (os.read), never through the file object's buffer, so
+        # that select sees every line not yet taken.
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        self._unread = b""
         self.started += 1
         log.debug("tracking worker started (pid %d)", proc.pid)
         return proc
@@ -143,7 +148,7 @@ class TrackingWorker:
         if proc is None or proc.poll() is not None:
             proc = self._proc = self._spawn()
         try:
-            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
             proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as exc:
             self._lost(proc)
@@ -151,14 +156,27 @@ class TrackingWorker:
         return proc
 
     def _read(self, proc: subprocess.Popen) -> dict:
-        try:
-            line = proc.stdout.readline()
-        except (OSError, ValueError):
-            line = ""
+        """The worker's next answer. A worker that gives none within ANSWER_WITHIN seconds (hung in a store
+        call, or stopped) is killed: TrackingUnavailable, as for one that died, so the preparer pauses and
+        asks a new worker later instead of waiting for ever."""
+        deadline = time.monotonic() + ANSWER_WITHIN
+        while b"\n" not in self._unread:
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                    proc.kill()
+                    self._lost(proc)
+                    raise TrackingUnavailable(f"the tracking worker gave no answer in {ANSWER_WITHIN:.0f} s "
+                                              f"(stopped)")
+                data = os.read(proc.stdout.fileno(), 1 << 16)
+            except (OSError, ValueError):
+                data = b""
+            if not data:
+                code = self._lost(proc)
+                raise TrackingUnavailable(f"the tracking worker exited (code {code})")
+            self._unread += data
         self._used = time.monotonic()
-        if not line:
-            code = self._lost(proc)
-            raise TrackingUnavailable(f"the tracking worker exited (code {code})")
+        line, self._unread = self._unread.split(b"\n", 1)
         return json.loads(line)
 
     def _lost(self, proc: subprocess.Popen) -> Optional[int]:

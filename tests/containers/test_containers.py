@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import mlflow
 
@@ -171,3 +172,51 @@ def test_a_container_whose_client_died_with_the_service_is_reaped_removed_and_re
         serve.wait(timeout=10)
         for name in containers_of(home):
             subprocess.run(["podman", "rm", "-f", name], capture_output=True)
+
+
+def test_a_container_cancelled_while_its_engine_is_still_starting_it_gets_the_stop_once_it_runs(make_service, image,
+                                                                                                 tmp_path):
+    """The engine client is held before it creates the container (its containers.conf is a FIFO nobody writes
+    yet) when the job is cancelled: the SIGTERM cannot reach a container that does not exist. Released, the
+    engine creates it and the stop is delivered as soon as it runs: the job ends CANCELLED by that SIGTERM
+    (exit 143), long before the SIGKILL at the end of its grace, and its container is removed."""
+    from tests.containers.conftest import CONTAINERS_CONF
+    from tests.orchestrator.test_spawner import in_fifo_open_pid
+
+    held = tmp_path / "containers.conf"
+    os.mkfifo(held)
+    service = make_service("cpu:1")
+    job, _ = api.submit(JobSpec(argv=["python3", "-c", STEPPER, "3000"], image=image, track=False, grace=30,
+                                env={"CONTAINERS_CONF": str(held)}))  # the job's engine client reads it
+
+    def held_client():
+        pid = service.store.get(job.id).pid
+        if not pid:
+            return None
+        import psutil
+
+        try:
+            tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            return None
+        return next((p for p in tree if in_fifo_open_pid(p.pid)), None)
+
+    wait_for(held_client, timeout=60, what="the engine client to wait for its containers.conf")
+    assert containers_of(Settings.load().home) == []  # still starting: no container yet
+    api.cancel(job.id)
+    wait_for(lambda: service.store.get(job.id).state == "CANCELLING", what="the cancel")
+    feed = os.open(held, os.O_WRONLY)  # lets the client's open through ...
+    real = tmp_path / "containers.conf.real"
+    real.write_text(CONTAINERS_CONF)
+    os.replace(real, held)  # ... and any later look at the setting finds a plain file
+    os.write(feed, CONTAINERS_CONF.encode())
+    os.close(feed)
+    released = time.monotonic()
+    done = wait_for(lambda: finished(service.store, job.id), timeout=60, what="the cancelled job to end")
+    lines = output(service.store, job.id).splitlines()
+    assert done.state == "CANCELLED" and done.exit_code == 143, (done.reason, lines[-5:])  # the SIGTERM's
+    assert time.monotonic() - released < 25  # not the grace's SIGKILL (30 s)
+    if "attempt 1 from step 0" in lines:  # the job got as far as its handler: the handler had it
+        assert any(line.startswith("saved at step ") for line in lines), lines[-5:]
+    assert "done at step 3000" not in lines
+    wait_for(lambda: containers_of(Settings.load().home) == [], timeout=15, what="the container to be removed")

@@ -28,7 +28,8 @@ from typing import Optional, Sequence, Union
 
 from orchestrator.executors import container
 from orchestrator.executors.local import procs
-from orchestrator.executors.base import Executor, Launched, Liveness, OnExit, Probe, describe, job_argv
+from orchestrator.executors.base import (Executor, Launched, Liveness, OnExit, Probe, StartLost, describe,
+                                         job_argv)
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
 from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
 from orchestrator.executors.local.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
@@ -108,7 +109,12 @@ class LocalExecutor(Executor):
     def _started(self, job: Job, cgroup: Optional[Path], answer, how: str = "") -> Outcome:
         """Watch an attempt the spawner answered for; its handle, or why it did not start."""
         if isinstance(answer, SpawnerGone):  # it may have started before the spawner stopped
-            return self._found_after_loss(job) or answer
+            found = self._found_after_loss(job)
+            if found is not None:
+                return found
+            # Not started: a spawner that died cost the job nothing; one stopped for hanging on the job's log
+            # (a volume that hangs) spends an attempt, so such a job cannot hang the queue's starts for ever.
+            return answer if answer.hung else StartLost(str(answer))
         if isinstance(answer, Exception):
             return answer
         pid, start = answer

@@ -34,7 +34,12 @@ CLOSE_WAIT = 5.0  # seconds `close` waits for a batch under way before it kills 
 
 
 class SpawnerGone(OSError):
-    """The spawner stopped before it answered: the request may or may not have started a process."""
+    """The spawner stopped before it answered: the request may or may not have started a process. `hung`:
+    it was stopped for not answering in time (a start blocked on its log), not because it died."""
+
+    def __init__(self, message: str, hung: bool = False) -> None:
+        super().__init__(message)
+        self.hung = hung
 
 
 # Signals the job must find at their defaults: Python ignores SIGPIPE and SIGXFSZ (Popen's restore_signals
@@ -182,19 +187,19 @@ class Spawner:
                     if fd in sel.get_map():
                         sel.unregister(fd)
 
-            def give_up(i: int, why: str) -> None:
+            def give_up(i: int, why: str, hung: bool = False) -> None:
                 log.warning("the spawner stopped (%s); the next start starts another", why)
                 done(i)
                 procs[i].kill()
                 procs[i].wait()
                 missing = counts[i] - len(answers[i])
-                answers[i].extend(SpawnerGone(f"the spawner stopped: {why}") for _ in range(missing))
+                answers[i].extend(SpawnerGone(f"the spawner stopped: {why}", hung) for _ in range(missing))
 
             while owed:
                 events = sel.select(max(0.0, deadline - time.monotonic()))
                 if not events and time.monotonic() >= deadline:
                     for i in sorted(owed):
-                        give_up(i, f"no answer in {ANSWER_WITHIN:.0f} s")
+                        give_up(i, f"no answer in {ANSWER_WITHIN:.0f} s", hung=True)
                     break
                 for key, mask in events:
                     i = key.data
