@@ -51,6 +51,9 @@ def check(spec: Any) -> None:
     if not getattr(spec, "mutable", ()):
         raise BadInput(f"--proposer pbt: experiment {spec.name} declares no mutable params (what may change "
                        "mid-training: `mutable` in its spec or its autoresearch.toml)")
+    if spec.run is not None:
+        raise BadInput(f"--proposer pbt: {spec.name} is a config-file experiment; its script cannot yet start from "
+                       "a copied checkpoint (PBT runs the bundled experiments and Python specs)")
 
 
 class PBTAgent(Agent):

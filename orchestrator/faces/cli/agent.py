@@ -303,7 +303,9 @@ def show(boards: list[dict], top: int = 10) -> None:
                            ("jobs", {"overflow": "ellipsis", "no_wrap": True, "max_width": 12})):
             table.add_column(name, **opts)
         for e in board["entries"][:top]:
-            what = "(baseline)" if e.get("baseline") else (_params(e.get("diff", e["params"]), 6) or "(same)")
+            diff = dict(e.get("diff", e["params"]))
+            lineage = " + schedule" if diff.pop("schedule", None) else ""  # a PBT lineage: its table follows
+            what = "(baseline)" if e.get("baseline") else ((_params(diff, 6) or "(same)") + lineage)
             table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
                           "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
                           "" if e.get("gap") is None else f"{e['gap']:+.2g}", what,
