@@ -19,7 +19,7 @@ from experiments.config_file import ConfigError, load
 from orchestrator.agent import schedule as sched
 
 ROOT = Path(__file__).resolve().parents[2]
-TOTAL = 32  # digits' steps at --param epochs=2 (1,077 images, batches of 64, 16 a epoch)
+TOTAL = 32  # digits' steps at --param epochs=2 (1,077 images, batches of 64, 16 an epoch)
 
 
 def _cli(*args: str) -> list[str]:
@@ -140,9 +140,9 @@ def test_pbt_on_digits_forks_the_top_member_and_gates_the_replayed_schedule(home
     assert before != after
     log = layout.log_path(child.id).read_text()
     assert f"resuming at step {fork_step}" in log
-    lrs = tracker.history(child.mlflow_run_id, "lr")
-    assert lrs[0][0] > fork_step
-    assert lrs[0][1] == pytest.approx(lr_at(lrs[0][0] - 1, TOTAL, after["lr"], 0, "cosine"))
+    lrs = tracker.history(child.mlflow_run_id, "lr")  # from the fork's own epoch end on: the new peak's schedule
+    assert lrs[0][0] >= fork_step and lrs[-1][0] == TOTAL
+    assert [v for _, v in lrs] == pytest.approx([lr_at(s - 1, TOTAL, after["lr"], 0, "cosine") for s, _ in lrs])
     # The winner's schedule was replayed from scratch on two fresh seeds and only those replays were gated.
     winner = next(e for e in summary["ranking"] if e["gated"])
     table = sched.table(winner["params"][sched.SCHEDULE_KEY])
@@ -198,4 +198,6 @@ def test_pbt_on_charlm_killed_mid_exploit_resumes_without_losing_or_copying_twic
     fork_step = int(tags["autoresearch.pbt.fork_step"])
     assert f"resuming at step {fork_step}" in Layout(settings.home).log_path(child.id).read_text()
     assert Registry(settings.home).get(row["id"])["status"] == "finished"
-    assert json.loads(done.stdout)["counts"] == {"succeeded": 3, "stopped": 1}
+    counts = json.loads(done.stdout)["counts"]
+    # The loser ends stopped, or succeeded when it finished its budget while the session was dead (it still counts).
+    assert counts.get("succeeded", 0) >= 3 and counts.get("succeeded", 0) + counts.get("stopped", 0) == 4
