@@ -192,3 +192,71 @@ class WithCounters:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.counters.update(state["counters"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Population-based training (orchestrator.agent.pbt): a trial that starts from a copy of another's checkpoint,
+# a checkpoint at every perturbation interval, and a schedule of mutable params to apply at given steps.
+
+INIT_CHECKPOINT_ENV = "AUTORESEARCH_INIT_CHECKPOINT"  # a checkpoint dir to start from when the job's own is empty
+CHECKPOINT_EVERY_ENV = "AUTORESEARCH_CHECKPOINT_EVERY"  # save every N steps (the perturbation interval)
+SCHEDULE_ENV = "AUTORESEARCH_SCHEDULE"  # JSON [[step, {param: value}], ...]: params that change at a step
+
+
+def checkpoint_every(total: int) -> int:
+    """Steps between periodic checkpoints: the job's `AUTORESEARCH_CHECKPOINT_EVERY`, else a quarter of the run."""
+    every = os.environ.get(CHECKPOINT_EVERY_ENV)
+    return max(1, int(every)) if every else max(1, total // 4)
+
+
+def seed_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """Copy the checkpoints of `AUTORESEARCH_INIT_CHECKPOINT` into the job's own dir when that holds none yet (the
+    first attempt of a forked trial; later attempts resume from their own). Each step dir is copied under a
+    temporary name and renamed, so a copy cut short by a kill is never taken for a checkpoint. True for a job
+    that starts from such a copy (whichever attempt)."""
+    source = os.environ.get(INIT_CHECKPOINT_ENV)
+    target = Path(checkpoint_dir)
+    if not source:
+        return False
+    if any(target.glob("step_*")):
+        return True
+    target.mkdir(parents=True, exist_ok=True)
+    for step_dir in sorted(Path(source).glob("step_*")):
+        tmp = target / f".seeding-{step_dir.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(step_dir, tmp)
+        os.replace(tmp, target / step_dir.name)
+    return True
+
+
+def schedule() -> list[tuple[int, dict[str, Any]]]:
+    """The job's schedule of mutable params (`AUTORESEARCH_SCHEDULE`), by step; [] when it has none."""
+    raw = os.environ.get(SCHEDULE_ENV)
+    if not raw:
+        return []
+    return sorted(((int(step), dict(values)) for step, values in json.loads(raw)), key=lambda e: e[0])
+
+
+def params_at(params: dict[str, Any], plan: list[tuple[int, dict[str, Any]]], step: int) -> dict[str, Any]:
+    """`params` with every schedule entry at or before `step` applied (in order)."""
+    out = dict(params)
+    for at, values in plan:
+        if at <= step:
+            out.update(values)
+    return out
+
+
+def apply_mutable(model: Any, optimizer: Any, params: dict[str, Any], decay_groups: Any = None) -> None:
+    """Set the weight decay of the optimizer's groups that decay (`decay_groups`: their indices; None: all) and
+    every dropout's rate from `params`, over what a restored checkpoint brought back; the learning rate is set
+    each step from the params, so a restored optimizer's lr never outlives a change."""
+    import torch
+
+    for i, group in enumerate(optimizer.param_groups):
+        if decay_groups is None or i in decay_groups:
+            group["weight_decay"] = params["weight_decay"]
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = params["dropout"]
+        elif isinstance(getattr(module, "dropout", None), float):  # attention's dropout_p
+            module.dropout = params["dropout"]

@@ -33,7 +33,7 @@ SEED_RANGE = (0, 2**31 - 1)
 DEFAULT_ARGS = "--{name}={value}"
 JOB_PLACEHOLDERS = ("args", "checkpoint_dir", "seed", "job_id")
 EXPERIMENT_KEYS = ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "fixed",
-                   "seed", "time_limit", "image", "holdout_metric", "bools")
+                   "seed", "time_limit", "image", "holdout_metric", "bools", "mutable")
 TYPE_KEYS = {"float": ("type", "low", "high", "log", "default", "help"),
              "int": ("type", "low", "high", "log", "default", "help"),
              "choice": ("type", "values", "default", "help")}
@@ -160,6 +160,14 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
     if holdout_metric is not None and holdout_metric == metric:
         raise ConfigError(f"{where}: holdout_metric {holdout_metric!r} is the searched metric; name the one the "
                           "script logs on its held-out data")
+    mutable = section.get("mutable", [])
+    if not (isinstance(mutable, list) and all(isinstance(m, str) for m in mutable)):
+        raise ConfigError(f"{where}: mutable must be a list of [space] parameter names, got {mutable!r}")
+    for key in mutable:
+        if not isinstance(dims.get(key), (Float, Int)):
+            raise ConfigError(f"{where}: mutable {key!r} must name a float or int parameter of [space] (what "
+                              "may change mid-training: a learning rate, weight decay, dropout; never the "
+                              "architecture)")
     description = section.get("description") or (
         f"A training script run as `{section['run']}` (in {root.name}/); {section['direction']} {metric}.")
     return ExperimentSpec(name=name, description=description, space=SearchSpace(dims), metric=metric,
@@ -167,7 +175,7 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
                           image=section.get("image") or None, run=section["run"], args_format=args_format,
                           pattern=pattern, resume=section.get("resume") or None, fixed=fixed,
                           seed_param=seed_param, time_limit=time_limit, cwd=str(root), source=source,
-                          holdout_metric=holdout_metric, bools=(bools[0], bools[1]))
+                          holdout_metric=holdout_metric, bools=(bools[0], bools[1]), mutable=tuple(mutable))
 
 
 def parse_dimension(key: str, table: Any, where: str = CONFIG) -> Dimension:

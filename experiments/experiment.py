@@ -47,10 +47,19 @@ class ExperimentSpec:
     # only after the session, for the baseline's runs and the winner's confirmation re-runs; its direction is
     # `direction`'s. None: the experiment has no holdout. A config-file experiment may set it too.
     holdout_metric: str | None = None
+    # Parameters a run may change mid-training and keep its state (population-based training): learning rate,
+    # weight decay, dropout, a batch size where the loader allows; never the architecture. A float or int
+    # parameter of the space each; the experiment applies a changed one after loading a copied checkpoint.
+    mutable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
             raise ValueError(f"direction must be minimize or maximize, got {self.direction!r}")
+        object.__setattr__(self, "mutable", tuple(self.mutable))
+        for name in self.mutable:
+            dim = self.space.dims.get(name)
+            if dim is None or not hasattr(dim, "low"):
+                raise ValueError(f"mutable {name!r} must name a float or int parameter of the space")
         if self.holdout_metric is not None and self.holdout_metric in (self.metric, self.progress_metric):
             raise ValueError(f"holdout_metric {self.holdout_metric!r} must differ from the metrics the search "
                              "reads (metric, progress_metric)")

@@ -58,4 +58,7 @@ SPEC = ExperimentSpec(
     budget={"max_steps": 300, "max_tokens": 0, "scale": 1},  # held fixed while searching
     progress_metric="val_loss",
     holdout_metric="test_loss",  # logged once at the end, on files no other split holds
+    # What population-based training may change mid-run (train.py applies them after a restore or at a step of
+    # a replayed schedule).
+    mutable=("lr", "weight_decay", "dropout", "grad_clip"),
 )

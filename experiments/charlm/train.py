@@ -22,8 +22,9 @@ import torch
 from experiments.charlm import prepare
 from experiments.charlm.model import GPT, GPTConfig
 from experiments.charlm.spec import SPEC
-from experiments.common import (WithCounters, distribute, evenly_spaced, loader_workers, lr_at, read_all,
-                                setup_torch, standalone_checkpoints)
+from experiments.common import (WithCounters, apply_mutable, checkpoint_every, distribute, evenly_spaced,
+                                loader_workers, lr_at, params_at, read_all, schedule, seed_checkpoint, setup_torch,
+                                standalone_checkpoints)
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
 from runtime.data import VolumeDataset
@@ -107,10 +108,16 @@ def train(ctx: JobContext, p: dict) -> None:
     net = distribute(model, ctx)
     stream = WithCounters(loader, loss_sum=0.0, loss_steps=0)
     state = TrainState(net, optimizer, stream)
-    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS,
-                             interval_steps=max(1, total // 4))
+    forked = seed_checkpoint(ctx.checkpoint_dir)  # a forked trial's first attempt starts from its parent's copy
+    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS, interval_steps=checkpoint_every(total))
     step = ckpt.load_latest(state) or 0
-    if step == 0:
+    # Population-based training: the params change at steps of a schedule (a replay), and a forked trial's new
+    # values override those its copied optimizer brought back (group 0 decays, group 1 never does).
+    plan = schedule()
+    p = params_at(p, plan, step)
+    apply_mutable(model, optimizer, p, decay_groups={0})
+    changes = {at for at, _ in plan if at > step}
+    if step == 0 or forked:  # a forked trial's run is new: it needs its params (and its budget) too
         ctx.log_params({**p, "model_width": width, "model_params": model.num_params(), "total_steps": total})
     say(f"charlm: {model.num_params():,} params, {total} steps of {tokens_per_step:,} tokens, "
         f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
@@ -124,6 +131,9 @@ def train(ctx: JobContext, p: dict) -> None:
         if shards is None:  # end of an epoch: the loader has moved on to the next one
             batches = iter(loader)
             continue
+        if step in changes:
+            p = params_at(p, plan, step)
+            apply_mutable(model, optimizer, p, decay_groups={0})
         x, y = windows(shards, batch, block, p["seed"], step)
         lr = lr_at(step, total, p["lr"], warmup, p["schedule"])
         for group in optimizer.param_groups:

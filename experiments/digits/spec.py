@@ -51,4 +51,7 @@ SPEC = ExperimentSpec(
     budget={"epochs": 10, "scale": 1},  # held fixed while searching
     progress_metric="val_accuracy",
     holdout_metric="test_accuracy",  # logged once at the end, on the 360 test images
+    # What population-based training may change mid-run (train.py applies them after a restore or at a step of
+    # a replayed schedule); the batch size is not: the loader's position counts batches.
+    mutable=("lr", "weight_decay", "dropout", "label_smoothing"),
 )

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from experiments.common import (WithCounters, distribute, loader_workers, lr_at, read_all, setup_torch,
-                                standalone_checkpoints)
+from experiments.common import (WithCounters, apply_mutable, checkpoint_every, distribute, loader_workers, lr_at,
+                                params_at, read_all, schedule, seed_checkpoint, setup_torch, standalone_checkpoints)
 from experiments.digits import prepare
 from experiments.digits.model import build
 from experiments.digits.spec import SPEC
@@ -94,11 +94,17 @@ def train(ctx: JobContext, p: dict) -> None:
     net = distribute(model, ctx)
     stream = WithCounters(loader, loss_sum=0.0, loss_steps=0)
     state = TrainState(net, optimizer, stream)
-    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS,
-                             interval_steps=max(1, total // 4))
+    forked = seed_checkpoint(ctx.checkpoint_dir)  # a forked trial's first attempt starts from its parent's copy
+    ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS, interval_steps=checkpoint_every(total))
     step = ckpt.load_latest(state) or 0
+    # Population-based training: the params change at steps of a schedule (a replay), and a forked trial's new
+    # values override those its copied optimizer brought back.
+    plan = schedule()
+    p = params_at(p, plan, step)
+    apply_mutable(model, optimizer, p)
+    changes = {at for at, _ in plan if at > step}
     n_params = sum(q.numel() for q in model.parameters())
-    if step == 0:
+    if step == 0 or forked:  # a forked trial's run is new: it needs its params (and its budget) too
         ctx.log_params({**p, "model_params": n_params, "total_steps": total})
     say(f"digits: {p['arch']} with {n_params:,} params, {p['epochs']} epochs of {steps_per_epoch} steps, "
         f"{'resuming at step ' + str(step) if step else 'from scratch'} on {device}", flush=True)
@@ -108,6 +114,9 @@ def train(ctx: JobContext, p: dict) -> None:
     t0 = time.perf_counter()
     while step < total:
         for x, y in loader:
+            if step in changes:
+                p = params_at(p, plan, step)
+                apply_mutable(model, optimizer, p)
             lr = lr_at(step, total, p["lr"], 0, p["schedule"])
             for group in optimizer.param_groups:
                 group["lr"] = lr

@@ -210,14 +210,14 @@ class Agent(Phases):
                         "autoresearch.phase": t.phase.value, "autoresearch.rationale": t.rationale,
                         "autoresearch.owner": self.session_id,
                         "autoresearch.project": getattr(self.cfg, "project", "default"),
-                        **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {})}
+                        **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {}), **self._tags(t)}
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                     priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
-                                    grace=self.settings.stop_grace, preemptible=True, owner=self.session_id, env={},
-                                    mlflow_run_id=run_id, idempotency_key=t.key,
+                                    grace=self.settings.stop_grace, preemptible=True, owner=self.session_id,
+                                    env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
@@ -249,22 +249,36 @@ class Agent(Phases):
                     t.status = S.RUNNING
                     changed = True
                     self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
-                if t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping \
-                        and t.run_id:
-                    if self.spec.run is not None:  # a config-file experiment: its output lines' reports
-                        outputmetrics.sync(self.tracker, job, self.spec.metric)
-                    history = self.tracker.history(t.run_id, self.progress_metric)
-                    if history:
-                        t.last_step = history[-1][0]
-                    rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
-                    if rungs.keys() - t.rungs.keys():
-                        t.rungs = rungs
-                        changed = True
+                changed = self._watch(t, job) or changed
             self._elapsed(state)
             if changed or self._time_up(state) or time.time() >= deadline:
                 break
             time.sleep(self.cfg.poll)
         return {"trials": dump(trials), "elapsed": state["elapsed"]}
+
+    def _watch(self, t: Trial, job: Any) -> bool:
+        """Read a running trial's progress (ASHA's rungs); True when it reached a new one."""
+        if not (t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping
+                and t.run_id):
+            return False
+        if self.spec.run is not None:  # a config-file experiment: its output lines' reports
+            outputmetrics.sync(self.tracker, job, self.spec.metric)
+        history = self.tracker.history(t.run_id, self.progress_metric)
+        if history:
+            t.last_step = history[-1][0]
+        rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
+        if rungs.keys() - t.rungs.keys():
+            t.rungs = rungs
+            return True
+        return False
+
+    def _env(self, t: Trial) -> dict[str, str]:
+        """Environment a trial's job gets on top of the job protocol's (population-based training's)."""
+        return {}
+
+    def _tags(self, t: Trial) -> dict[str, Any]:
+        """Tags a trial's MLflow run gets besides the session's (population-based training's lineage)."""
+        return {}
 
     def _score(self, t: Trial) -> None:
         """Record a finished trial's place in the session's ranking on its job (checkpoint retention keeps the

@@ -6,6 +6,8 @@ and the leaderboard read through here. A finished job's metric never changes, so
 
 from __future__ import annotations
 
+import json
+
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from experiments.registry import ExperimentSpec
@@ -134,10 +136,19 @@ class Results:
             if job.final and job.params is not None:
                 value = self.value(job)
                 if value is not None:
-                    rows.append({"params": dict(job.params), "value": value, "job_id": job.id,
+                    rows.append({"params": _row_params(job), "value": value, "job_id": job.id,
                                  "source": source(job), "baseline": self.phase(job) == "baseline",
                                  "selection": self.phase(job) == "search"})
         return rows
+
+
+def _row_params(job: Job) -> dict[str, Any]:
+    """A job's params for the leaderboard: with its schedule when it ran one (population-based training)."""
+    from experiments.common import SCHEDULE_ENV
+    from orchestrator.agent.schedule import row_params
+
+    raw = (job.env or {}).get(SCHEDULE_ENV)
+    return row_params(job.params, json.loads(raw) if raw else None)
 
 
 def completed_value(tracker: Tracker, spec: ExperimentSpec, run_id: str) -> float | None:

@@ -142,8 +142,11 @@ def session_runs(trials: Sequence[Mapping[str, Any]], winner: Mapping[str, Any] 
     base = [t["run_id"] for t in done if t.get("phase") == "baseline"]
     if not winner:
         return base, []
+    from orchestrator.agent.schedule import row_params  # a PBT winner is its schedule: its replays carry it
+
     want = config(winner["params"])
-    return base, [t["run_id"] for t in done if t.get("phase") == "confirm" and config(t["params"]) == want]
+    return base, [t["run_id"] for t in done if t.get("phase") == "confirm"
+                  and config(row_params(t["params"], t.get("schedule"))) == want]
 
 
 def _signed(x: float) -> str:

@@ -19,7 +19,9 @@ REPORT = "report.md"
 def session_board(session_id: str, trials: Sequence[Mapping[str, Any]], direction: str,
                   defaults: Mapping[str, Any] | None = None, exact: bool = False) -> dict[str, Any]:
     """The leaderboard of one session's finished trials (baseline and selection runs marked)."""
-    rows = [{"params": t["params"], "value": t["value"], "job_id": t["job_id"], "source": f"session {session_id}",
+    from orchestrator.agent.schedule import row_params
+
+    rows = [{"params": row_params(t["params"], t.get("schedule")), "value": t["value"], "job_id": t["job_id"], "source": f"session {session_id}",
              "baseline": t["phase"] == "baseline", "selection": t["phase"] == "search"}
             for t in trials if t["status"] == "succeeded" and t.get("value") is not None]
     return leaderboard(rows, direction, defaults=defaults, exact=exact)

@@ -142,6 +142,10 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     spec = load_spec(config.experiment, settings)
     if config.proposer not in NAMES:
         raise BadInput(f"unknown proposer {config.proposer!r}; choose from {', '.join(NAMES)}")
+    if config.proposer == "pbt":
+        from orchestrator.agent.pbt import check as pbt_check
+
+        pbt_check(spec)
     fixed = fixed_params(spec, config.fixed, config.seed)
     reduced(spec, fixed)
     baseline_params(spec, config.baseline, fixed)
@@ -175,6 +179,8 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
             "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed})
         registry.update(session_id, mlflow_run_id=parent)
+        if config.proposer == "pbt":
+            from orchestrator.agent.pbt import PBTAgent as Agent  # noqa: N814  (the same interface)
         agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
                       parallel=config.parallel or slots, proposer=proposer,
                       notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),

@@ -58,6 +58,10 @@ class SessionConfig:
     # Caps on the LLM's spend (orchestrator.agent.budget): at either, the session pauses (resumable with more).
     llm_budget_usd: float | None = None
     llm_budget_tokens: int | None = None
+    # Population-based training (`--proposer pbt`): members training at once, and the interval (in the
+    # experiment's progress steps) at which the bottom quantile copies a top member and perturbs its params.
+    population: int | None = None
+    perturbation_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not self.goal.strip():
@@ -76,6 +80,14 @@ class SessionConfig:
             raise BadInput("--confirm-top must be >= 1")
         if not 1 <= self.baseline_seeds <= 20:
             raise BadInput(f"--baseline-seeds must be in 1..20, got {self.baseline_seeds}")
+        if self.proposer == "pbt":
+            if self.population is None or self.population < 2:
+                raise BadInput("--proposer pbt needs --population N with N >= 2 (members training at once)")
+            if self.perturbation_interval is None or self.perturbation_interval < 1:
+                raise BadInput("--proposer pbt needs --perturbation-interval K >= 1 (in the experiment's "
+                               "progress steps)")
+        elif self.population is not None or self.perturbation_interval is not None:
+            raise BadInput("--population and --perturbation-interval go with --proposer pbt")
         from orchestrator.agent.budget import LLMBudget
 
         LLMBudget(self.llm_budget_usd, self.llm_budget_tokens)  # BadInput for a cap that is not > 0

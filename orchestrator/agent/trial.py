@@ -69,6 +69,12 @@ class Trial:
     ended: bool = False  # its job will not run again (recorded by `monitor`, acted on by `analyse`)
     submitted_at: float | None = None
     finished_at: float | None = None
+    # Population-based training (orchestrator.agent.pbt): the population slot it fills, how it was forked
+    # (parent trial and run, the step it forked at, the mutable params before and after), and the schedule of
+    # mutable params its lineage ran ([[step, {param: value}], ...]).
+    member: int | None = None
+    lineage: dict[str, Any] = field(default_factory=dict)
+    schedule: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)
@@ -127,3 +133,4 @@ class State(TypedDict, total=False):
     route: str
     budget_stop: str  # why the LLM budget stopped the proposing ("" while there is room)
     paused: str  # set when the session ended paused at its LLM budget (resume with a higher cap clears it)
+    pbt: dict  # population-based training: the intervals judged so far

@@ -7,6 +7,8 @@ HOME/checkpoints/ID/autoresearch-complete.json   written by the job's runtime wh
                                  (runtime.protocol.COMPLETE_FILE; read by the store when a preempted job ends)
 HOME/run/ID.ATTEMPT.exit         the exit code the attempt's wrapper recorded (read after a restart)
 HOME/run/ID.heartbeat            the job's progress heartbeat (the hang watchdog reads it)
+HOME/forks/KEY/step_N/           the checkpoint a population-based-training trial starts from (a copy of its
+                                 parent's, made once, under the trial's idempotency key)
 ```
 The service, the executors, the reaper and the health monitor all ask a `Layout` instead of joining paths.
 A reaper settling another host's jobs builds the `Layout` of that host's home.
@@ -59,6 +61,10 @@ class Layout:
     def checkpoint_dir(self, job_id: int) -> Path:
         """The job's checkpoint dir (the same for every attempt)."""
         return self.checkpoints_dir / str(job_id)
+
+    def fork_dir(self, key: str) -> Path:
+        """The copy of a parent's checkpoint a forked trial (idempotency key `key`) starts from."""
+        return self.home / "forks" / key.replace(":", "-").replace("/", "-")
 
     def heartbeat_file(self, job_id: int) -> Path:
         """The job's progress heartbeat."""

@@ -11,7 +11,7 @@ from orchestrator.agent.proposers.llm import LLMProposer
 from orchestrator.agent.proposers.optuna_ import SamplerProposer
 from orchestrator.core.errors import BadInput
 
-NAMES = ("llm", "tpe", "cmaes", "random", "hybrid")
+NAMES = ("llm", "tpe", "cmaes", "random", "hybrid", "pbt")  # pbt: orchestrator.agent.pbt
 __all__ = ["NAMES", "default_name", "llm_configured", "make"]
 
 
@@ -27,8 +27,8 @@ def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: st
     `spec`'s space). BadInput for an unknown name."""
     if name not in NAMES:
         raise BadInput(f"unknown proposer {name!r}; choose from {', '.join(NAMES)}")
-    if name in ("tpe", "cmaes", "random"):
-        return SamplerProposer(spec, name, seed=seed, baseline=baseline)
+    if name in ("tpe", "cmaes", "random", "pbt"):  # pbt's agent copies and perturbs; a sampler stands by
+        return SamplerProposer(spec, "random" if name == "pbt" else name, seed=seed, baseline=baseline)
     sampler = SamplerProposer(spec, "tpe", seed=seed, baseline=baseline)
     llm = LLMProposer(spec, goal, model=model, fallback=sampler, **(llm_options or {}))
     if name == "llm":

@@ -132,8 +132,11 @@ def start(
     sandbox: bool = typer.Option(False, "--sandbox", help="Program mode: run each variant under bubblewrap."),
     trials: Optional[int] = typer.Option(None, "--trials", help="Jobs to run in all (re-runs included)."),
     parallel: Optional[int] = typer.Option(None, "--parallel", help="Trials in flight (default: device count)."),
-    proposer: Optional[str] = typer.Option(None, "--proposer", help="llm|tpe|cmaes|random|hybrid (default: llm "
-                                           "when an endpoint or key is configured, else tpe)."),
+    proposer: Optional[str] = typer.Option(None, "--proposer", help="llm|tpe|cmaes|random|hybrid|pbt (default: "
+                                           "llm when an endpoint or key is configured, else tpe)."),
+    population: Optional[int] = typer.Option(None, "--population", help="pbt: members training at once."),
+    perturbation_interval: Optional[int] = typer.Option(None, "--perturbation-interval", help="pbt: steps (the "
+                                                        "experiment's progress steps) between exploit/explore."),
     budget_minutes: Optional[float] = typer.Option(None, "--budget-minutes", help="Stop after this long."),
     target: Optional[float] = typer.Option(None, "--target", help="Stop once the metric reaches this."),
     priority: int = typer.Option(0, "--priority", help="Priority of the trials (people's jobs use 10)."),
@@ -178,6 +181,7 @@ def start(
                            confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                            baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
                            early_stopping=not no_early_stop, project=_project(project),
+                           population=population, perturbation_interval=perturbation_interval,
                            llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
                            llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
                                               else llm_budget_tokens))
@@ -306,16 +310,38 @@ def show(boards: list[dict], top: int = 10) -> None:
                            ("jobs", {"overflow": "ellipsis", "no_wrap": True, "max_width": 12})):
             table.add_column(name, **opts)
         for e in board["entries"][:top]:
-            what = "(baseline)" if e.get("baseline") else (_params(e.get("diff", e["params"]), 6) or "(same)")
+            diff = dict(e.get("diff", e["params"]))
+            lineage = " + schedule" if diff.pop("schedule", None) else ""  # a PBT lineage: its table follows
+            what = "(baseline)" if e.get("baseline") else ((_params(diff, 6) or "(same)") + lineage)
             table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
                           "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
                           "" if e.get("gap") is None else f"{e['gap']:+.2g}", what,
                           ",".join(map(str, e["job_ids"][:4])))
         console.print(table)
+        _schedule(console, board)
         if board.get("headline"):
             console.print(board["headline"], markup=False, highlight=False)
         if len(board["entries"]) > top:
             console.print(f"({len(board['entries']) - top} more; --json for all, with full params)")
+
+
+def _schedule(console, board: dict) -> None:
+    """The schedule of the board's winner (or its best entry) when it is a population-based-training lineage."""
+    from rich.table import Table
+
+    from orchestrator.agent.schedule import SCHEDULE_KEY, table as schedule_rows
+
+    entry = next((e for e in board["entries"] if e.get("winner")), None) or (board["entries"] or [None])[0]
+    if not entry or SCHEDULE_KEY not in entry["params"]:
+        return
+    rows = schedule_rows(entry["params"][SCHEDULE_KEY])
+    out = Table(title=f"schedule of #{entry['rank']}{' (the winner)' if entry.get('winner') else ''}",
+                title_justify="left", pad_edge=False)
+    for name in rows[0]:
+        out.add_column(name)
+    for row in rows:
+        out.add_row(*(_fmt(v) if isinstance(v, float) else str(v) for v in row.values()))
+    console.print(out)
 
 
 @app.command()

@@ -1,0 +1,313 @@
+"""Population-based training as an agent: `start --proposer pbt --population N --perturbation-interval K`.
+
+The graph is the agent's (`orchestrator.agent.graph`); these nodes replace its search rules:
+
+- propose: the population first, N members at once (member 0 the experiment's defaults, the others with their
+  mutable params drawn from the space); in the confirm phase, the baseline and the replays of the winner.
+- monitor: each member's progress history is read; reaching an unjudged interval (a multiple of K steps below
+  the budget) wakes the loop.
+- analyse: once every live member has reported at interval b, the bottom quantile exploits the top
+  (`orchestrator.agent.schedule.pairs`): the loser's job is cancelled (it checkpoints; its trial ends
+  stopped) and a child trial, recorded with its key before anything happens, takes the loser's slot with the
+  donor's params perturbed (`perturb`). The interval is recorded as judged in the same checkpointed step.
+- submit: a child's donor checkpoint is copied once into the child's fork dir (`Layout.fork_dir(key)`: a
+  copy under a temporary name, renamed; one that exists is never copied again), then the child is queued
+  with `AUTORESEARCH_INIT_CHECKPOINT` (its job starts from that copy), `AUTORESEARCH_SCHEDULE` (its lineage)
+  and `AUTORESEARCH_CHECKPOINT_EVERY=K` (every member keeps a checkpoint at each interval for donors).
+- decide: when every member's last trial has ended, the best finished member's schedule is replayed from
+  scratch on `confirm_seeds` fresh seeds beside the baseline's `baseline_seeds` runs; the session's gate
+  judges those replays alone (the lineage that found the schedule only ranks it), so a lucky lineage is
+  never a win.
+
+The budget is the population's: N members, each to the experiment's full step budget, however often they fork.
+Crash safety is the graph's: every decision is in the checkpointed state before it acts, cancels and submits
+are idempotent, and decisions are seeded by the session, so a `kill -9` and `resume` make the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.common import CHECKPOINT_EVERY_ENV, INIT_CHECKPOINT_ENV, SCHEDULE_ENV
+from orchestrator.agent import schedule as sched
+from orchestrator.agent import search
+from orchestrator.agent.graph import Agent
+from orchestrator.agent.phases import ACTIVE, FINAL
+from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
+from orchestrator.core.errors import BadInput
+
+S, P = TrialStatus, Phase
+METADATA = ".metadata"  # a DCP checkpoint counts once this is committed (runtime.checkpoint)
+TAG = "autoresearch.pbt."
+
+
+def check(spec: Any) -> None:
+    """BadInput unless `spec` declares what may change mid-training (`mutable`)."""
+    if not getattr(spec, "mutable", ()):
+        raise BadInput(f"--proposer pbt: experiment {spec.name} declares no mutable params (what may change "
+                       "mid-training: `mutable` in its spec or its autoresearch.toml)")
+    if spec.run is not None:
+        raise BadInput(f"--proposer pbt: {spec.name} is a config-file experiment; its script cannot yet start from "
+                       "a copied checkpoint (PBT runs the bundled experiments and Python specs)")
+
+
+class PBTAgent(Agent):
+    """The agent with population-based training's nodes (see the module docstring)."""
+
+    def __init__(self, **kwargs: Any):
+        from orchestrator.agent.proposers.base import Proposal
+
+        kwargs.setdefault("proposer", _NoProposer(Proposal))
+        super().__init__(**kwargs)
+        check(self.spec)
+        self.mutable = [m for m in self.spec.mutable if m in self.searched.space]
+        self.population = int(self.cfg.population or 2)
+        self.interval = int(self.cfg.perturbation_interval or 1)
+        from orchestrator.core.layout import Layout
+
+        self.layout = Layout(self.settings.home) if self.settings is not None else None
+
+    # -- propose ---------------------------------------------------------------------------------------------
+
+    def propose(self, state: State) -> State:
+        """The population (once), then in the confirm phase the baseline and the winner's replays (once)."""
+        self._elapsed(state)
+        trials = load(state["trials"])
+        candidates = list(state.get("candidates") or [])
+        if state["phase"] == "search" and not trials and not self._time_up(state):
+            for m in range(self.population):
+                params = dict(self.baseline) if m == 0 else sched.sample(
+                    self.spec.space, self.mutable, self.baseline, sched.rng(self.session_id, "member", m))
+                params = search.full(self.spec, params, self.fixed)
+                t = self._record(len(trials), "search", params, "pbt",
+                                 "population member 0: the experiment's defaults" if m == 0 else
+                                 f"population member {m}: mutable params drawn from the space")
+                t.update(member=m, schedule=[[0, {k: params[k] for k in self.mutable}]])
+                trials.append(t)
+        elif state["phase"] == "confirm" and not state.get("confirm_planned"):
+            candidates, state["confirm_planned"] = self._plan_replays(trials, state.get("best")), True
+        return {"trials": dump(trials), "elapsed": state["elapsed"], "candidates": candidates,
+                "confirm_planned": bool(state.get("confirm_planned"))}
+
+    def _plan_replays(self, trials: list[Trial], best: dict | None) -> list[int]:
+        """The baseline's runs and `confirm_seeds` fresh-seed replays of the best member's schedule."""
+        for seed in self.seeds[: self.cfg.baseline_seeds]:
+            trials.append(self._record(len(trials), "baseline", search.seeded(self.spec, self.baseline, seed),
+                                       "baseline", "the baseline: the experiment's defaults"))
+        if best is None:
+            return []
+        winner = next(t for t in trials if t.n == best["n"])
+        start = {**winner.params, **winner.schedule[0][1]}
+        for seed in self.seeds[1: 1 + self.cfg.confirm_seeds]:
+            t = self._record(len(trials), "confirm", search.seeded(self.spec, start, seed), "confirm",
+                             f"replay of trial {winner.n}'s schedule from scratch on a fresh seed")
+            t.update(schedule=winner.schedule, lineage={"replays": winner.n})
+            trials.append(t)
+        return [winner.n]
+
+    # -- submit: the fork's copy first, once -----------------------------------------------------------------
+
+    def submit(self, state: State) -> State:
+        """Copy each new child's donor checkpoint (once), then queue every proposed trial (the graph's submit)."""
+        trials = load(state["trials"])
+        for t in trials:
+            if t.status is S.PROPOSED and t.lineage.get("parent") is not None and t.lineage.get("fork_step") is None:
+                donor = next(d for d in trials if d.n == t.lineage["parent"])
+                step, copied = self._fork(t, donor)
+                t.lineage["fork_step"] = step
+                t.schedule = [*donor.schedule, [step, dict(t.lineage["after"])]]
+                self._event("forked", {**state, "trials": trials}, trial=t.n, parent=donor.n, step=step,
+                            copied=copied, message=f"trial {t.n} forked from trial {donor.n} at step {step}"
+                            f"{' (checkpoint copied)' if copied else ''}")
+        return super().submit({**state, "trials": dump(trials)})
+
+    def _fork(self, child: Trial, donor: Trial) -> tuple[int, bool]:
+        """(step, copied now) of the donor checkpoint in the child's fork dir; a dir already there is the copy
+        made before a crash and is kept. The donor's newest committed checkpoint is copied; if the donor's
+        retention deletes it mid-copy, the next newest is tried."""
+        target = self.layout.fork_dir(child.key)
+        if target.exists():
+            return _step_of(target), False
+        source = self.layout.checkpoint_dir(donor.job_id)
+        for _ in range(5):
+            steps = sorted(p for p in source.glob("step_*") if (p / METADATA).exists())
+            if not steps:
+                break
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                shutil.copytree(steps[-1], tmp / steps[-1].name)
+            except (FileNotFoundError, shutil.Error):
+                shutil.rmtree(tmp, ignore_errors=True)
+                continue
+            if not (tmp / steps[-1].name / METADATA).exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, target)
+            return _step_of(target), True
+        raise RuntimeError(f"trial {donor.n} (job {donor.job_id}) has no complete checkpoint to fork from")
+
+    def _env(self, t: Trial) -> dict[str, str]:
+        env = {CHECKPOINT_EVERY_ENV: str(self.interval)} if t.phase is P.SEARCH else {}
+        if t.schedule:
+            env[SCHEDULE_ENV] = sched.text(t.schedule)
+        if t.lineage.get("fork_step") is not None:
+            env[INIT_CHECKPOINT_ENV] = str(self.layout.fork_dir(t.key))
+        return env
+
+    def _tags(self, t: Trial) -> dict[str, Any]:
+        tags: dict[str, Any] = {}
+        if t.member is not None:
+            tags[TAG + "member"] = t.member
+        if t.schedule:
+            tags[TAG + "schedule"] = sched.text(t.schedule)
+        lin = t.lineage
+        if lin.get("parent") is not None:
+            tags.update({TAG + "parent_trial": lin["parent"], TAG + "parent_run": lin.get("parent_run") or "",
+                         TAG + "fork_step": lin.get("fork_step"), TAG + "replaced_trial": lin.get("replaced"),
+                         TAG + "params_before": json.dumps(lin["before"], sort_keys=True),
+                         TAG + "params_after": json.dumps(lin["after"], sort_keys=True)})
+        if lin.get("replays") is not None:
+            tags[TAG + "replays_trial"] = lin["replays"]
+        return tags
+
+    # -- monitor and analyse -----------------------------------------------------------------------------------
+
+    def _watch(self, t: Trial, job: Any) -> bool:
+        """A running member's history (in `rungs`: step -> value); True when it reached the next interval."""
+        if t.status is not S.RUNNING or t.phase is not P.SEARCH or not t.run_id:
+            return False
+        history = self.tracker.history(t.run_id, self.progress_metric)
+        if not history:
+            return False
+        if t.total is None:
+            total = self.tracker.params(t.run_id).get("total_steps")
+            t.total = int(float(total)) if total else None
+        seen = max((int(k) for k in t.rungs), default=-1)
+        t.rungs = {str(int(step)): value for step, value in history}
+        t.last_step = int(history[-1][0])
+        return t.last_step // self.interval > max(seen, 0) // self.interval
+
+    def analyse(self, state: State) -> State:
+        """Record ended trials and the best member; exploit and explore at every interval all members reached."""
+        trials = load(state["trials"])
+        best = state.get("best")
+        for t in trials:
+            if not t.ended or t.status in FINAL:
+                continue
+            self.outcomes.record_end(t, False)
+            self._score(t)
+            if t.status is S.SUCCEEDED and t.phase is P.SEARCH and (best is None or self.spec.better(
+                    t.value, best["value"])):
+                best = {"n": t.n, "value": t.value, "params": t.params, "job_id": t.job_id}
+            self._event(t.status.value, {**state, "trials": trials, "best": best}, trial=t.n, value=t.value,
+                        error=t.error, phase=t.phase)
+        pbt = dict(state.get("pbt") or {"judged": []})
+        if state["phase"] == "search" and not self._time_up(state):
+            while self._exploit(trials, pbt, state):
+                pass
+        done = [t for t in trials if t.status in FINAL]
+        metrics = {"trials_done": len(done), "trials_running": sum(t.status is S.RUNNING for t in trials),
+                   "forks": sum(1 for t in trials if t.lineage.get("parent") is not None)}
+        if best:
+            metrics["best_so_far"] = best["value"]
+        self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
+        return {"trials": dump(trials), "best": best, "pbt": pbt}
+
+    def _exploit(self, trials: list[Trial], pbt: dict, state: State) -> bool:
+        """Judge the next interval if every live member has reported there; True when it was judged."""
+        b = (len(pbt["judged"]) + 1) * self.interval
+        members = _members(trials)
+        live = {m: t for m, t in members.items() if t.status is not S.FAILED and t.status is not S.CANCELLED}
+        totals = [t.total for t in live.values() if t.total]
+        if not live or not totals or b >= min(totals):
+            return False
+        values: dict[int, float] = {}
+        for m, t in live.items():
+            v = sched.value_at([(int(k), x) for k, x in sorted(t.rungs.items(), key=lambda kv: int(kv[0]))], b)
+            if v is None:
+                if t.status not in FINAL:
+                    return False  # a member has not reached it yet: wait for it
+                continue
+            values[m] = v
+        pbt["judged"] = [*pbt["judged"], b]
+        for loser_m, donor_m in sched.pairs(values, self.spec.direction, sched.rng(self.session_id, "exploit", b)):
+            loser, donor = live[loser_m], live[donor_m]
+            if loser.status in FINAL or donor.status in FINAL or donor.job_id is None:
+                continue
+            n = len(trials)
+            before = {k: donor.params[k] for k in self.mutable}
+            params = sched.perturb(self.spec.space, self.mutable, donor.params, sched.rng(self.session_id, "explore", n))
+            params = self.spec.space.validate(params)
+            after = {k: params[k] for k in self.mutable}
+            loser.stopped_at = b
+            self._cancel(loser, f"PBT: bottom {sched.QUANTILE:g} at step {b}; trial {n} takes its place from "
+                                f"trial {donor.n}'s checkpoint")
+            child = self._record(n, "search", params, "pbt", f"exploit trial {donor.n} at step {b} (replacing "
+                                 f"trial {loser.n}), explore {sched.changed(before, after)}")
+            child.update(member=loser_m, lineage={"parent": donor.n, "parent_run": donor.run_id, "fork_step": None,
+                                                  "replaced": loser.n, "at": b, "before": before, "after": after})
+            trials.append(child)
+            self._event("exploit", {**state, "trials": trials}, trial=n, parent=donor.n, replaced=loser.n, step=b,
+                        message=f"step {b}: trial {loser.n} (member {loser_m}, {values[loser_m]:.4g}) copies trial "
+                        f"{donor.n} ({values[donor_m]:.4g}) as trial {n}: {sched.changed(before, after)}")
+        return True
+
+    # -- decide ------------------------------------------------------------------------------------------------
+
+    def decide(self, state: State) -> State:
+        """search (until every member has ended) -> confirm (the baseline and the winner's replays) -> done."""
+        self._elapsed(state)
+        trials = load(state["trials"])
+        phase, reason = state["phase"], state.get("stop_reason", "")
+        if self._time_up(state) and phase != "done":
+            for t in trials:
+                if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None:
+                    self._cancel(t, f"session {self.session_id}: time budget reached")
+                if t.status is S.PROPOSED:
+                    t.status = S.CANCELLED
+            phase, reason = "done", "time budget reached"
+        elif phase == "search" and trials and all(t.status in FINAL for t in _members(trials).values()):
+            phase, reason = "confirm", "every member finished its budget"
+            self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
+        elif phase == "confirm" and state.get("confirm_planned") and all(
+                t.status in FINAL for t in trials if t.phase in (P.CONFIRM, P.BASELINE)):
+            phase = "done"
+        if phase == "done":
+            route = "finish"
+        elif (not trials or any(t.status is S.PROPOSED for t in trials)
+              or phase == "confirm" and not state.get("confirm_planned")):
+            route = "propose"
+        else:
+            route = "monitor"
+        return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route,
+                "elapsed": state["elapsed"]}
+
+
+def _members(trials: list[Trial]) -> dict[int, Trial]:
+    """Each population slot's current trial (its newest)."""
+    out: dict[int, Trial] = {}
+    for t in trials:
+        if t.member is not None and t.phase is P.SEARCH and (t.member not in out or t.n > out[t.member].n):
+            out[t.member] = t
+    return out
+
+
+def _step_of(fork: Path) -> int:
+    return max(int(p.name.split("_")[1]) for p in fork.glob("step_*"))
+
+
+class _NoProposer:
+    """PBT proposes by copying and perturbing, not through a proposer; the agent still expects one."""
+
+    def __init__(self, proposal: Any):
+        self.proposal = proposal
+
+    def propose(self, n: int, history: Any) -> list:
+        return []
