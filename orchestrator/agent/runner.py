@@ -180,8 +180,10 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed})
         registry.update(session_id, mlflow_run_id=parent)
         if config.proposer == "pbt":
-            from orchestrator.agent.pbt import PBTAgent as Agent  # noqa: N814  (the same interface)
-        agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
+            from orchestrator.agent.pbt import PBTAgent as agent_class  # a subclass: its own nodes
+        else:
+            agent_class = Agent
+        agent = agent_class(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
                       parallel=config.parallel or slots, proposer=proposer,
                       notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),
                       settings=settings, on_usage=lambda u: registry.spent(session_id, u))
