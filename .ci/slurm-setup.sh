@@ -70,6 +70,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+GresTypes=gpu
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
 SchedulerParameters=sched_min_interval=100000,batch_sched_delay=0,default_queue_depth=200,defer_batch=0
@@ -101,9 +102,12 @@ fi
 
 # -- daemons ------------------------------------------------------------------------------------------------
 running() { pgrep -x "$1" >/dev/null; }
-if [ "$changed" = 1 ] && running slurmctld; then
-  as_root scontrol reconfigure >/dev/null 2>&1 || true
-  did+=("reconfigured slurm")
+if [ "$changed" = 1 ] && { running slurmctld || running slurmd; }; then
+  # Restarted, not reconfigured: some keys (GresTypes) are read only at start. Running jobs keep running
+  # under their slurmstepd and are found again from the saved state.
+  as_root scontrol shutdown >/dev/null 2>&1 || true
+  for _ in $(seq 100); do running slurmctld || running slurmd || break; sleep 0.1; done
+  did+=("restarted slurm for the new config")
 fi
 if ! running slurmctld; then
   as_root /usr/sbin/slurmctld \
