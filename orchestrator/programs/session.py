@@ -38,6 +38,7 @@ class ProgramConfig:
     poll: float = 1.0
     llm: dict[str, Any] = field(default_factory=dict)
     proposer: str = "llm"
+    memory_chars: int = 4000  # the prompt's section on earlier sessions' variants stays within this size
 
     def __post_init__(self) -> None:
         if not self.goal.strip():  # a program session is the LLM's: the goal is what it is told
@@ -50,6 +51,8 @@ class ProgramConfig:
             raise BadInput(f"--budget-minutes must be > 0, got {self.budget_minutes}")
         if self.max_reasks < 0:
             raise BadInput("max_reasks must be >= 0")
+        if self.memory_chars < 200:
+            raise BadInput(f"memory_chars must be >= 200, got {self.memory_chars}")
 
     @property
     def experiment(self) -> str:
@@ -212,6 +215,7 @@ def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, s
         "branch": f"autoresearch/{session_id}", "elapsed_s": round(state.get("elapsed", 0.0), 1),
         "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1), "usage": state.get("usage", {}),
         "rejected_rounds": state.get("rejected", 0), "parallel": parallel, "finished_at": time.time(),
+        "holdout": state.get("holdout"),
     }
 
 
@@ -222,7 +226,7 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
         raise BadInput(f"session {session_id} is not a program session (it has no tree)")
     trees = tree.TreeStore(settings.home)
     try:
-        trials = trees.trials(session_id)
+        trials, held = trees.trials(session_id), (trees.state(session_id) or {}).get("holdout") or {}
     finally:
         trees.close()
     rows = []
@@ -232,7 +236,9 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
         rows.append({"trial": node["n"], "commit": node["commit"], "parent_trial": node["parent_node"],
                      "parent": node["parent"], "step": node["step"], "state": node["verdict"] or node["status"],
                      "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node["rationale"],
-                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs]})
+                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs],
+                     "holdout": held.get("value") if held.get("trial") == node["n"] else
+                     held.get("baseline") if held and node["n"] == 0 else None})
     return rows
 
 
