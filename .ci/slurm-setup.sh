@@ -12,8 +12,7 @@
 # tests' parallel one-CPU jobs fit. Two partitions: `debug` (the default, any account) and `lab` (only
 # accounts `lab` and `ml`, a partition-level refusal). slurmdbd (MariaDB database slurm_acct_db)
 # knows the cluster and accounts general (root's default), lab and ml; others are refused at submit.
-# Scheduling is tuned
-# to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
+# Scheduling is tuned to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
 # (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
