@@ -275,7 +275,8 @@ def test_holdout_files_never_reach_a_search_run_and_the_kept_commit_is_scored_on
     assert "leak: None" in Path(store.get(rows[1]["job_ids"][0]).log_path).read_text()  # not in its worktree
     # Read once at the end, by the protected evaluator on the kept commit and on the baseline.
     held = summary["holdout"]
-    assert held["trial"] == rows[1]["trial"] and held["value"] == pytest.approx(2.25) and held["baseline"] == pytest.approx(6.25)
+    assert held["trial"] == rows[1]["trial"]
+    assert held["value"] == pytest.approx(2.25) and held["baseline"] == pytest.approx(6.25)
     assert [r["holdout"] for r in rows] == [pytest.approx(6.25), pytest.approx(2.25)]
     assert summary["trials"] == 4  # the evaluation jobs are not trials
     evals = [j for j in jobs(summary["session"]) if (j.params or {}).get("holdout")]
@@ -283,7 +284,8 @@ def test_holdout_files_never_reach_a_search_run_and_the_kept_commit_is_scored_on
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "tree", summary["session"]],
                          capture_output=True, text=True, env=env, timeout=120)
-    assert "holdout: trial 0 (baseline) 6.25" in out.stdout and f"trial {held['trial']} (kept) 2.25" in out.stdout, out.stdout
+    assert "holdout: trial 0 (baseline) 6.25" in out.stdout, out.stdout
+    assert f"trial {held['trial']} (kept) 2.25" in out.stdout, out.stdout
 
     # Under --sandbox the file is not readable where it lies either: it reads as empty.
     require("bubblewrap", None if shutil.which("bwrap") else "no bwrap on PATH (apt-get install -y bubblewrap)")
