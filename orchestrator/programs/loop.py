@@ -62,7 +62,8 @@ class Loop(Judge):
         root = self.repo.head()
         gov = Governor(max_failures=self.spec.max_failures, patience=self.spec.patience)
         state = {"root": root, "program": str(self.spec.root), "incumbent": 0, "governor": gov.to_dict(),
-                 "pending_debug": [], "note": "", "drafts_left": self.parallel, "stop_reason": "", "usage": {}, "elapsed": 0.0, "rejected": 0}
+                 "pending_debug": [], "note": "", "drafts_left": self.parallel, "stop_reason": "", "usage": {},
+                 "elapsed": 0.0, "rejected": 0}
         self.repo.set_ref(self.repo.branch(self.sid), root)
         self.trees.save_state(self.sid, state)
         return state
