@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real one-host Slurm for the tests of the Slurm executor (tests/orchestrator/test_slurm_*.py and the
 # executor contract suite's slurm parameter): munged, slurmctld and slurmd from Debian packages, run as root
-# daemons on this machine, with no slurmdbd (accounting_storage/none).
+# daemons on this machine, with slurmdbd on MariaDB (accounts and associations enforced).
 #
 #   .ci/slurm-setup.sh          install what is missing, write the configs, start what is not running,
 #                               wait until the node is idle; prints one line of what it did, e.g.
@@ -10,8 +10,9 @@
 # Idempotent: a cluster that already answers with the node idle (or busy) is left as it is. The node is this
 # machine's hostname with 4 CPUs (more than the host may have: SlurmdParameters=config_overrides), so the
 # tests' parallel one-CPU jobs fit. Two partitions: `debug` (the default, any account) and `lab` (only
-# accounts `lab` and `ml`: what a bad --account is checked against without a database). Scheduling is tuned
-# to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
+# accounts `lab` and `ml`, a partition-level refusal). slurmdbd (MariaDB database slurm_acct_db)
+# knows the cluster and accounts general (root's default), lab and ml; others are refused at submit.
+# Scheduling is tuned to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
 # (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
@@ -25,6 +26,8 @@ command -v munged >/dev/null || pkgs+=(munge)
 command -v slurmctld >/dev/null || pkgs+=(slurmctld)
 command -v slurmd >/dev/null || pkgs+=(slurmd)
 command -v sbatch >/dev/null || pkgs+=(slurm-client)
+command -v slurmdbd >/dev/null || pkgs+=(slurmdbd)
+command -v mariadbd >/dev/null || pkgs+=(mariadb-server)
 if [ ${#pkgs[@]} -gt 0 ]; then
   { as_root apt-get update -q && as_root apt-get install -y -q --no-install-recommends "${pkgs[@]}"; } \
     >/dev/null 2>&1 || { echo "slurm-setup: could not install ${pkgs[*]} with apt-get" >&2; exit 1; }
@@ -49,6 +52,41 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
   did+=("started munged")
 fi
 
+# -- accounting: slurmdbd on MariaDB (accounts and associations enforced, as on a real cluster) -------------
+if ! pgrep -x mariadbd >/dev/null; then
+  as_root /etc/init.d/mariadb start >/dev/null 2>&1 \
+    || { echo "slurm-setup: MariaDB did not start (for slurmdbd)" >&2; exit 1; }
+  did+=("started mariadb")
+fi
+as_root mariadb -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+  CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm-test';
+  GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';" \
+  || { echo "slurm-setup: could not make slurmdbd's database in MariaDB" >&2; exit 1; }
+dbd=$(cat <<EOF
+# Written by .ci/slurm-setup.sh: the test cluster's accounting daemon.
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=root
+LogFile=/var/log/slurm/slurmdbd.log
+PidFile=/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=slurm-test
+StorageLoc=slurm_acct_db
+EOF
+)
+as_root mkdir -p /etc/slurm /var/log/slurm
+if [ "$(as_root cat /etc/slurm/slurmdbd.conf 2>/dev/null)" != "$dbd" ]; then
+  printf '%s\n' "$dbd" | as_root tee /etc/slurm/slurmdbd.conf >/dev/null
+  as_root chmod 600 /etc/slurm/slurmdbd.conf
+  if pgrep -x slurmdbd >/dev/null; then as_root kill "$(pgrep -x slurmdbd)"; sleep 1; fi
+  did+=("wrote slurmdbd.conf")
+fi
+if ! pgrep -x slurmdbd >/dev/null; then
+  as_root /usr/sbin/slurmdbd || { echo "slurm-setup: slurmdbd did not start; see /var/log/slurm/slurmdbd.log" >&2; exit 1; }
+  did+=("started slurmdbd")
+fi
 # -- slurm.conf ---------------------------------------------------------------------------------------------
 want=$(cat <<EOF
 # Written by .ci/slurm-setup.sh: a one-host test cluster.
@@ -70,6 +108,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+GresTypes=gpu
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
 SchedulerParameters=sched_min_interval=100000,batch_sched_delay=0,default_queue_depth=200,defer_batch=0
@@ -81,7 +120,9 @@ JobRequeue=1
 EnforcePartLimits=ALL
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStorageEnforce=associations,limits,qos
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
@@ -99,11 +140,28 @@ else
   changed=0
 fi
 
+# -- accounts (sacctmgr reads slurm.conf to find slurmdbd) --------------------------------------------------
+for _ in $(seq 100); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
+# The cluster, the accounts the tests use (general: the default; lab and ml: partition lab's), root in all.
+if [ -z "$(sacctmgr -n -P list cluster autoresearch format=cluster 2>/dev/null)" ]; then
+  as_root sacctmgr -i add cluster autoresearch >/dev/null
+  did+=("added the cluster to slurmdbd")
+fi
+if [ -z "$(sacctmgr -n -P list assoc user=root account=ml format=account 2>/dev/null)" ]; then
+  as_root sacctmgr -i add account general,lab,ml cluster=autoresearch >/dev/null 2>&1 || true
+  as_root sacctmgr -i add user root account=general,lab,ml defaultaccount=general cluster=autoresearch \
+    >/dev/null 2>&1 || true
+  did+=("added accounts general, lab, ml for root")
+fi
+
 # -- daemons ------------------------------------------------------------------------------------------------
 running() { pgrep -x "$1" >/dev/null; }
-if [ "$changed" = 1 ] && running slurmctld; then
-  as_root scontrol reconfigure >/dev/null 2>&1 || true
-  did+=("reconfigured slurm")
+if [ "$changed" = 1 ] && { running slurmctld || running slurmd; }; then
+  # Restarted, not reconfigured: some keys (GresTypes) are read only at start. Running jobs keep running
+  # under their slurmstepd and are found again from the saved state.
+  as_root scontrol shutdown >/dev/null 2>&1 || true
+  for _ in $(seq 100); do running slurmctld || running slurmd || break; sleep 0.1; done
+  did+=("restarted slurm for the new config")
 fi
 if ! running slurmctld; then
   as_root /usr/sbin/slurmctld \

@@ -181,6 +181,8 @@ def proposers_only(seeds: int, trials: int, kinds: list[str]) -> dict[str, dict]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0, help="the seeds are FIRST.. FIRST+SEEDS-1 (to add "
+                        "seeds to an earlier run)")
     parser.add_argument("--trials", type=int, default=16, help="search trials + re-runs per session (the "
                         "baseline's 3 runs come on top)")
     parser.add_argument("--proposers", default="random,tpe,cmaes",
@@ -211,7 +213,7 @@ def main() -> int:
           "(Welch on fresh re-runs, Bonferroni) passes",
           flush=True)
     results: dict[str, list[dict]] = {k: [] for k in kinds}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for kind in kinds:
             s = run_session(args.experiment, kind, seed, args.trials, args.slots, args.minutes, args.baseline_seeds,
                             args.confirm_top)

@@ -87,6 +87,9 @@ class Executor(ABC):
     #: whether attempts run on this host's devices (so the service's device checks and monitor apply)
     local_devices: ClassVar[bool] = True
 
+    #: whether `inventory` may change while the service runs (and is cheap to ask each second: a cached value)
+    refreshes_inventory: ClassVar[bool] = False
+
     def inventory(self) -> Optional[list[str]]:
         """Devices the backend itself knows (Ray: the cluster's GPUs), or None to use the --devices spec."""
         return None

@@ -23,6 +23,7 @@ from orchestrator.agent.history import device_seconds
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
+from orchestrator.programs.memory import Memory
 from orchestrator.programs.wrap import log_tail, read_values
 from orchestrator.queue.states import TIME_LIMIT
 from orchestrator.tracking.client import run_status
@@ -45,6 +46,10 @@ class Loop(Judge):
         self.trials: list[dict] = trees.trials(session_id)
         self.state: dict = trees.state(session_id) or self._initial_state()
         self.gov = Governor.from_dict(self.state["governor"])
+        self.state.setdefault("program", str(spec.root))  # (a session from before the memory of earlier ones)
+        # What earlier sessions on this program and start commit measured: never run again, shown compactly.
+        self.memory = Memory.of(trees, session_id, program=str(spec.root), root=self.state["root"],
+                                chars=config.memory_chars)
         self._tick = time.time()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"llm-{session_id}")
         self._asking: tuple[Future, answers.Step] | None = None
@@ -57,8 +62,9 @@ class Loop(Judge):
     def _initial_state(self) -> dict:
         root = self.repo.head()
         gov = Governor(max_failures=self.spec.max_failures, patience=self.spec.patience)
-        state = {"root": root, "incumbent": 0, "governor": gov.to_dict(), "pending_debug": [], "note": "",
-                 "drafts_left": self.parallel, "stop_reason": "", "usage": {}, "elapsed": 0.0, "rejected": 0}
+        state = {"root": root, "program": str(self.spec.root), "incumbent": 0, "governor": gov.to_dict(),
+                 "pending_debug": [], "note": "", "drafts_left": self.parallel, "stop_reason": "", "usage": {},
+                 "elapsed": 0.0, "rejected": 0}
         self.repo.set_ref(self.repo.branch(self.sid), root)
         self.trees.save_state(self.sid, state)
         return state
@@ -120,7 +126,28 @@ class Loop(Judge):
         if not self.state["stop_reason"]:
             self.state["stop_reason"] = "time budget used" if self._time_up() else "trial budget used"
         self._save()
+        self._holdout()
         return self.state
+
+    def _holdout(self) -> None:
+        """The incumbent's (and the baseline's) holdout score, by separate evaluation jobs, once at the end."""
+        done = self.state.get("holdout") or {}
+        if not self.spec.eval_argv or done.get("trial") == self.state["incumbent"] or not self.trials:
+            return
+        from orchestrator.programs.holdout import Holdout
+
+        nodes = [self.trials[n] for n in sorted({0, self.state["incumbent"]})]
+        scores = Holdout(self.spec, store=self.store, repo=self.repo, home=self.home, session=self.sid,
+                         root=self.state["root"], priority=self.cfg.priority, poll=self.cfg.poll,
+                         notify=self.notify).score(nodes, lambda t: self.store.get(t["job_id"]).checkpoint_dir)
+        best, base = scores[self.state["incumbent"]], scores[0]
+        self.state["holdout"] = {"trial": self.state["incumbent"], "metric": self.spec.eval_metric,
+                                 "value": best["value"], "baseline": base["value"], "error": best["error"],
+                                 "device_s": round(sum(s["device_s"] for s in scores.values()), 2)}
+        self._save()
+        self.say(f"holdout {self.spec.eval_metric}: " + (f"{best['value']:.5g} (baseline {base['value']:.5g})"
+                                                         if best["value"] is not None and base["value"] is not None
+                                                         else best["error"] or base["error"]))
 
     def _can_add(self) -> bool:
         left = self._left()
@@ -167,6 +194,7 @@ class Loop(Judge):
             if self.cfg.sandbox:
                 argv += ["--sandbox", str(worktree)]
                 argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
+                argv += [a for p in self.spec.holdout for a in ("--hide", str(self.spec.root / p))]
             spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t['n']}",
                            priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
                            owner=self.sid, project=self.cfg.project,
@@ -323,10 +351,12 @@ class Loop(Judge):
         return self.repo.show(commit, self.spec.repo_path(file))
 
     def _tried(self) -> set:
-        return {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
+        own = {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
+        return own | self.memory.tried
 
     def _history(self) -> list[str]:
-        return tree.history_lines(self.trials)
+        own = tree.history_lines(self.trials)
+        return [*own, "", *self.memory.lines] if self.memory.lines else own
 
     def _best_line(self) -> str:
         return tree.best_line(self.trials, self.state["incumbent"], self.spec.metric)

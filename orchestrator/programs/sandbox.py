@@ -2,7 +2,8 @@
 
 What it does: the whole filesystem is mounted read-only; writable are only the trial's worktree, its
 checkpoint directory and a private, empty `/tmp`; the protected files are bound read-only on top of the
-worktree (so even a root process cannot rewrite them in place); the network is a fresh namespace with only
+worktree (so even a root process cannot rewrite them in place); the program's holdout files read as empty
+where they lie (a directory as an empty one); the network is a fresh namespace with only
 loopback (`--unshare-net`: no connection leaves the box); the sandbox dies with the job.
 
 What it does not do: it is not a security boundary against a determined attacker. The code still runs as the
@@ -30,8 +31,10 @@ def available() -> str:
     return path
 
 
-def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protected: Sequence[Path]) -> list[str]:
-    """`argv` wrapped in bwrap: read-only root, `writable` dirs and a private /tmp, `protected` read-only."""
+def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protected: Sequence[Path],
+            hidden: Sequence[Path] = ()) -> list[str]:
+    """`argv` wrapped in bwrap: read-only root, `writable` dirs and a private /tmp, `protected` read-only,
+    `hidden` (the holdout) bound over with an empty file (/dev/null) or an empty directory."""
     out = [available(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for path in _code_under_tmp():  # the private /tmp must not hide the interpreter or the code it imports
         out += ["--ro-bind", str(path), str(path)]
@@ -47,6 +50,12 @@ def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protect
         path = Path(path).resolve()
         if path.exists():
             out += ["--ro-bind", str(path), str(path)]
+    for path in hidden:
+        path = Path(path).resolve()
+        if path.is_dir():
+            out += ["--tmpfs", str(path), "--remount-ro", str(path)]
+        elif path.exists():
+            out += ["--ro-bind", "/dev/null", str(path)]
     out += ["--unshare-net", "--die-with-parent", "--chdir", str(Path(cwd).resolve()),
             "--setenv", "TMPDIR", "/tmp", "--", *argv]
     return out

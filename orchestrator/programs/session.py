@@ -39,6 +39,7 @@ class ProgramConfig:
     llm: dict[str, Any] = field(default_factory=dict)
     proposer: str = "llm"
     project: str = "default"  # the project its runs are charged to (orchestrator.queue.projects)
+    memory_chars: int = 4000  # the prompt's section on earlier sessions' variants stays within this size
 
     def __post_init__(self) -> None:
         if not self.goal.strip():  # a program session is the LLM's: the goal is what it is told
@@ -53,6 +54,8 @@ class ProgramConfig:
             raise BadInput("max_reasks must be >= 0")
         if not isinstance(self.project, str) or not self.project.strip():
             raise BadInput("--project must be a non-empty name")
+        if self.memory_chars < 200:
+            raise BadInput(f"memory_chars must be >= 200, got {self.memory_chars}")
 
     @property
     def experiment(self) -> str:
@@ -225,6 +228,7 @@ def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, s
         "branch": f"autoresearch/{session_id}", "elapsed_s": round(state.get("elapsed", 0.0), 1),
         "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1), "usage": state.get("usage", {}),
         "rejected_rounds": state.get("rejected", 0), "parallel": parallel, "finished_at": time.time(),
+        "holdout": state.get("holdout"),
     }
 
 
@@ -246,7 +250,7 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
         raise BadInput(f"session {session_id} is not a program session (it has no tree)")
     trees = tree.TreeStore(settings.home)
     try:
-        trials = trees.trials(session_id)
+        trials, held = trees.trials(session_id), (trees.state(session_id) or {}).get("holdout") or {}
     finally:
         trees.close()
     rows = []
@@ -256,7 +260,9 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
         rows.append({"trial": node["n"], "commit": node["commit"], "parent_trial": node["parent_node"],
                      "parent": node["parent"], "step": node["step"], "state": node["verdict"] or node["status"],
                      "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node["rationale"],
-                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs]})
+                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs],
+                     "holdout": held.get("value") if held.get("trial") == node["n"] else
+                     held.get("baseline") if held and node["n"] == 0 else None})
     return rows
 
 

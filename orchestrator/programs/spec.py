@@ -13,6 +13,18 @@ Optional keys (extensions of Contract 4): `pattern` (the output line regex, `{me
 attempts per crashed trial, default 2), `max_edit_chars` (size limit of one proposal's replacement text),
 `max_failures` and `patience` (the governor's limits), `image` (a container image every run uses, pinned to its
 content id when the run is queued and recorded on the run; it needs python3 and autoresearch installed).
+
+The holdout (data no search decision reads):
+
+    holdout = ["data/test.txt"]          # files no search run can read (untracked: git must not hold them)
+    holdout_eval = "python evaluate.py"  # run once at the end on the kept commit (list evaluate.py in protected)
+    holdout_metric = "test_bpb"          # the line it prints (default: metric)
+
+Holdout files must be untracked (git-ignored): a trial's worktree is made from a commit, so they are never in
+it, and no run can read them from the repository's objects. Under `--sandbox` they are also hidden where they
+lie (bound over with an empty file or directory). The evaluation job runs `holdout_eval` in a worktree of the
+commit with the protected files restored and the holdout files copied in, with `AUTORESEARCH_OUTPUT_DIR`
+naming the commit's first run's checkpoint directory (its output).
 """
 
 from __future__ import annotations
@@ -63,6 +75,9 @@ class ProgramSpec:
     max_failures: int = 5
     patience: int = 20
     image: str | None = None  # a container image every run uses (it needs autoresearch installed inside)
+    holdout: tuple[str, ...] = ()  # files no search run can read (untracked)
+    holdout_eval: str | None = None  # the evaluation command run on the kept commit at the end
+    holdout_metric: str | None = None  # what it prints (default: metric)
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
@@ -72,6 +87,9 @@ class ProgramSpec:
         overlap = set(self.edit) & set(self.protected)
         if overlap:
             raise BadInput(f"{CONFIG}: {sorted(overlap)[0]} is both editable and protected")
+        seen = set(self.holdout) & (set(self.edit) | set(self.protected))
+        if seen:
+            raise BadInput(f"{CONFIG}: {sorted(seen)[0]} is a holdout file and also editable or protected")
         if not self.edit:
             raise BadInput(f"{CONFIG}: edit must name at least one file")
         if not self.argv:
@@ -92,6 +110,19 @@ class ProgramSpec:
             return shlex.split(self.run)
         except ValueError as exc:
             raise BadInput(f"{CONFIG}: run: {exc}") from None
+
+    @property
+    def eval_argv(self) -> list[str]:
+        """The holdout evaluation command as an argv ([] when there is none)."""
+        try:
+            return shlex.split(self.holdout_eval or "")
+        except ValueError as exc:
+            raise BadInput(f"{CONFIG}: holdout_eval: {exc}") from None
+
+    @property
+    def eval_metric(self) -> str:
+        """The metric the holdout evaluation prints."""
+        return self.holdout_metric or self.metric
 
     def line_regex(self) -> re.Pattern[str]:
         """The metric line pattern with the metric name filled in."""
@@ -131,14 +162,15 @@ def load(directory: str | Path) -> ProgramSpec:
     if not isinstance(section, dict):
         raise BadInput(f"{path}: no [program] table")
     known = {"edit", "protected", "run", "metric", "direction", "time_limit", "pattern", "repeats", "max_debug",
-             "max_edit_chars", "max_failures", "patience", "name", "image"}
+             "max_edit_chars", "max_failures", "patience", "name", "image", "holdout", "holdout_eval",
+             "holdout_metric"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise BadInput(f"{path}: unknown key {unknown[0]!r} in [program]")
     for key in ("edit", "run", "metric"):
         if key not in section:
             raise BadInput(f"{path}: [program] needs {key!r}")
-    for key in ("edit", "protected"):
+    for key in ("edit", "protected", "holdout"):
         if not isinstance(section.get(key, []), list):
             raise BadInput(f"{path}: {key} must be a list of file names")
     if not isinstance(section["run"], str) or not isinstance(section["metric"], str):
@@ -150,6 +182,18 @@ def load(directory: str | Path) -> ProgramSpec:
     for name in edit + protected:
         if not (root / name).is_file():
             raise BadInput(f"{path}: {name} does not exist in the program")
+    holdout = tuple(_relpath(x, "holdout") for x in section.get("holdout", []))
+    for name in holdout:
+        if name in edit + protected:
+            raise BadInput(f"{path}: {name} is a holdout file and also editable or protected")
+        if not (root / name).exists():
+            raise BadInput(f"{path}: holdout {name} does not exist in the program")
+        if _git(root, "ls-files", "--", name):
+            raise BadInput(f"{path}: holdout {name} is tracked by git, so every trial's worktree (and the "
+                           f"repository's objects) would hold it: `git rm --cached {name}` and ignore it")
+    for key in ("holdout_eval", "holdout_metric"):
+        if not isinstance(section.get(key, ""), str):
+            raise BadInput(f"{path}: {key} must be a string")
     if not isinstance(section.get("image", ""), str):
         raise BadInput(f"{path}: image must be a string, e.g. \"localhost/train:1\"")
     if section.get("image"):  # refused now, not at the first run: an unknown image or no engine
@@ -157,8 +201,8 @@ def load(directory: str | Path) -> ProgramSpec:
 
         container.resolve_image(container.engine_name(), section["image"])
     extra = {k: section[k] for k in ("image", "pattern", "repeats", "max_debug", "max_edit_chars", "max_failures",
-                                     "patience", "direction") if k in section}
+                                     "patience", "direction", "holdout_eval", "holdout_metric") if k in section}
     return ProgramSpec(root=root, repo=repo, prefix="" if prefix == "." else prefix,
-                       name=str(section.get("name") or root.name), edit=edit, protected=protected,
+                       name=str(section.get("name") or root.name), edit=edit, protected=protected, holdout=holdout,
                        run=section["run"], metric=section["metric"],
                        time_limit=parse_duration(section.get("time_limit", "5m"), what="time_limit"), **extra)

@@ -60,6 +60,11 @@ class TreeStore:
         row = self.conn.execute("SELECT data FROM program_state WHERE session = ?", (session,)).fetchone()
         return json.loads(row[0]) if row else None
 
+    def states(self) -> list[tuple[str, dict[str, Any]]]:
+        """(session, loop state) of every program session of the home."""
+        rows = self.conn.execute("SELECT session, data FROM program_state ORDER BY rowid")
+        return [(r[0], json.loads(r[1])) for r in rows]
+
     def has(self, session: str) -> bool:
         return self.state(session) is not None
 

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandbox", metavar="WORKTREE", default=None,
                         help="run under bubblewrap with this worktree writable")
     parser.add_argument("--protect", action="append", default=[], help="a file bound read-only (repeatable)")
+    parser.add_argument("--hide", action="append", default=[], help="a holdout file or folder hidden (repeatable)")
     parser.add_argument("--log", action="store_true", help="log the values to MLFLOW_RUN_ID from here")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds before the run is stopped")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.programs import sandbox
 
         command = sandbox.command(command, cwd=Path.cwd(), writable=sandbox.writable_dirs(Path(args.sandbox)),
-                                  protected=[Path(p) for p in args.protect])
+                                  protected=[Path(p) for p in args.protect], hidden=[Path(p) for p in args.hide])
     reader = LineReader(compile_pattern(args.pattern, args.metric))
     # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -388,6 +388,7 @@ class Service:
             requeued = self.store.requeue_due()
             self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
             self.projects.refresh_if_due()
+            self.device_names = self.supervisor.fresh_inventory(self.device_names)  # a Slurm partition resized
             self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
                                  preempt_after=self.preempt_after, disk=self.disk.line())
             if requeued:

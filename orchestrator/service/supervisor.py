@@ -46,6 +46,20 @@ class Supervisor:
             self._exits.append(exit_)
         self.wake()
 
+    def fresh_inventory(self, names: list[str]) -> list[str]:
+        """The executor's devices when they changed from `names` (a Slurm partition that grew or shrank), made
+        this host's inventory in the store, with a wake-up for a pass that plans with them; else `names`."""
+        if self.executor is None or not self.executor.refreshes_inventory:
+            return names
+        fresh = self.executor.inventory()
+        if fresh is None or fresh == names:
+            return names
+        log.info("%s: the executor's devices are now %s (were %s)", self.host, ",".join(fresh) or "none",
+                 ",".join(names) or "none")
+        self.store.sync_devices(self.host, fresh)
+        self.wake()
+        return fresh
+
     def take_exits(self) -> list[Exit]:
         """The buffered exits, to record (`record`); then `settled` once committed, else `put_back`."""
         with self._lock:

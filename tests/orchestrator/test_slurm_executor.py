@@ -219,6 +219,44 @@ def test_an_attempt_never_recorded_is_found_by_its_name(service, home):
     assert "unrecorded" in Path(found.log_path or Layout(home).log_path(job.id)).read_text()
 
 
+def test_a_partition_whose_gpus_change_is_seen_without_a_restart(service, node):
+    """--devices auto: the slots are the partition's GPUs, read again while the service runs; a job of the
+    grown partition's size then runs, and a shrunk partition's slots go."""
+    def slots(svc):
+        return [d.name for d in svc.store.devices(svc.host)]
+
+    try:
+        cluster.scontrol("update", f"nodename={node}", "gres=gpu:2")  # count-only gres: no device files needed
+        svc = service("auto")
+        svc.executor.inventory_every = 0.2
+        assert slots(svc) == ["slurm:0", "slurm:1"]
+        cluster.scontrol("update", f"nodename={node}", "gres=gpu:3")
+        wait_for(lambda: slots(svc) == ["slurm:0", "slurm:1", "slurm:2"], timeout=30, what="the grown partition")
+        job_id = api.submit(JobSpec(argv=["sh", "-c", "echo three"], gpus=3, max_attempts=1, track=False))[0].id
+        wait_for(lambda: svc.store.get(job_id).state in FINISHED, timeout=60, what="the three-GPU job")
+        assert svc.store.get(job_id).state == "SUCCEEDED", svc.store.get(job_id).reason
+        cluster.scontrol("update", f"nodename={node}", "gres=gpu:1")
+        wait_for(lambda: slots(svc) == ["slurm:0"], timeout=30, what="the shrunk partition")
+        wait_for(lambda: [r.devices for r in svc.store.services()] == [["slurm:0"]], timeout=30,
+                 what="the heartbeat's devices")  # what `gpus` and a submit's capacity check read
+    finally:
+        cluster.scontrol("update", f"nodename={node}", "gres=")  # no GPUs again, as the other tests expect
+
+
+def test_an_account_slurmdbd_knows_runs_jobs_under_that_account(service, node, monkeypatch):
+    from tests.support.requires import require
+
+    require("Slurm accounting (slurmdbd)", cluster.accounting())
+    monkeypatch.setenv("AUTORESEARCH_SLURM_PARTITION", "lab")
+    monkeypatch.setenv("AUTORESEARCH_SLURM_ACCOUNT", "ml")
+    svc = service("cpu:1")
+    job_id = api.submit(JobSpec(argv=["sh", "-c", "echo ok"], max_attempts=1, track=False))[0].id
+    wait_for(lambda: svc.store.get(job_id).state in FINISHED, timeout=60, what="the job")
+    assert svc.store.get(job_id).state == "SUCCEEDED"
+    fields = sj.show(slurm_id(svc, job_id))
+    assert (fields.get("Account"), fields.get("Partition")) == ("ml", "lab")
+
+
 def test_a_job_larger_than_a_node_is_refused_in_one_line(service):
     svc = service("cpu:6")  # six slots, but the node has 4 Slurm CPUs
     job_id = api.submit(JobSpec(argv=["true"], gpus=5, max_attempts=1, track=False))[0].id
@@ -232,8 +270,14 @@ def test_a_job_larger_than_a_node_is_refused_in_one_line(service):
     (["--partition", "nope"], "no partition 'nope'"),
     (["--partition", "lab", "--account", "nope"], "account nope"),
     (["--devices", "auto"], "has no GPUs"),
+    (["--account", "ghost"], "account ghost"),  # an account slurmdbd does not know, on the default partition
+    (["--account", "general", "--qos", "ghost"], "qos ghost"),
 ])
 def test_bad_partition_account_or_devices_at_start(home, node, flags, words):
+    if "ghost" in flags:
+        from tests.support.requires import require
+
+        require("Slurm accounting (slurmdbd)", cluster.accounting())
     env = dict(os.environ, AUTORESEARCH_HOME=str(home))
     out = subprocess.run([sys.executable, "-m", "orchestrator.faces.fastcli", "serve", "--executor", "slurm", *flags],
                          capture_output=True, text=True, env=env, timeout=60)

@@ -302,3 +302,88 @@ def test_an_undeclared_project_on_start_program_is_refused(home, tmp_path):
                           str(program), "--project", "ghost"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 2 and "ghost" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+EVALUATE = '''import pathlib, re
+lr = float(re.search(r"^LR = (.*)$", pathlib.Path("train.py").read_text(), re.M).group(1))
+shift = float(pathlib.Path("holdout.txt").read_text())
+print(f"score: {(lr - 3.0 - shift) ** 2:.6f}")
+'''
+
+
+def holdout_program(root: Path) -> Path:
+    """The test program with a holdout: `holdout.txt` (untracked, ignored) shifts the optimum; the protected
+    `evaluate.py` scores the commit's LR on it."""
+    root.mkdir(parents=True)
+    (root / ".gitignore").write_text("holdout.txt\n")
+    (root / "evaluate.py").write_text(EVALUATE)
+    program = make_program(root, repeats=2, extra=f'holdout = ["holdout.txt"]\nholdout_eval = "{sys.executable} '
+                           'evaluate.py"\nmax_debug = 0\n')
+    toml = (program / "autoresearch.toml").read_text().replace('protected = ["prepare.py"]',
+                                                               'protected = ["prepare.py", "evaluate.py"]')
+    (program / "autoresearch.toml").write_text(toml)
+    git(program, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "evaluate.py is protected")
+    (program / "holdout.txt").write_text("0.5\n")
+    return program
+
+
+def test_holdout_files_never_reach_a_search_run_and_the_kept_commit_is_scored_on_them(home, tmp_path, monkeypatch):
+    import shutil
+
+    from tests.support.requires import require
+
+    program = holdout_program(tmp_path / "proj")
+    looks = ("LR = 2.0\ntry:\n    LEAK = open('holdout.txt').read()\nexcept FileNotFoundError:\n    LEAK = None\n"
+             "print('leak:', LEAK)")
+    with FakeLLM([ok(answer(edit("LR = 1.0", looks, why="peek at the test data")))]) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        summary = start(config(program, trials=4, parallel=2), devices="cpu:2")
+    assert not any("0.5" in m for m in user_messages(fake))  # the prompt never shows it either
+    rows = lineage(summary["session"])
+    assert [r["state"] for r in rows] == ["baseline", "kept"]
+    store = JobStore(Settings.load().db_url)
+    assert "leak: None" in Path(store.get(rows[1]["job_ids"][0]).log_path).read_text()  # not in its worktree
+    # Read once at the end, by the protected evaluator on the kept commit and on the baseline.
+    held = summary["holdout"]
+    assert held["trial"] == rows[1]["trial"]
+    assert held["value"] == pytest.approx(2.25) and held["baseline"] == pytest.approx(6.25)
+    assert [r["holdout"] for r in rows] == [pytest.approx(6.25), pytest.approx(2.25)]
+    assert summary["trials"] == 4  # the evaluation jobs are not trials
+    evals = [j for j in jobs(summary["session"]) if (j.params or {}).get("holdout")]
+    assert len(evals) == 2 and all(j.state == "SUCCEEDED" for j in evals)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "tree", summary["session"]],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert "holdout: trial 0 (baseline) 6.25" in out.stdout, out.stdout
+    assert f"trial {held['trial']} (kept) 2.25" in out.stdout, out.stdout
+
+    # Under --sandbox the file is not readable where it lies either: it reads as empty.
+    require("bubblewrap", None if shutil.which("bwrap") else "no bwrap on PATH (apt-get install -y bubblewrap)")
+    reads = f"LR = 2.0\nassert open({str(program / 'holdout.txt')!r}).read().strip(), 'the holdout is hidden'"
+    with FakeLLM([ok(answer(edit("LR = 1.0", reads, why="read it from the program folder")))]) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        sandboxed = start(config(program, trials=4, parallel=1, sandbox=True), devices="cpu:2")
+    rows = lineage(sandboxed["session"])
+    assert [r["state"] for r in rows] == ["baseline", "crashed"]
+    assert "the holdout is hidden" in Path(store.get(rows[1]["job_ids"][0]).log_path).read_text()
+    assert (program / "holdout.txt").read_text() == "0.5\n"
+
+
+def test_a_second_session_is_told_what_the_first_measured_and_never_runs_it_again(home, tmp_path, monkeypatch):
+    program = make_program(tmp_path / "proj", repeats=2)
+    two = edit("LR = 1.0", "LR = 2.0", why="move towards 3")
+    with FakeLLM([ok(answer(two))]) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        first = start(config(program, trials=4, parallel=1), devices="cpu:2")
+    assert [r["state"] for r in lineage(first["session"])] == ["baseline", "kept"]
+    # The same change again (already measured by the first session), then a new one.
+    with FakeLLM([ok(answer(two)), ok(answer(edit("LR = 1.0", "LR = 2.5", why="closer still")))]) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        second = start(config(program, trials=4, parallel=1), devices="cpu:2")
+    asked = user_messages(fake)
+    assert "Earlier sessions on this program" in asked[0] and "move towards 3" in asked[0]
+    assert "kept" in asked[0].split("Earlier sessions")[1] and first["session"] in asked[0]
+    assert "already tried" in asked[1]
+    rows = lineage(second["session"])
+    assert [(r["state"], r["rationale"]) for r in rows] == [("baseline", "the program as committed"),
+                                                            ("kept", "closer still")]

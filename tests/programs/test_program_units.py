@@ -24,11 +24,16 @@ def test_spec_reads_contract_keys_and_refuses_bad_ones(program):
     assert specs.parse_duration("5m") == 300 and specs.parse_duration("1.5h") == 5400
     toml = program / "autoresearch.toml"
     good = toml.read_text()
+    (program / "prepare.py.bak").write_text("x")
+    subprocess.run(["git", "add", "prepare.py.bak"], cwd=program, check=True)  # staged: tracked from here on
     for bad, why in [(good.replace('"minimize"', '"lowest"'), "direction"),
                      (good.replace('edit = ["train.py"]', 'edit = ["prepare.py"]'), "both editable and protected"),
                      (good.replace('time_limit = "60s"', 'time_limit = "soon"'), "bad time_limit"),
                      (good.replace('edit = ["train.py"]', 'edit = ["../x.py"]'), "inside the program"),
-                     (good + "\nfoo = 1\n", "unknown key")]:
+                     (good + "\nfoo = 1\n", "unknown key"),
+                     (good + 'holdout = ["train.py"]\n', "holdout file and also editable"),
+                     (good + 'holdout = ["nothere.txt"]\n', "holdout nothere.txt does not exist"),
+                     (good + 'holdout = ["prepare.py.bak"]\n', "tracked by git")]:
         toml.write_text(bad)
         with pytest.raises(BadInput, match=why):
             specs.load(program)
@@ -190,3 +195,31 @@ def test_judge_corrects_for_several_children_of_one_parent(program):
     one = _Judged(program, crashed)
     one._judge()
     assert one.trials[3]["verdict"] == "kept" and one.trials[6]["verdict"] == "crashed"
+
+
+def test_earlier_sessions_memory_stays_within_its_size_and_matches_program_and_commit(tmp_path):
+    from orchestrator.programs import tree
+    from orchestrator.programs.memory import HEADER, Memory
+
+    trees = tree.TreeStore(tmp_path)
+    try:
+        for sid, program, root in [("s-a", "/p", "c0"), ("s-b", "/p", "c0"), ("s-other", "/q", "c0"),
+                                   ("s-old", "/p", "c9")]:
+            trees.save_state(sid, {"program": program, "root": root})
+            trees.save(sid, {**tree.new_trial(sid, 0, kind="baseline", step="baseline", parent=None,
+                                              parent_node=None, commit="c0"), "status": "succeeded", "value": 4.0})
+            for n in range(1, 41):
+                t = tree.new_trial(sid, n, kind="variant", step="improve", parent="c0", parent_node=0,
+                                   commit=f"{sid}{n:08d}", rationale=f"idea {n} of {sid} " + "x" * 60)
+                t.update(status="succeeded", value=4.0 - n / 100, verdict="discarded" if n % 2 else "kept",
+                         fingerprint=f"{sid}-{n}")
+                trees.save(sid, t)
+        memory = Memory.of(trees, "s-new", program="/p", root="c0", chars=2000)
+    finally:
+        trees.close()
+    assert len(memory.tried) == 80 and ("c0", "s-a-1") in memory.tried and ("c0", "s-other-1") not in memory.tried
+    text = "\n".join(memory.lines)
+    assert memory.lines[0] == HEADER and len(text) <= 2000
+    assert "idea 40 of s-b" in text and "-0.4 vs baseline" in text  # the newest, with its effect
+    assert "older variant(s):" in memory.lines[1] and "kept" in memory.lines[1] and "discarded" in memory.lines[1]
+    assert "s-other" not in text and "s-old" not in text

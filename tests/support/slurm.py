@@ -38,6 +38,18 @@ def slurm_node() -> str:
     return node  # type: ignore[return-value]
 
 
+def accounting() -> str | None:
+    """None when the cluster enforces accounts through slurmdbd (what .ci/slurm-setup.sh sets up), else why not."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
+    conf = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    conf = {k.strip(): v.strip() for k, v in conf.items()}
+    if conf.get("AccountingStorageType") != "accounting_storage/slurmdbd":
+        return "the cluster has no slurmdbd (run .ci/slurm-setup.sh)"
+    if "associations" not in conf.get("AccountingStorageEnforce", ""):
+        return "the cluster does not enforce associations (run .ci/slurm-setup.sh)"
+    return None
+
+
 def scontrol(*args: str) -> str:
     """Run scontrol; its stdout (raises on failure)."""
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30, check=True).stdout

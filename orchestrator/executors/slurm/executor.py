@@ -8,7 +8,9 @@ cluster (benchmarks/slurm_submit.py; benchmarks/RESULTS.md, "Slurm executor").
 
 Placement. The service plans with slots as on one host; Slurm decides where a job runs:
 - `--devices auto` (the default): the slots are the GPUs the partition offers (`slurm:0`, ...; the sum of
-  each node's `gpu` gres, read at start), and a job asks `--gres=gpu:N` on one node (`-N1`);
+  each node's `gpu` gres, read at start and again every `inventory_every` seconds by the watcher, one `sinfo`
+  each time, so a partition that grows or shrinks is seen without a restart), and a job asks `--gres=gpu:N`
+  on one node (`-N1`);
 - `--devices cpu:N`: N slots of one Slurm CPU each; a job of `--gpus K` asks `--cpus-per-task=K`;
 - a job that needs more than the largest node has is refused with one line: multi-node is not supported.
 
@@ -33,6 +35,7 @@ import math
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +51,7 @@ from runtime import protocol
 
 log = logging.getLogger(__name__)
 GPU_PREFIX = "slurm:"
+INVENTORY_EVERY = 30.0  # seconds between two reads of the partition's nodes (one `sinfo`)
 
 
 @dataclass
@@ -63,6 +67,7 @@ class SlurmExecutor(Executor):
 
     name = "slurm"
     local_devices = False  # Slurm places jobs on its nodes and watches them itself
+    refreshes_inventory = True  # the partition's nodes are read again while the service runs
 
     def __init__(self, settings: Any, layout: Layout, on_exit: OnExit, *, poll: float = 0.25):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
@@ -74,6 +79,8 @@ class SlurmExecutor(Executor):
         self.poll = poll
         self._on_exit = on_exit
         self.nodes = check_target(settings)
+        self.inventory_every = INVENTORY_EVERY
+        self._nodes_read = time.monotonic()
         self.layout.ensure()
         self.wrapper = sj.write_wrapper(self.layout.home / "slurm" / "wrapper.sh")
         self._watches: dict[str, _Watch] = {}
@@ -89,14 +96,29 @@ class SlurmExecutor(Executor):
     # ---- capacity -----------------------------------------------------------------------------------------
 
     def inventory(self) -> Optional[list[str]]:
-        """cpu:N: N slots of one Slurm CPU each; auto: one slot per GPU of the partition (read at start)."""
+        """cpu:N: N slots of one Slurm CPU each; auto: one slot per GPU of the partition (as last read)."""
         if self.cpu_slots:
             return devspec.parse(self.device_spec)
         return [f"{GPU_PREFIX}{i}" for i in range(sum(n[2] for n in self.nodes))]
 
     def _per_node(self) -> int:
         """The most slots one job can get on one node (CPUs on cpu slots, else GPUs)."""
-        return max((n[1] if self.cpu_slots else n[2]) for n in self.nodes)
+        return max(((n[1] if self.cpu_slots else n[2]) for n in self.nodes), default=0)
+
+    def _refresh_nodes(self) -> None:
+        """Read the partition's nodes again once `inventory_every` has passed since the last read (a failed
+        read keeps the last inventory: a briefly unreachable controller takes no slots away)."""
+        if time.monotonic() - self._nodes_read < self.inventory_every:
+            return
+        self._nodes_read = time.monotonic()
+        try:
+            nodes = sj.partition_nodes(self.partition)
+        except sj.SlurmError as exc:
+            log.warning("slurm: cannot read the partition's nodes now (%s); keeping the last inventory", exc)
+            return
+        if nodes != self.nodes:
+            log.info("slurm: %s changed: %s", self._describe_target(), nodes)
+            self.nodes = nodes
 
     # ---- the Executor interface ---------------------------------------------------------------------------
 
@@ -208,6 +230,7 @@ class SlurmExecutor(Executor):
     def _watch_loop(self) -> None:
         """One `squeue` for every watched attempt each poll; ended and requeued ones are reported."""
         while not self._closed.wait(self.poll):
+            self._refresh_nodes()
             with self._lock:
                 watches = list(self._watches.values())
             if not watches:

@@ -62,6 +62,10 @@ def _summary(summary: dict, as_json: bool) -> None:
         print(f"      {best['verdict']}")
     else:
         print(f"no variant beat the baseline through the noise gate; branch {summary['branch']} is the baseline")
+    held = summary.get("holdout") or {}
+    if held:  # the protected evaluator's score on data no search run could read
+        print(f"holdout {held['metric']}: trial {held['trial']} {_fmt(held['value'])}, baseline "
+              f"{_fmt(held['baseline'])} ({held['device_s']} device-s){' ' + held['error'] if held['error'] else ''}")
 
 
 @app.command()
@@ -89,3 +93,6 @@ def tree(session: str = typer.Argument(..., metavar="SESSION"),
 
     walk(None, 0)
     print_table(f"session {session}", ["commit", "trial", "step", "state", "runs", "metric", "why"], table)
+    held = [r for r in rows if r.get("holdout") is not None]
+    if held:  # read once at the end, by the protected evaluator: the search never saw it
+        print("holdout: " + ", ".join(f"trial {r['trial']} ({r['state']}) {_fmt(r['holdout'])}" for r in held))
