@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
-from orchestrator.core import devices as devspec
+from orchestrator.core import devices as devspec, wakeup
 from orchestrator.service import homelock
 from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, live_services, note_unplaceable
@@ -37,22 +37,19 @@ from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, StartLost, job_env
 from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.diskspace import DiskWatch
-from orchestrator.service.notices import ServiceNotices
 from orchestrator.service.guard import DeviceGuard
+from orchestrator.service.notices import ServiceNotices
 from orchestrator.service.health import Health, HealthConfig
 from orchestrator.core.layout import Layout, node_name
 from orchestrator.queue.models import Job
-from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.api.intake import IntakeServer
 from orchestrator.service.rungate import RunGate
 from orchestrator.tracking.worker import TrackingWorker
 from orchestrator.service.supervisor import Supervisor, preemption_reasons
-from orchestrator.core import wakeup
 from runtime.protocol import EX_TEMPFAIL
 
 log = logging.getLogger(__name__)
-S = JobState
 HEARTBEAT_EVERY = 2.0
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
 # Seconds a started attempt may wait for a pass to record it RUNNING: soon, not at once (a pass right away
