@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from orchestrator.core import outputmetrics
+from orchestrator.core.config import Settings
 from orchestrator.agent import budget, search
 from orchestrator.agent.history import Results, device_seconds
 from orchestrator.agent.holdout import search_view
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
     from experiments.registry import ExperimentSpec
     from orchestrator.agent.proposers.base import Proposer
     from orchestrator.agent.session import SessionConfig
-    from orchestrator.core.config import Settings
     from orchestrator.queue.store import JobStore
     from orchestrator.tracking.client import Tracker
 
@@ -216,7 +216,7 @@ class Agent(Phases):
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                     priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
-                                    grace=self.settings.stop_grace, preemptible=True, owner=self.session_id,
+                                    grace=Settings.stop_grace, preemptible=True, owner=self.session_id,
                                     env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
