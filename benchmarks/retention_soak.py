@@ -71,7 +71,7 @@ def run(jobs: int, mb: float, slots: int, gc_every: float, retention: str) -> di
         scored: set[int] = set()
         while not done.is_set():
             finished = [j.id for j in store.list(owner=SESSION) if j.final and j.id not in scored]
-            store.set_scores({job_id: rng.random() for job_id in finished})
+            store.keeping.set_scores({job_id: rng.random() for job_id in finished})
             scored.update(finished)
             done.wait(0.5)
 

@@ -194,11 +194,11 @@ class Collector:
             self._age_logs(report, dry_run, now)
             days = self.settings.events_compact_days
             if days and not dry_run:
-                report.events_dropped = self.store.compact_events(now - days * DAY)
+                report.events_dropped = self.store.keeping.compact_events(now - days * DAY)
         return report
 
     def _checkpoints(self, report: Report, dry_run: bool) -> None:
-        rows = self.store.retention_rows()
+        rows = self.store.keeping.retention_rows()
         decisions = pending(decide(rows, session_states(self.settings.home), self.policy), rows)
         by_id = {row["id"]: row for row in rows}
         done, tags = [], []
@@ -218,7 +218,7 @@ class Collector:
                              "tags": {TAG: "removed" if what == "removed" else "latest-only"}})
         if dry_run:
             return
-        self.store.record_gc(done)
+        self.store.keeping.record_gc(done)
         if tags and self.tag_runs is not None:
             try:
                 self.tag_runs(tags)
@@ -249,7 +249,7 @@ class Collector:
     def _age_logs(self, report: Report, dry_run: bool, now: float) -> None:
         compress, delete = self.settings.log_compress_days, self.settings.log_delete_days
         if delete:
-            for _, path in self.store.finished_before(now - delete * DAY):
+            for _, path in self.store.keeping.finished_before(now - delete * DAY):
                 for p in (Path(path), Path(f"{path}.gz")) if path else ():
                     if p.exists():
                         report.logs_deleted += 1
@@ -257,7 +257,7 @@ class Collector:
                         if not dry_run:
                             p.unlink(missing_ok=True)
         if compress:
-            for _, path in self.store.finished_before(now - compress * DAY):
+            for _, path in self.store.keeping.finished_before(now - compress * DAY):
                 if path and Path(path).exists():
                     report.logs_compressed += 1
                     if not dry_run:

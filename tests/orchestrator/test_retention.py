@@ -57,7 +57,7 @@ def _job(store: JobStore, root: Path, *, owner="human", phase=None, keep=None, c
     store.mark_running(job.id, os.getpid(), None, HOST)
     store.finish(job.id, code, HOST)
     if score is not None:
-        store.set_scores({job.id: score})
+        store.keeping.set_scores({job.id: score})
     return job.id
 
 
@@ -205,7 +205,7 @@ def test_old_logs_are_compressed_then_deleted_and_old_events_compacted(home, mon
         store.finish(job.id, 0, HOST)
     recent_events = store.record(recent.id)["events"]
     assert len(store.record(old.id)["events"]) == 4
-    with store._tx() as session:  # the first job finished 10 days ago
+    with store.db.tx() as session:  # the first job finished 10 days ago
         session.connection().exec_driver_sql(f"UPDATE jobs SET finished_at = {time.time() - 10 * 86400} "
                                              f"WHERE id = {old.id}")
     monkeypatch.setenv("AUTORESEARCH_EVENTS_COMPACT_DAYS", "5")
