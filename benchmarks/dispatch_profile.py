@@ -96,7 +96,7 @@ def main() -> None:
     from orchestrator.service.daemon import Service
 
     service = Service(Settings.load(), devices="cpu:8", preempt_after=0).start()
-    while not all(d.checked_at for d in service.store.devices()):  # the start-up device check
+    while not all(d.checked_at for d in service.store.hosts.devices()):  # the start-up device check
         time.sleep(0.05)
     # As the throughput benchmark: the processes started on first use (the spawners, the tracking worker with
     # its MLflow import) are started before the timing.

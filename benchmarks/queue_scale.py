@@ -35,7 +35,7 @@ def fill(store, finished: int, queued: int) -> None:
 
     cols = [c.name for c in Job.__table__.columns if c.name not in ("id", "state")]
     ecols = [c.name for c in JobEvent.__table__.columns if c.name not in ("id", "job_id")]
-    with store.engine.begin() as conn:
+    with store.db.engine.begin() as conn:
         for n, state in ((finished, "SUCCEEDED"), (queued, "QUEUED")):
             conn.execute(text(
                 f"WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n}) "

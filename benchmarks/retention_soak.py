@@ -74,7 +74,7 @@ def run(jobs: int, mb: float, slots: int, gc_every: float, retention: str) -> di
         scored: set[int] = set()
         while not done.is_set():
             finished = [j.id for j in store.list(owner=SESSION) if j.final and j.id not in scored]
-            store.set_scores({job_id: rng.random() for job_id in finished})
+            store.keeping.set_scores({job_id: rng.random() for job_id in finished})
             scored.update(finished)
             done.wait(0.5)
 
@@ -127,7 +127,7 @@ def pass_cost(n: int, passes: int = 5) -> None:
             store.submit(JobSpec(argv=["true"], owner=owner, experiment="soak", track=False))
     logs = root / "logs"
     logs.mkdir(exist_ok=True)
-    with store.engine.begin() as conn:
+    with store.db.engine.begin() as conn:
         conn.execute(text("UPDATE jobs SET state = 'SUCCEEDED', finished_at = :now, checkpoint_dir = :d || id, "
                           "log_path = :l || id || '.log'"),
                      {"d": f"{root / 'checkpoints'}/", "l": f"{logs}/", "now": time.time() - 60})

@@ -29,14 +29,14 @@ class Served:
                                       f"cpu:{slots}", "--preempt-after", "0"], env=self.env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
-        while not self.store.services(max_age=10):
+        while not self.store.hosts.services(max_age=10):
             if time.time() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("autoresearch serve did not come up")
             time.sleep(0.05)
         # Time the steady state: the service's start-up device check holds its devices out of scheduling until
         # it ends (the first job after a start waits for it), so wait for every device's first check.
         while os.environ.get("AUTORESEARCH_PREFLIGHT") != "off" and not all(d.checked_at
-                                                                            for d in self.store.devices()):
+                                                                            for d in self.store.hosts.devices()):
             if time.time() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("autoresearch serve did not finish its start-up check")
             time.sleep(0.05)

@@ -284,7 +284,7 @@ class Agent(Phases):
         """Record a finished trial's place in the session's ranking on its job (checkpoint retention keeps the
         best few: `orchestrator.service.retention`)."""
         if t.job_id is not None and t.value is not None and t.status is S.SUCCEEDED:
-            self.store.set_scores({t.job_id: -t.value if self.spec.direction == "minimize" else t.value})
+            self.store.keeping.set_scores({t.job_id: -t.value if self.spec.direction == "minimize" else t.value})
 
     def analyse(self, state: State) -> State:
         """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""

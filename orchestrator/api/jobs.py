@@ -27,7 +27,7 @@ def open_store(settings: Optional[Settings] = None) -> JobStore:
 
 def live_services(store: JobStore) -> list:
     """Services whose heartbeat is fresh."""
-    return store.services(max_age=SERVICE_STALE_AFTER)
+    return store.hosts.services(max_age=SERVICE_STALE_AFTER)
 
 
 def largest_capacity(services: list) -> int:
@@ -83,7 +83,7 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
         spec = replace(spec, project=resolve_project(spec.project, settings, store))
     if spec.deadline is not None and spec.deadline <= time.time():
         raise BadInput("--deadline is in the past")
-    capacities = store.live_capacities(SERVICE_STALE_AFTER)
+    capacities = store.hosts.live_capacities(SERVICE_STALE_AFTER)
     largest = max(capacities, default=0)
     why = unplaceable_reason(spec.gpus, largest) if largest else None
     if why:

@@ -61,7 +61,7 @@ def known_devices(store: JobStore) -> int:
     """Devices of every live service of the queue (what a quota may not exceed; 0: none known)."""
     from orchestrator.queue.inventory import SERVICE_STALE_AFTER
 
-    return sum(store.live_capacities(SERVICE_STALE_AFTER))
+    return sum(store.hosts.live_capacities(SERVICE_STALE_AFTER))
 
 
 def resolve_project(name: Optional[str], settings: Settings, store: JobStore) -> str:

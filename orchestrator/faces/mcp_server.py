@@ -260,7 +260,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         services start no job for want of disk space (empty when all have room)."""
         s = store()
         live = api.live_services(s)
-        return {"devices": [d.to_dict() for d in s.devices()],
+        return {"devices": [d.to_dict() for d in s.hosts.devices()],
                 "services": [{"host": r.host, "pid": r.pid, "devices": list(r.devices or []),
                               "heartbeat_at": r.heartbeat_at, "disk": r.disk} for r in live],
                 "disk_low": [f"{r.host}: {r.disk}" for r in live if r.disk]}

@@ -255,7 +255,7 @@ class Loop(Judge):
             if t["value"] is None:
                 t["error"] = f"no {self.spec.metric} in MLflow or in the output"
             else:  # its place in the session's ranking, for checkpoint retention (orchestrator.service.retention)
-                self.store.set_scores({job.id: -t["value"] if self.spec.direction == "minimize" else t["value"]})
+                self.store.keeping.set_scores({job.id: -t["value"] if self.spec.direction == "minimize" else t["value"]})
         elif job.state == "FAILED":
             t["status"] = "failed"
             timed_out = job.timed_out  # the queue stopped it at the program's time_limit

@@ -1,7 +1,9 @@
 """The queue's database: one SQLAlchemy engine per URL (SQLite in WAL mode, or PostgreSQL) and transactions.
 
-`Database` is the base of the queue's record keepers (`JobStore` for jobs, `HostRecords` for devices and
-service heartbeats); it knows connections and transactions, nothing about jobs.
+`Database` is the handle every part of the store shares (`JobStore.db`: the job reads and transitions, the
+hosts' records, the runs' and the retention records each hold it); it knows connections and transactions,
+nothing about jobs. Code outside the store that keeps its own tables in the queue's database (projects, the
+usage ledger) reads and writes through the same four doors: `tx`, `read`, `reading` and `lone_read`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def _sqlite_engine(url: str) -> Engine:
     @event.listens_for(engine, "begin")
     def _on_begin(conn):  # noqa: ANN001
         # Take the write lock up front: read-then-write transactions never deadlock on lock upgrade. A lone
-        # read (`Database._lone_read`) begins nothing: the driver runs its one SELECT in autocommit, without
+        # read (`Database.lone_read`) begins nothing: the driver runs its one SELECT in autocommit, without
         # queueing behind the writers.
-        # A read (`Database._read`, `Database._reading`) begins a deferred transaction: in WAL mode it reads one
+        # A read (`Database.read`, `Database.reading`) begins a deferred transaction: in WAL mode it reads one
         # snapshot and never waits for the write lock nor takes it.
         options = conn.get_execution_options()
         if options.get("read"):
@@ -68,7 +70,7 @@ class Database:
         self.is_postgres = url.startswith("postgres")
         try:
             self.engine = make_engine(url)
-            self._read_engine = self.engine.execution_options(read=True)  # same pool, see `_read`
+            self._read_engine = self.engine.execution_options(read=True)  # same pool, see `read`
             self._open = threading.local()  # this thread's session while it holds `transaction()`
             if create:
                 SQLModel.metadata.create_all(self.engine)
@@ -98,7 +100,7 @@ class Database:
         if getattr(self._open, "session", None) is not None:
             yield
             return
-        with self._tx() as session:
+        with self.tx() as session:
             self._open.session = session
             try:
                 yield
@@ -106,7 +108,9 @@ class Database:
                 self._open.session = None
 
     @contextmanager
-    def _tx(self) -> Iterator[Session]:
+    def tx(self) -> Iterator[Session]:
+        """A session for a read-then-write: its changes commit at the block's end (inside `transaction()`,
+        with that block's). On SQLite it takes the write lock up front (`BEGIN IMMEDIATE`)."""
         session = getattr(self._open, "session", None)
         if session is not None:  # inside `transaction()`: its session
             yield session
@@ -116,7 +120,7 @@ class Database:
                 yield session
 
     @contextmanager
-    def _lone_read(self) -> Iterator[Connection]:
+    def lone_read(self) -> Iterator[Connection]:
         """A Core connection for one read statement: on SQLite no transaction and no write lock (the hot
         paths' small reads: a submit's check of the live services, a pass's devices). Not an isolation level
         change: the pool's reset of one would turn the driver's implicit transactions back on."""
@@ -127,14 +131,14 @@ class Database:
         with self.engine.connect() as conn:
             yield conn.execution_options(lone_read=True)
 
-    def _read(self) -> Session:
+    def read(self) -> Session:
         """An ORM session for reads only. On SQLite its transaction is deferred (one snapshot of the WAL), so a
         reader neither takes the write lock nor waits for a writer that holds it: `show`, `queue`, `top` and
         the MCP reads stay quick while the service commits."""
         return Session(self._read_engine, expire_on_commit=False)
 
-    def _reading(self) -> Connection:
-        """`_read` as a Core connection (a context manager), for reads of several statements."""
+    def reading(self) -> Connection:
+        """`read` as a Core connection (a context manager), for reads of several statements."""
         return self._read_engine.connect()
 
 

@@ -35,7 +35,7 @@ class Lease:
 
 def stale_hosts(store: JobStore, self_host: str, cutoff: float) -> list[str]:
     """Hosts other than `self_host` whose last heartbeat is older than `cutoff` (epoch seconds)."""
-    with Session(store.engine) as session:
+    with Session(store.db.engine) as session:
         return list(session.exec(select(ServiceRecord.host).where(
             ServiceRecord.host != self_host, ServiceRecord.heartbeat_at < cutoff)))
 
@@ -43,8 +43,8 @@ def stale_hosts(store: JobStore, self_host: str, cutoff: float) -> list[str]:
 @contextmanager
 def reaping(store: JobStore, host: str, cutoff: float) -> Iterator[Optional[Lease]]:
     """A lease on `host` while it is still stale, or None when another service holds it or it came back."""
-    if store.is_postgres:
-        with Session(store.engine) as session, session.begin():
+    if store.db.is_postgres:
+        with Session(store.db.engine) as session, session.begin():
             record = session.exec(select(ServiceRecord).where(
                 ServiceRecord.host == host, ServiceRecord.heartbeat_at < cutoff)
                 .with_for_update(skip_locked=True)).first()
@@ -56,20 +56,20 @@ def reaping(store: JobStore, host: str, cutoff: float) -> Iterator[Optional[Leas
             if lease.settled:
                 session.delete(record)
         return
-    with store.engine.begin() as conn:
+    with store.db.engine.begin() as conn:
         won = conn.execute(update(ServiceRecord).where(ServiceRecord.host == host,
                                                        ServiceRecord.heartbeat_at < cutoff)
                            .values(heartbeat_at=cutoff + LEASE)).rowcount
     if not won:
         yield None
         return
-    with Session(store.engine) as session:
+    with Session(store.db.engine) as session:
         record = session.get(ServiceRecord, host)
         home = record.home if record is not None else None
     lease = Lease(host, home, cutoff)
     yield lease
     if lease.settled:
-        with store.engine.begin() as conn:
+        with store.db.engine.begin() as conn:
             conn.execute(delete(ServiceRecord).where(ServiceRecord.host == host,
                                                      ServiceRecord.heartbeat_at <= cutoff + LEASE))
 

@@ -25,12 +25,16 @@ _AVAILABLE = (core_select(_DEVICES.c.name).where(_DEVICES.c.host == bindparam("h
 
 SERVICE_STALE_AFTER = 10.0  # a service whose heartbeat is older than this is gone (submit, reaping)
 
-class HostRecords(Database):
-    """Device inventories and service heartbeats, one row each."""
+class HostRecords:
+    """Device inventories and service heartbeats, one row each (`JobStore.hosts`)."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self._capacities: Optional[tuple[float, float, list[int]]] = None  # (max_age, when, answer)
 
     def sync_devices(self, host: str, names: Sequence[str]) -> list[Device]:
         """Make `names` this host's device inventory, keeping the state of devices already known."""
-        with self._tx() as session:
+        with self.db.tx() as session:
             known = {d.name: d for d in session.exec(select(Device).where(Device.host == host))}
             for name in set(known) - set(names):
                 session.delete(known[name])
@@ -42,7 +46,7 @@ class HostRecords(Database):
 
     def devices(self, host: Optional[str] = None) -> list[Device]:
         """Devices of one host (or of every host), in inventory order."""
-        with self._read() as session:
+        with self.db.read() as session:
             stmt = select(Device)
             if host is not None:
                 stmt = stmt.where(Device.host == host)
@@ -53,7 +57,7 @@ class HostRecords(Database):
         """available | disabled (by a person) | quarantined (by a check), with its reason."""
         if state not in DEVICE_STATES:
             raise BadInput(f"unknown device state {state!r}")
-        with self._tx() as session:
+        with self.db.tx() as session:
             dev = session.get(Device, (host, name))
             if dev is None:
                 raise BadInput(f"no device {name!r} on {host}; known: "
@@ -66,7 +70,7 @@ class HostRecords(Database):
 
     def record_check(self, host: str, name: str, check: dict) -> None:
         """Keep a device's last check result (its state is unchanged)."""
-        with self._tx() as session:
+        with self.db.tx() as session:
             dev = session.get(Device, (host, name))
             if dev is not None:
                 dev.last_check, dev.checked_at = check, time.time()
@@ -76,7 +80,7 @@ class HostRecords(Database):
                   preempt_after: Optional[float] = None, disk: Optional[str] = None) -> None:
         """Upsert this service's liveness row (with the minimum runtime it preempts after, when given; `disk`:
         why it starts no job for want of space, else None)."""
-        with self._tx() as session:
+        with self.db.tx() as session:
             rec = session.get(ServiceRecord, host) or ServiceRecord(host=host)
             rec.pid, rec.home, rec.devices, rec.heartbeat_at = pid, home, list(devices), time.time()
             rec.started_at, rec.disk = started_at, disk
@@ -86,7 +90,7 @@ class HostRecords(Database):
 
     def services(self, max_age: Optional[float] = None) -> list[ServiceRecord]:
         """Service rows; with `max_age`, only those whose heartbeat is that fresh."""
-        with self._read() as session:
+        with self.db.read() as session:
             stmt = select(ServiceRecord)
             if max_age is not None:
                 stmt = stmt.where(ServiceRecord.heartbeat_at >= time.time() - max_age)
@@ -98,22 +102,22 @@ class HostRecords(Database):
         seconds (a burst of submits asks once; services heartbeat every 2 s and count as gone after 10 s, so
         the answer is that old anyway); none found is asked again each time (a service may be starting)."""
         now = time.monotonic()
-        cached = getattr(self, "_capacities", None)
+        cached = self._capacities
         if cached is not None and cached[0] == max_age and now - cached[1] < CAPACITIES_TTL:
             return list(cached[2])
-        with self._lone_read() as conn:
+        with self.db.lone_read() as conn:
             found = [len(devices or []) for (devices,) in conn.execute(_LIVE, {"since": time.time() - max_age})]
         self._capacities = (max_age, now, found) if found else None
         return found
 
     def available_devices(self, host: str) -> list[str]:
         """Names of this host's devices in the `available` state, in inventory order (each dispatch pass)."""
-        with self._lone_read() as conn:
+        with self.db.lone_read() as conn:
             return [name for (name,) in conn.execute(_AVAILABLE, {"host": host})]
 
     def remove_service(self, host: str) -> None:
         """Forget a service that said goodbye."""
-        with self._tx() as session:
+        with self.db.tx() as session:
             rec = session.get(ServiceRecord, host)
             if rec is not None:
                 session.delete(rec)

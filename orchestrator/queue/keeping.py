@@ -10,9 +10,10 @@ from typing import Any, Optional, Sequence
 
 from sqlalchemy import and_, bindparam, case, delete, func, or_, select as core_select, text, update
 
-from orchestrator.core.errors import BadInput
+from orchestrator.core.errors import BadInput, JobNotFound
+from orchestrator.queue.db import Database
 from orchestrator.queue.models import KEEP_MODES, RETRYING_SQL, Job, JobEvent
-from orchestrator.queue.runs import RunRecords
+from orchestrator.queue.queries import JobQueries
 from orchestrator.queue.states import FINISHED, HOLDING
 
 JOBS = Job.__table__
@@ -40,40 +41,42 @@ _SET_GC = (update(JOBS).where(JOBS.c.id == bindparam("_id"))
            .values(checkpoint_gc=bindparam("v_gc"), checkpoint_gc_at=bindparam("v_at")))
 
 
-class KeepRecords(RunRecords):
-    """The queue's side of checkpoint, log and event retention."""
+class KeepRecords:
+    """The queue's side of checkpoint, log and event retention (`JobStore.keeping`)."""
+
+    def __init__(self, db: Database, jobs: JobQueries):
+        self.db = db
+        self.jobs = jobs  # what `set_keep` answers with
 
     def set_scores(self, scores: dict[int, Optional[float]]) -> None:
         """Record trials' scores in their session's ranking (higher is better; None: no value)."""
         if not scores:
             return
-        with self._tx() as session:
+        with self.db.tx() as session:
             session.connection().execute(_SET_SCORE, [{"_id": k, "v_score": v} for k, v in scores.items()])
 
     def set_keep(self, job_id: int, mode: str) -> Job:
         """Mark a job's checkpoint to keep (`all`), keep only its latest (`latest`), or remove (`none`)."""
         if mode not in KEEP_MODES:
             raise BadInput(f"keep mode must be one of {', '.join(KEEP_MODES)}, got {mode!r}")
-        with self._tx() as session:
+        with self.db.tx() as session:
             job = session.get(Job, job_id)
             if job is None:
-                from orchestrator.core.errors import JobNotFound
-
                 raise JobNotFound(job_id)
             job.keep_checkpoint = mode
             session.add(job)
-        return self.get(job_id)
+        return self.jobs.get(job_id)
 
     def retention_rows(self) -> list[dict[str, Any]]:
         """Every final job whose checkpoint dir retention has not removed, as plain dicts of
         `RETENTION_COLUMNS`, oldest first."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return [dict(zip(RETENTION_COLUMNS, row)) for row in conn.execute(_RETENTION_ROWS)]
 
     def retention_fingerprint(self) -> tuple:
         """A summary of what `retention_rows` would return (which jobs, scores, marks, what retention did):
         equal between two reads when none of it changed (the service's pass skips the policy then)."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return tuple(conn.execute(_RETENTION_FINGERPRINT).one())
 
     def growing_logs(self, since: float) -> list[str]:
@@ -82,7 +85,7 @@ class KeepRecords(RunRecords):
         stmt = core_select(JOBS.c.log_path).where(
             JOBS.c.log_path.is_not(None),
             or_(JOBS.c.state.in_([s.value for s in HOLDING]), JOBS.c.finished_at >= since))
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return [row[0] for row in conn.execute(stmt)]
 
     def record_gc(self, done: Sequence[tuple[int, str]], at: Optional[float] = None) -> None:
@@ -90,14 +93,14 @@ class KeepRecords(RunRecords):
         if not done:
             return
         at = time.time() if at is None else at
-        with self._tx() as session:
+        with self.db.tx() as session:
             session.connection().execute(_SET_GC, [{"_id": job_id, "v_gc": what, "v_at": at}
                                                    for job_id, what in done])
 
     def finished_before(self, before: float) -> list[tuple[int, Optional[str]]]:
         """(id, log path) of the final jobs that finished before this time."""
         stmt = core_select(JOBS.c.id, JOBS.c.log_path).where(_FINAL, JOBS.c.finished_at < before)
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return [(row[0], row[1]) for row in conn.execute(stmt)]
 
     def compact_events(self, before: float) -> int:
@@ -109,6 +112,6 @@ class KeepRecords(RunRecords):
                 .union(core_select(func.max(EVENTS.c.id)).where(EVENTS.c.job_id.in_(old))
                        .group_by(EVENTS.c.job_id)))
         stmt = delete(EVENTS).where(EVENTS.c.job_id.in_(old), EVENTS.c.id.not_in(ends))
-        with self._tx() as session:
+        with self.db.tx() as session:
             return session.connection().execute(stmt).rowcount or 0
 

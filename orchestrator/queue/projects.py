@@ -83,7 +83,7 @@ def from_config(extra: Mapping[str, Any]) -> dict[str, Declared]:
 def declared(store: Any, extra: Mapping[str, Any]) -> dict[str, Declared]:
     """Every declared project by name: config.toml's, then the table's (which wins for the same name)."""
     out = from_config(extra)
-    with store._read() as session:
+    with store.db.read() as session:
         for row in session.exec(select(ProjectRecord).order_by(ProjectRecord.name)):
             out[row.name] = Declared(row.name, row.share, row.quota, row.borrow_limit, source="table")
     return out
@@ -98,7 +98,7 @@ def set_project(store: Any, name: str, *, share: Any = None, quota: Any = None, 
     if borrow_limit is None and not clear_borrow_limit:
         borrow_limit = now.borrow_limit if now else None
     project = check(name, share, quota, borrow_limit, devices=devices)
-    with store._tx() as session:
+    with store.db.tx() as session:
         row = session.get(ProjectRecord, name) or ProjectRecord(name=name)
         row.share, row.quota, row.borrow_limit, row.updated_at = project.share, project.quota, \
             project.borrow_limit, time.time()
@@ -124,7 +124,7 @@ def held_by_project(store: Any, *, exclude_host: Optional[str] = None) -> dict[s
             .group_by(JOBS.c.project))
     if exclude_host is not None:
         stmt = stmt.where(JOBS.c.host != exclude_host)
-    with store._lone_read() as conn:
+    with store.db.lone_read() as conn:
         return {(name or DEFAULT_PROJECT): int(n or 0) for name, n in conn.execute(stmt)}
 
 
@@ -134,7 +134,7 @@ def others_active(store: Any) -> bool:
 
     stmt = (core_select(JOBS.c.id).where(JOBS.c.state.in_([s.value for s in ACTIVE]),
                                          JOBS.c.project != DEFAULT_PROJECT).limit(1))
-    with store._lone_read() as conn:
+    with store.db.lone_read() as conn:
         return conn.execute(stmt).first() is not None
 
 
@@ -143,7 +143,7 @@ def queued_by_project(store: Any) -> dict[str, int]:
     stmt = (core_select(JOBS.c.project, JOBS.c.scavenger, func.count())
             .where(JOBS.c.state == "QUEUED").group_by(JOBS.c.project, JOBS.c.scavenger))
     out: dict[str, int] = {}
-    with store._lone_read() as conn:
+    with store.db.lone_read() as conn:
         for name, scavenger, n in conn.execute(stmt):
             key = "(scavenger)" if scavenger else (name or DEFAULT_PROJECT)
             out[key] = out.get(key, 0) + int(n)

@@ -1,6 +1,7 @@
 """Reading the queue: jobs by id, state, owner or host, their event logs, and what a dispatch pass needs.
 
-`JobQueries` only reads; every change of a job goes through `JobStore` (orchestrator.queue.store).
+`JobQueries` (`JobStore.queries`; `JobStore` offers each of its reads) only reads; every change of a job goes
+through `Transitions` (orchestrator.queue.transitions).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from sqlmodel import select
 
 from orchestrator.core.errors import JobNotFound
 from orchestrator.queue import listing as listings
-from orchestrator.queue.inventory import HostRecords
+from orchestrator.queue.db import Database
 from orchestrator.queue.models import Job, JobEvent
 from orchestrator.queue.rows import Held, Queued
 from orchestrator.queue.states import ACTIVE, HOLDING, JobState
@@ -44,17 +45,20 @@ _HELD = (core_select(*(JOBS.c[name] for name in Held.COLUMNS))
 NO_LIMIT = 2 ** 62
 
 
-class JobQueries(HostRecords):
-    """Read-only views of the jobs table (plus the hosts' records it inherits)."""
+class JobQueries:
+    """Read-only views of the jobs table and its event log."""
+
+    def __init__(self, db: Database):
+        self.db = db
 
     def find_by_key(self, key: str) -> Optional[Job]:
         """The job submitted with this idempotency key, if any."""
-        with self._read() as session:
+        with self.db.read() as session:
             return session.exec(select(Job).where(Job.idempotency_key == key)).first()
 
     def get(self, job_id: int) -> Job:
         """The job with this id, or JobNotFound (a BadInput: exit 2)."""
-        with self._read() as session:
+        with self.db.read() as session:
             job = session.get(Job, job_id)
             if job is None:
                 raise JobNotFound(job_id)
@@ -62,7 +66,7 @@ class JobQueries(HostRecords):
 
     def get_many(self, job_ids: Iterable[int]) -> list[Job]:
         """The jobs with these ids that exist, in id order."""
-        with self._read() as session:
+        with self.db.read() as session:
             return list(session.exec(select(Job).where(Job.id.in_(list(job_ids))).order_by(Job.id)))
 
     def list(self, states: Optional[Iterable[JobState]] = None, *, owner: Optional[str] = None,
@@ -77,12 +81,12 @@ class JobQueries(HostRecords):
             stmt = stmt.where(Job.experiment == experiment)
         if host is not None:
             stmt = stmt.where(Job.host == host)
-        with self._read() as session:
+        with self.db.read() as session:
             return list(session.exec(stmt.order_by(Job.id)))
 
     def unfinished(self) -> list[Job]:
         """What `autoresearch queue` shows by default: active jobs and failed ones awaiting a retry."""
-        with self._read() as session:
+        with self.db.read() as session:
             stmt = select(Job).where(or_(Job.state.in_([s.value for s in ACTIVE]), Job.retrying_sql()))
             return list(session.exec(stmt.order_by(Job.id)))
 
@@ -90,54 +94,54 @@ class JobQueries(HostRecords):
                 owner: Optional[str] = None) -> listings.Listing:
         """What `autoresearch queue` lists: the first `limit` (None: all) unfinished jobs (every job with
         `finished`) in listing order as dicts, with the counts by state of all of them (orchestrator.queue.listing)."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return listings.listing(conn, finished=finished, limit=limit, owner=owner)
 
     def record(self, job_id: int) -> dict:
         """One job with its events as `show --json` prints it (JobNotFound: exit 2)."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return listings.record(conn, job_id)
 
     def state_counts(self, *, finished: bool = False, owner: Optional[str] = None) -> dict[str, int]:
         """Unfinished jobs (every job with `finished`) by state, counted in SQL."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return listings.counts(conn, finished=finished, owner=owner)
 
     def phase_counts(self, owner: str) -> list[tuple[Optional[str], str, int]]:
         """(phase, state, how many) of `owner`'s jobs (an agent session's trials by phase), counted in SQL."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return listings.phase_counts(conn, owner)
 
     def line(self, limit: int) -> list:
         """The first `limit` QUEUED jobs in line order, as read-only rows with the Job's column attributes."""
-        with self._reading() as conn:
+        with self.db.reading() as conn:
             return listings.line(conn, limit)
 
     def events(self, job_id: int) -> list[JobEvent]:
         """The job's event log, oldest first."""
         self.get(job_id)
-        with self._read() as session:
+        with self.db.read() as session:
             stmt = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
             return list(session.exec(stmt))
 
     def recent_events(self, limit: int = 20) -> list[JobEvent]:
         """The latest `limit` transitions of any job, newest first (for live views)."""
-        with self._read() as session:
+        with self.db.read() as session:
             return list(session.exec(select(JobEvent).order_by(JobEvent.id.desc()).limit(limit)))
 
     def count(self) -> int:
         """How many jobs exist."""
-        with self._read() as session:
+        with self.db.read() as session:
             return session.exec(select(func.count()).select_from(Job)).one()
 
     def count_in(self, state: JobState) -> int:
         """How many jobs are in `state`."""
-        with self._read() as session:
+        with self.db.read() as session:
             return session.exec(select(func.count()).select_from(Job).where(Job.state == JobState(state).value)).one()
 
     def waiting_with(self, *, gpus_over: int, reason_prefix: str) -> list[Job]:
         """QUEUED jobs needing more than `gpus_over` devices, or whose reason starts with `reason_prefix`."""
-        with self._read() as session:
+        with self.db.read() as session:
             stmt = select(Job).where(Job.state == S.QUEUED.value,
                                      or_(Job.gpus > gpus_over, Job.reason.startswith(reason_prefix)))
             return list(session.exec(stmt.order_by(Job.id)))
@@ -164,7 +168,7 @@ class JobQueries(HostRecords):
             seen.update(row.id for row in part)
             waiting.extend(part)
 
-        with self._lone_read() as conn:
+        with self.db.lone_read() as conn:
             take(conn.execute(_WAITING, params))
             for name in projects:
                 take(conn.execute(_PROJECT_WAITING, {**params, "project": name}))

@@ -13,8 +13,8 @@ import time
 
 from sqlalchemy import bindparam, select as core_select, text, update
 
+from orchestrator.queue.db import Database
 from orchestrator.queue.models import RETRYING_SQL, Job
-from orchestrator.queue.queries import JobQueries
 from orchestrator.queue.rows import detached_jobs
 from orchestrator.queue.states import FINISHED, JobState
 
@@ -35,14 +35,18 @@ _TO_CLOSE = (core_select(JOBS.c.id, JOBS.c.mlflow_run_id, JOBS.c.state, JOBS.c.f
 _CLOSED = update(JOBS).where(JOBS.c.id.in_(bindparam("ids", expanding=True))).values(run_open_at=None)
 
 
-class RunRecords(JobQueries):
-    """The queue's side of the jobs' MLflow runs (made by the service's run preparer, `orchestrator.tracking.preparer`)."""
+class RunRecords:
+    """The queue's side of the jobs' MLflow runs (made by the service's run preparer,
+    `orchestrator.tracking.preparer`; `JobStore.runs`)."""
+
+    def __init__(self, db: Database):
+        self.db = db
 
     def needing_runs(self, *, capacity: int, limit: int) -> list[Job]:
         """The first `limit` QUEUED jobs in line order that need at most `capacity` devices, are tracked and
         have no MLflow run yet (the service makes their runs ahead of time). One cached Core statement, its rows
         made `Job`s as the ORM loads them (the ORM's loading was a third of the run preparer's CPU)."""
-        with self._lone_read() as conn:
+        with self.db.lone_read() as conn:
             return detached_jobs(conn.execute(_NEEDING_RUNS, {"capacity": capacity, "limit": limit}))
 
     def set_run_ids(self, runs: dict[int, str]) -> set[int]:
@@ -53,7 +57,7 @@ class RunRecords(JobQueries):
         if not runs:
             return done
         now = time.time()
-        with self._tx() as session:
+        with self.db.tx() as session:
             conn = session.connection()
             for job_id, run_id in runs.items():
                 if conn.execute(_SET_RUN, {"job_id": job_id, "run_id": run_id, "now": now}).rowcount:
@@ -63,11 +67,11 @@ class RunRecords(JobQueries):
     def runs_to_close(self, limit: int = 256) -> list[tuple[int, str, str, float]]:
         """Jobs finished for good whose run the service made and has not ended yet, the longest finished first:
         (job id, run id, state, finished_at)."""
-        with self._lone_read() as conn:
+        with self.db.lone_read() as conn:
             return [tuple(row) for row in conn.execute(_TO_CLOSE, {"limit": limit})]
 
     def runs_closed(self, job_ids: list[int]) -> None:
         """Note that these jobs' runs were ended in MLflow."""
         if job_ids:
-            with self._tx() as session:
+            with self.db.tx() as session:
                 session.connection().execute(_CLOSED, {"ids": list(job_ids)})

@@ -65,7 +65,7 @@ def attempts(store: Any, *, since: Optional[float] = None, now: Optional[float] 
     out: list[Attempt] = []
     current, start = None, None
     last: Any = None
-    with store._reading() as conn:
+    with store.db.reading() as conn:
         for job_id, at, dst, project, owner, scavenger, gpus in conn.execute(stmt):
             if job_id != current:
                 if start is not None:

@@ -144,15 +144,15 @@ class Service:
             inventory = self.executor.inventory()
             if inventory is not None:
                 self.device_names = inventory
-            self.store.sync_devices(self.host, self.device_names)
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 preempt_after=self.preempt_after, disk=self.disk.line())
+            self.store.hosts.sync_devices(self.host, self.device_names)
+            self.store.hosts.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                       preempt_after=self.preempt_after, disk=self.disk.line())
             self.supervisor.reconcile()
             self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
             self.runs.start(lambda: self._capacity, self._wake.set)
-            self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.is_postgres else None,
+            self._listeners = wakeup.listen(self.home, self.settings.db_url if self.store.db.is_postgres else None,
                                             self.wake)
             self._listeners.append(IntakeServer(self.settings, self.store, self.wake))
             self._start_scheduler()
@@ -212,7 +212,7 @@ class Service:
         self.guard.close()
         self.notices.close()
         try:
-            self.store.remove_service(self.host)
+            self.store.hosts.remove_service(self.host)
         except Exception:  # the database may be gone; the heartbeat row then simply goes stale
             log.exception("could not remove the service record")
         self._home_lock.release()
@@ -286,7 +286,7 @@ class Service:
         launched, self._launched = self._launched, []
         exits = self.supervisor.take_exits()
         try:
-            with self.store.transaction():
+            with self.store.db.transaction():
                 self._record(launched, exits)
                 mine, preempted, claimed = self._plan_and_claim()
         except Exception:
@@ -305,7 +305,7 @@ class Service:
     def _plan_and_claim(self) -> tuple[list, list[Job], list[Job]]:
         """Read the queue, plan, and write the plan's preemptions and claims (in the pass's transaction).
         Returns the jobs this host holds (as read), those preempted and those claimed."""
-        usable = self.guard.schedulable(self.store.available_devices(self.host))
+        usable = self.guard.schedulable(self.store.hosts.available_devices(self.host))
         # The window: jobs that can never run here are left out in SQL, and of the rest the policy can act on
         # at most one per usable device plus the first it must stop at (each start or reservation uses at least
         # one device that is free, being released, or preemptible; a job that finds none ends the pass), and
@@ -386,8 +386,8 @@ class Service:
             self.store.miss_deadlines()  # deep in the line too: a job that cannot meet its deadline ends
             self.projects.refresh_if_due()
             self.device_names = self.supervisor.fresh_inventory(self.device_names)  # a Slurm partition resized
-            self.store.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                 preempt_after=self.preempt_after, disk=self.disk.line())
+            self.store.hosts.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                       preempt_after=self.preempt_after, disk=self.disk.line())
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs

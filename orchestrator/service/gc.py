@@ -202,16 +202,16 @@ class Collector:
             self._age_logs(report, dry_run, now)
             days = self.settings.events_compact_days
             if days and not dry_run:
-                report.events_dropped = self.store.compact_events(now - days * DAY)
+                report.events_dropped = self.store.keeping.compact_events(now - days * DAY)
         return report
 
     def _checkpoints(self, report: Report, dry_run: bool, again: bool = True) -> None:
         sessions = session_states(self.settings.home)
         # Read before the rows: a change that lands after it makes the next pass decide again.
-        seen = (self.store.retention_fingerprint(), tuple(sorted(sessions.items())))
+        seen = (self.store.keeping.retention_fingerprint(), tuple(sorted(sessions.items())))
         if not again and seen == self._settled:
             return  # nothing the policy reads has changed since it last had nothing to do
-        rows = self.store.retention_rows()
+        rows = self.store.keeping.retention_rows()
         decisions = pending(decide(rows, sessions, self.policy), rows)
         by_id = {row["id"]: row for row in rows}
         done, tags = [], []
@@ -232,7 +232,7 @@ class Collector:
         if dry_run:
             return
         self._settled = None if done else seen  # what it did changes the rows: the next pass looks once more
-        self.store.record_gc(done)
+        self.store.keeping.record_gc(done)
         if tags and self.tag_runs is not None:
             try:
                 self.tag_runs(tags)
@@ -249,7 +249,7 @@ class Collector:
             with os.scandir(logs_dir) as entries:
                 paths = [entry.path for entry in entries if entry.name.endswith(".log")]
         else:  # only logs that can have grown since the last look (a margin for clocks and commits)
-            paths = self.store.growing_logs(self._logs_at - 5.0)
+            paths = self.store.keeping.growing_logs(self._logs_at - 5.0)
         for path in paths:
             try:
                 size = os.stat(path).st_size
@@ -268,7 +268,7 @@ class Collector:
     def _age_logs(self, report: Report, dry_run: bool, now: float) -> None:
         compress, delete = self.settings.log_compress_days, self.settings.log_delete_days
         if delete:
-            for _, path in self.store.finished_before(now - delete * DAY):
+            for _, path in self.store.keeping.finished_before(now - delete * DAY):
                 for p in (Path(path), Path(f"{path}.gz")) if path else ():
                     if p.exists():
                         report.logs_deleted += 1
@@ -276,7 +276,7 @@ class Collector:
                         if not dry_run:
                             p.unlink(missing_ok=True)
         if compress:
-            for _, path in self.store.finished_before(now - compress * DAY):
+            for _, path in self.store.keeping.finished_before(now - compress * DAY):
                 if path and Path(path).exists():
                     report.logs_compressed += 1
                     if not dry_run:

@@ -70,7 +70,7 @@ class DeviceGuard:
     def _check_unheld(self, run: Callable[[list[str]], Verdict], origin: str) -> None:
         with self._placement:  # a fresh read: what is free now, not what a stale snapshot said
             held = {d for job in self.store.list(HOLDING, host=self.host) for d in job.devices or []}
-            idle = [d.name for d in self.store.devices(self.host)
+            idle = [d.name for d in self.store.hosts.devices(self.host)
                     if d.state == "available" and d.name not in held and d.name not in self._checking]
             self._checking.update(idle)
         try:
@@ -118,12 +118,12 @@ class DeviceGuard:
             if device in verdict.failed:
                 self.quarantine(device, f"{origin}: {verdict.failed[device]}", verdict)
             elif verdict.results:
-                self.store.record_check(self.host, device, verdict.for_device(device))
+                self.store.hosts.record_check(self.host, device, verdict.for_device(device))
 
     def quarantine(self, device: str, why: str, verdict: Verdict) -> None:
         """Take `device` out of scheduling until a person enables it again."""
         log.warning("quarantining %s: %s", device, why)
-        self.store.set_device_state(self.host, device, "quarantined", why, verdict.for_device(device))
+        self.store.hosts.set_device_state(self.host, device, "quarantined", why, verdict.for_device(device))
         self.on_quarantine(device, why)
 
     # ---- the run-time monitor -----------------------------------------------------------------------

@@ -59,7 +59,7 @@ class Decision:
 
 
 def decide(jobs: Iterable[Mapping[str, Any]], sessions: Mapping[str, bool], policy: Policy) -> list[Decision]:
-    """One decision per final job. `jobs`: rows of `JobStore.retention_rows` (id, owner, experiment,
+    """One decision per final job. `jobs`: rows of `KeepRecords.retention_rows` (id, owner, experiment,
     keep_checkpoint, phase, score, ...); `sessions`: agent session id -> whether it has ended. A job whose
     owner is not in `sessions` is a person's."""
     jobs = list(jobs)

@@ -56,7 +56,7 @@ class Supervisor:
             return names
         log.info("%s: the executor's devices are now %s (were %s)", self.host, ",".join(fresh) or "none",
                  ",".join(names) or "none")
-        self.store.sync_devices(self.host, fresh)
+        self.store.hosts.sync_devices(self.host, fresh)
         self.wake()
         return fresh
 

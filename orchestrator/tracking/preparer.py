@@ -107,7 +107,7 @@ class RunPreparer:
 
     def prepare_once(self) -> bool:
         """Get the next batch of tracked queued jobs their runs; True when the batch was full."""
-        jobs = self.store.needing_runs(capacity=self._capacity(), limit=self.batch)
+        jobs = self.store.runs.needing_runs(capacity=self._capacity(), limit=self.batch)
         if not jobs:
             return False
         done: set[int] = set()
@@ -118,7 +118,7 @@ class RunPreparer:
         def record() -> None:
             nonlocal last
             last = time.monotonic()
-            ready = self.store.set_run_ids(made)
+            ready = self.store.runs.set_run_ids(made)
             losers.extend(run_id for job_id, run_id in made.items() if job_id not in ready)  # another host won
             self.prepared += len(ready)
             made.clear()
@@ -151,7 +151,7 @@ class RunPreparer:
     def close_ended(self, limit: int = 256) -> bool:
         """End in MLflow the runs the service made for jobs that have ended for good; True when there may
         be more. A tracking store that fails keeps them listed for the next look."""
-        ended = self.store.runs_to_close(limit)
+        ended = self.store.runs.runs_to_close(limit)
         if not ended:
             return False
         try:
@@ -160,7 +160,7 @@ class RunPreparer:
         except TrackingUnavailable as exc:
             log.warning("could not end the MLflow runs of %d finished jobs: %s", len(ended), exc)
             return False
-        self.store.runs_closed([job_id for job_id, *_ in ended])
+        self.store.runs.runs_closed([job_id for job_id, *_ in ended])
         self.closed += len(ended)
         return len(ended) == limit
 

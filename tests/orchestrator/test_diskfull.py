@@ -86,7 +86,7 @@ def test_preflight_runs_retention_then_waits_with_the_reason_and_resumes(home, m
     waiting = store.submit(JobSpec(argv=["true"], track=False))
     wait_for(lambda: "low disk space" in store.get(waiting.id).reason, timeout=30, what="the reason")
     assert store.get(waiting.id).state == "QUEUED" and store.get(waiting.id).attempts == 0
-    record = wait_for(lambda: [s for s in store.services() if s.disk], what="the service record's disk line")[0]
+    record = wait_for(lambda: [s for s in store.hosts.services() if s.disk], what="the service record's disk line")[0]
     assert "MB free on" in record.disk
     from orchestrator.faces.views.snapshot import take
     from orchestrator.faces.views.top import banners
@@ -99,7 +99,7 @@ def test_preflight_runs_retention_then_waits_with_the_reason_and_resumes(home, m
     ballast.unlink()
     more.unlink()  # space returns: the queue goes on, no restart
     wait_for(lambda: store.get(waiting.id).state == "SUCCEEDED", timeout=60, what="the queue to resume")
-    wait_for(lambda: not [s for s in store.services() if s.disk], what="the banner to clear")
+    wait_for(lambda: not [s for s in store.hosts.services() if s.disk], what="the banner to clear")
 
 
 def test_a_full_disk_refuses_writes_whole_and_the_service_stays_up(home, make_service, monkeypatch):

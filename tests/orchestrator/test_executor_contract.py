@@ -415,8 +415,8 @@ def test_reaper_stops_a_lost_hosts_ray_job_before_requeueing_it(ray_head, tmp_pa
                             runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "1"}})
     wait_for(lambda: str(client.get_job_status(sid)) in ("RUNNING", "JobStatus.RUNNING"), timeout=60)
     store.mark_running(job_id, 0, f"ray:{sid}@{ray_head}", "lost")
-    store.heartbeat("lost", 1, str(tmp_path), ["cpu:0"], 0.0)
-    with Session(store.engine) as session:
+    store.hosts.heartbeat("lost", 1, str(tmp_path), ["cpu:0"], 0.0)
+    with Session(store.db.engine) as session:
         rec = session.get(ServiceRecord, "lost")
         rec.heartbeat_at = time.time() - 60
         session.add(rec)

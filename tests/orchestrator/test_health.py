@@ -15,7 +15,7 @@ from tests.orchestrator.helpers import ckpt_job, wait_for
 def test_preflight_failure_quarantines_the_device_and_the_job_lands_on_a_healthy_one(make_service, monkeypatch):
     service = make_service("cpu:2", health=HealthConfig(preflight="quick", recheck_every=3600))
     # The start-up check passes both slots; then cpu:0 develops a fault before any job arrives.
-    wait_for(lambda: all(d.last_check for d in service.store.devices(service.host)), timeout=60)
+    wait_for(lambda: all(d.last_check for d in service.store.hosts.devices(service.host)), timeout=60)
     monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:0:matmul")
     ids = [api.submit(JobSpec(argv=["true"], track=False))[0].id for _ in range(3)]
     wait_for(lambda: all(service.store.get(j).state == "SUCCEEDED" for j in ids), timeout=60)
@@ -24,14 +24,14 @@ def test_preflight_failure_quarantines_the_device_and_the_job_lands_on_a_healthy
         # No failure spent; each placement takes a fresh attempt number (never reused), one per bad device met.
         given_back = sum("preflight failed" in e.reason for e in service.store.events(job_id))
         assert job.devices == ["cpu:1"] and job.failures == 0 and job.attempts == 1 + given_back
-    devs = {d.name: d for d in service.store.devices(service.host)}
+    devs = {d.name: d for d in service.store.hosts.devices(service.host)}
     assert devs["cpu:0"].state == "quarantined" and "matmul" in devs["cpu:0"].reason
     assert devs["cpu:0"].last_check["status"] == "fail"
     assert any("preflight failed on cpu:0" in e.reason for j in ids for e in service.store.events(j))
     # A person returns the device once it is fixed.
     monkeypatch.delenv("AUTORESEARCH_FAULTS")
-    service.store.set_device_state(service.host, "cpu:0", "available")
-    service.store.set_device_state(service.host, "cpu:1", "disabled", "test")
+    service.store.hosts.set_device_state(service.host, "cpu:0", "available")
+    service.store.hosts.set_device_state(service.host, "cpu:1", "disabled", "test")
     # A pass that read the devices before these changes may still be under way: submit once one that began
     # after them has ended (its successor cannot have read the old states).
     passes = service.passes
@@ -54,7 +54,7 @@ def test_a_fault_under_a_running_job_checkpoints_it_and_moves_it(make_service, m
     assert job.devices != [first]
     log = open(job.log_path).read()
     assert "checkpointed at step" in log and "attempt 2 starts at step" in log
-    assert {d.name: d.state for d in service.store.devices(service.host)}[first] == "quarantined"
+    assert {d.name: d.state for d in service.store.hosts.devices(service.host)}[first] == "quarantined"
 
 
 HANGS_ONCE = """
@@ -79,9 +79,9 @@ def test_a_job_without_progress_is_stopped_and_requeued(make_service):
 def test_idle_devices_are_rechecked_on_a_schedule(make_service, monkeypatch):
     monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:1:alloc")
     service = make_service("cpu:2", health=HealthConfig(preflight="off", recheck_level="quick", recheck_every=0.5))
-    wait_for(lambda: {d.name: d.state for d in service.store.devices(service.host)}["cpu:1"] == "quarantined",
+    wait_for(lambda: {d.name: d.state for d in service.store.hosts.devices(service.host)}["cpu:1"] == "quarantined",
              timeout=30, what="the idle re-check")
-    devs = {d.name: d for d in service.store.devices(service.host)}
+    devs = {d.name: d for d in service.store.hosts.devices(service.host)}
     assert devs["cpu:0"].state == "available" and devs["cpu:0"].last_check["status"] == "pass"
     assert "idle check" in devs["cpu:1"].reason
 
@@ -89,7 +89,7 @@ def test_idle_devices_are_rechecked_on_a_schedule(make_service, monkeypatch):
 def test_a_device_failing_at_start_up_is_quarantined_before_any_job(make_service, monkeypatch):
     monkeypatch.setenv("AUTORESEARCH_FAULTS", "cpu:1:alloc")
     service = make_service("cpu:2", health=HealthConfig(preflight="quick", recheck_every=3600))
-    wait_for(lambda: {d.name: d.state for d in service.store.devices(service.host)}["cpu:1"] == "quarantined",
+    wait_for(lambda: {d.name: d.state for d in service.store.hosts.devices(service.host)}["cpu:1"] == "quarantined",
              timeout=60, what="the start-up preflight")
     job = api.submit(JobSpec(argv=["true"], track=False))[0].id
     wait_for(lambda: service.store.get(job).state == "SUCCEEDED", timeout=30)
@@ -97,18 +97,18 @@ def test_a_device_failing_at_start_up_is_quarantined_before_any_job(make_service
 
 
 def _states(service):
-    return {d.name: d for d in service.store.devices(service.host)}
+    return {d.name: d for d in service.store.hosts.devices(service.host)}
 
 
 def test_a_restart_does_not_check_the_devices_of_adopted_jobs(make_service, monkeypatch):
     first = make_service("cpu:3", health=HealthConfig(preflight="quick", recheck_every=3600))
     for name in ("cpu:0", "cpu:1"):
-        first.store.set_device_state(first.host, name, "disabled", "steer the job to cpu:2")
+        first.store.hosts.set_device_state(first.host, name, "disabled", "steer the job to cpu:2")
     job_id = api.submit(ckpt_job(1200))[0].id  # a minute of steps: still running across the restart
     wait_for(lambda: first.store.get(job_id).state == "RUNNING", timeout=60)
     assert first.store.get(job_id).devices == ["cpu:2"]
     for name in ("cpu:0", "cpu:1"):
-        first.store.set_device_state(first.host, name, "available")
+        first.store.hosts.set_device_state(first.host, name, "available")
     first.stop()
     before = _states(first)["cpu:2"].checked_at
     # A check of cpu:2 now would fail it (on a GPU: the adopted job is a foreign process, its memory is taken).
@@ -190,7 +190,7 @@ def test_a_hung_nvml_neither_stalls_the_heartbeat_nor_acts_on_one_sample(make_se
         wait_for(lambda: any("device fault" in e.reason for e in service.store.events(job_id)), timeout=10,
                  what="the job to be stopped for the fault")
         # Housekeeping (the heartbeat other hosts judge us by) kept its pace while NVML was stuck.
-        wait_for(lambda: service.store.services()[0].heartbeat_at > hung_at + 1.5, timeout=10,
+        wait_for(lambda: service.store.hosts.services()[0].heartbeat_at > hung_at + 1.5, timeout=10,
                  what="a heartbeat after the hang")
         assert fake.inits == 1  # one long-lived session, not one per sample
     finally:

@@ -32,7 +32,7 @@ def wait(predicate, what):
 
 service = Service(Settings.load(), devices="cpu:2", tick=0.2, health=HealthConfig(preflight="quick")).start()
 wait(lambda: not any(t.name == "warm-up" for t in threading.enumerate()), "the warm-up")
-checked = [d.name for d in service.store.devices(service.host) if d.last_check]
+checked = [d.name for d in service.store.hosts.devices(service.host) if d.last_check]
 after_warm_up = heavy()
 job = api.submit(JobSpec(argv=["true"], params={"lr": 0.1}))[0]
 wait(lambda: service.store.get(job.id).state == "SUCCEEDED", "the tracked job")

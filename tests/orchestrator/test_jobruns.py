@@ -119,25 +119,25 @@ def test_runs_the_service_made_are_listed_to_end_once_their_jobs_end_for_good(db
     done, retrying, running, cancelled = (store.submit(JobSpec(argv=["true"], max_attempts=2 if i == 1 else 1))
                                           for i in range(4))
     brought = store.submit(JobSpec(argv=["true"], mlflow_run_id="r-brought"))
-    assert store.set_run_ids({j.id: f"r{j.id}" for j in (done, retrying, running, cancelled)}) == \
+    assert store.runs.set_run_ids({j.id: f"r{j.id}" for j in (done, retrying, running, cancelled)}) == \
         {done.id, retrying.id, running.id, cancelled.id}
-    assert store.set_run_ids({done.id: "another host's"}) == set()  # set once
+    assert store.runs.set_run_ids({done.id: "another host's"}) == set()  # set once
     for job in (done, retrying, running, brought):
         start(store, job.id)
     store.finish(done.id, 0, "h1")
     store.finish(brought.id, 0, "h1")
     assert store.finish(retrying.id, 1, "h1").retrying
     store.cancel(cancelled.id)
-    listed = store.runs_to_close()
+    listed = store.runs.runs_to_close()
     assert [(job_id, run_id, state) for job_id, run_id, state, _ in listed] == \
         [(done.id, f"r{done.id}", "SUCCEEDED"), (cancelled.id, f"r{cancelled.id}", "CANCELLED")]
     assert [at for *_, at in listed] == [store.get(done.id).finished_at, store.get(cancelled.id).finished_at]
-    assert store.runs_to_close(limit=1) == listed[:1]
-    store.runs_closed([done.id])
-    assert [row[0] for row in store.runs_to_close()] == [cancelled.id]
+    assert store.runs.runs_to_close(limit=1) == listed[:1]
+    store.runs.runs_closed([done.id])
+    assert [row[0] for row in store.runs.runs_to_close()] == [cancelled.id]
     store.requeue_due(now=10 ** 12)  # the retry fails too: now the job has ended for good
     start(store, retrying.id)
     assert store.finish(retrying.id, 1, "h1").final
-    assert [row[:3] for row in store.runs_to_close()] == [(cancelled.id, f"r{cancelled.id}", "CANCELLED"),
+    assert [row[:3] for row in store.runs.runs_to_close()] == [(cancelled.id, f"r{cancelled.id}", "CANCELLED"),
                                                          (retrying.id, f"r{retrying.id}", "FAILED")]
     store.close()

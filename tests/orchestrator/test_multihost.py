@@ -35,7 +35,7 @@ def test_pg_listener_wakes_on_notify_and_survives_a_dropped_connection(pg_url):
         assert woken.wait(5), "no wake-up on NOTIFY"
         woken.clear()
         backend = listener._conn.get_backend_pid()
-        with store.engine.connect() as conn:  # kill the listener's backend, as a server restart would
+        with store.db.engine.connect() as conn:  # kill the listener's backend, as a server restart would
             from sqlalchemy import text
 
             conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": backend})
@@ -49,12 +49,12 @@ def test_pg_listener_wakes_on_notify_and_survives_a_dropped_connection(pg_url):
 
 
 def _dead_host(store: JobStore, host: str, home: Path) -> None:
-    store.heartbeat(host, 999999, str(home), ["cpu:0", "cpu:1", "cpu:2"], time.time() - 60)
+    store.hosts.heartbeat(host, 999999, str(home), ["cpu:0", "cpu:1", "cpu:2"], time.time() - 60)
     from sqlmodel import Session
 
     from orchestrator.queue.models import ServiceRecord
 
-    with Session(store.engine) as session:  # its last heartbeat was a minute ago
+    with Session(store.db.engine) as session:  # its last heartbeat was a minute ago
         rec = session.get(ServiceRecord, host)
         rec.heartbeat_at = time.time() - 60
         session.add(rec)
@@ -101,7 +101,7 @@ def test_reaper_settles_a_dead_hosts_jobs_exactly_once(pg_url, tmp_path):
         job = store.get(ids[2])
         assert job.state == "QUEUED" and job.attempts == 1 and job.failures == 0  # no attempt spent
         assert reap_dead_hosts(store, "live0", 10, executor) == []
-        assert [s.host for s in store.services()] == []  # the dead host's row is gone once settled
+        assert [s.host for s in store.hosts.services()] == []  # the dead host's row is gone once settled
         for job_id in ids:
             assert sum(e.reason.startswith("host dead lost") or "recorded after host dead lost" in e.reason
                        for e in store.events(job_id)) == 1
@@ -139,14 +139,14 @@ def test_two_hosts_share_200_jobs_and_survive_kill_9(pg_url, tmp_path, home):
     services: dict[str, subprocess.Popen] = {}
     try:
         services["A"] = _serve(tmp_path / "homeA", "A", pg_url, tmp_path / "A.log")
-        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A"}, timeout=60, what="host A")
+        wait_for(lambda: {s.host for s in store.hosts.services(max_age=5)} == {"A"}, timeout=60, what="host A")
         # Two long jobs land on A first (only A runs); killed with A, they must finish on B.
         long_ids = [api.submit(JobSpec(argv=["sh", "-c", f'[ "$AUTORESEARCH_ATTEMPT" = 1 ] && sleep 300; {line}'],
                                        priority=20, track=False), store=store)[0].id for _ in range(2)]
         wait_for(lambda: all(store.get(j).state == "RUNNING" for j in long_ids), timeout=30)
         long_pids = [store.get(j).pid for j in long_ids]
         services["B"] = _serve(tmp_path / "homeB", "B", pg_url, tmp_path / "B.log")
-        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A", "B"}, timeout=60, what="host B")
+        wait_for(lambda: {s.host for s in store.hosts.services(max_age=5)} == {"A", "B"}, timeout=60, what="host B")
         short = JobSpec(argv=["sh", "-c", f"sleep 0.2; {line}"], track=False)
         short_ids = [api.submit(short, store=store)[0].id for _ in range(200)]
 
@@ -171,7 +171,7 @@ def test_two_hosts_share_200_jobs_and_survive_kill_9(pg_url, tmp_path, home):
             assert job.host == "B" and job.attempts == 2 and job.failures == 0
             assert any("host A lost" in e.reason for e in store.events(job_id))
             assert not _running(pid)  # the orphan was stopped before the job ran again
-        assert {s.host for s in store.services()} == {"B"}
+        assert {s.host for s in store.hosts.services()} == {"B"}
     finally:
         for proc in services.values():
             if proc.poll() is None:
@@ -209,7 +209,7 @@ def test_reaper_waits_on_a_job_it_cannot_judge(tmp_path):
     try:
         assert reap_dead_hosts(store, "live", 10, executor) == []
         assert store.get(job_id).state == "RUNNING"
-        assert [s.host for s in store.services()] == ["dead"]  # tried again on a later pass
+        assert [s.host for s in store.hosts.services()] == ["dead"]  # tried again on a later pass
     finally:
         executor.close()
 
@@ -228,7 +228,7 @@ def test_a_projects_quota_holds_across_two_hosts(pg_url, tmp_path, home):
     try:
         for host in ("A", "B"):
             services[host] = _serve(tmp_path / f"home{host}", host, pg_url, tmp_path / f"{host}.log", "cpu:2")
-        wait_for(lambda: {s.host for s in store.services(max_age=5)} == {"A", "B"}, timeout=90, what="both hosts")
+        wait_for(lambda: {s.host for s in store.hosts.services(max_age=5)} == {"A", "B"}, timeout=90, what="both hosts")
         settings = Settings.load()
         for name in ("owner", "flood"):  # 2 + 2: the devices of both hosts together, not of either
             sharing.set_project(settings, name, share=1, quota=2, store=store)

@@ -21,13 +21,13 @@ def test_store_calls_in_a_transaction_commit_together_and_read_their_own_writes(
     first = store.submit(JobSpec(argv=["true"], track=False))
     second = store.submit(JobSpec(argv=["true"], track=False))
     with pytest.raises(RuntimeError):
-        with store.transaction():
+        with store.db.transaction():
             store.cancel(first.id)
             queued, _ = store.snapshot("host")  # inside: sees the cancel
             assert [row.id for row in queued] == [second.id]
             raise RuntimeError("the pass fails after its first write")
     assert store.get(first.id).job_state is S.QUEUED  # rolled back with the rest
-    with store.transaction():
+    with store.db.transaction():
         store.cancel(first.id)
         store.cancel(second.id)
     assert store.get(first.id).job_state is S.CANCELLED and store.get(second.id).job_state is S.CANCELLED

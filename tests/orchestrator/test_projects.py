@@ -52,7 +52,7 @@ def test_projects_set_list_and_config_toml(home, capsys):
 
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(home, capsys):
     store = JobStore.from_settings(Settings.load())
-    store.heartbeat("h1", os.getpid(), str(home), ["cpu:0", "cpu:1"], time.time())
+    store.hosts.heartbeat("h1", os.getpid(), str(home), ["cpu:0", "cpu:1"], time.time())
     assert cli(capsys, "projects", "set", "vision", "--share", "2")[0] == 0
     cases = [
         ("projects", "set", "nlp", "--share", "-1"),

@@ -57,7 +57,7 @@ def _job(store: JobStore, root: Path, *, owner="human", phase=None, keep=None, c
     store.mark_running(job.id, os.getpid(), None, HOST)
     store.finish(job.id, code, HOST)
     if score is not None:
-        store.set_scores({job.id: score})
+        store.keeping.set_scores({job.id: score})
     return job.id
 
 
@@ -205,7 +205,7 @@ def test_old_logs_are_compressed_then_deleted_and_old_events_compacted(home, mon
         store.finish(job.id, 0, HOST)
     recent_events = store.record(recent.id)["events"]
     assert len(store.record(old.id)["events"]) == 4
-    with store._tx() as session:  # the first job finished 10 days ago
+    with store.db.tx() as session:  # the first job finished 10 days ago
         session.connection().exec_driver_sql(f"UPDATE jobs SET finished_at = {time.time() - 10 * 86400} "
                                              f"WHERE id = {old.id}")
     monkeypatch.setenv("AUTORESEARCH_EVENTS_COMPACT_DAYS", "5")
@@ -235,11 +235,12 @@ def test_the_service_pass_decides_again_only_when_something_changed(stocked, mon
     assert {c["id"] for c in first.checkpoints} >= {ids["t1"], ids["t3"]}
     collector.collect(everything=False)  # its own record_gc changed the rows: one more look, nothing to do
     reads = []
-    monkeypatch.setattr(store, "retention_rows", lambda real=store.retention_rows: reads.append(1) or real())
+    real = store.keeping.retention_rows
+    monkeypatch.setattr(store.keeping, "retention_rows", lambda: reads.append(1) or real())
     assert collector.collect(everything=False).checkpoints == [] and reads == []
-    store.set_scores({ids["t4"]: 0.1})  # s1's third best drops out of the best three: its dir goes
+    store.keeping.set_scores({ids["t4"]: 0.1})  # s1's third best drops out of the best three: its dir goes
     assert [c["id"] for c in collector.collect(everything=False).checkpoints] == [ids["t4"]]
-    store.set_keep(ids["person"], "none")
+    store.keeping.set_keep(ids["person"], "none")
     assert [c["id"] for c in collector.collect(everything=False).checkpoints] == [ids["person"]]
     _session(settings.home, "s3", "running")
     s3 = _job(store, root, owner="s3", phase="search", score=1.0)

@@ -91,7 +91,7 @@ def query_plans(store, marker: str) -> list[str]:
 
     plans: list[str] = []
 
-    @event.listens_for(store.engine, "before_cursor_execute")
+    @event.listens_for(store.db.engine, "before_cursor_execute")
     def explain(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001
         if marker in statement and statement.lstrip().startswith("SELECT"):
             raw = conn.connection.driver_connection
@@ -138,13 +138,13 @@ def test_runs_to_end_are_found_without_reading_every_finished_job(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path / 'queue.db'}")
     for batch in range(10):  # 1,000 finished jobs with runs made and ended, as a service records them
         ids = [store.submit(JobSpec(argv=["true"])).id for _ in range(100)]
-        store.set_run_ids({job_id: f"run-{job_id}" for job_id in ids})
+        store.runs.set_run_ids({job_id: f"run-{job_id}" for job_id in ids})
         store.claim([(job_id, ["cpu:0"]) for job_id in ids], "h")
         store.mark_running_many([(job_id, 1, None) for job_id in ids], "h")
         store.finish_many([(job_id, 1, 0, "exit code 0") for job_id in ids], "h")
         if batch < 9:
-            store.runs_closed(ids)
+            store.runs.runs_closed(ids)
     plans = query_plans(store, "run_open_at IS NOT NULL")
-    assert sorted(job_id for job_id, *_ in store.runs_to_close(limit=1000)) == ids
+    assert sorted(job_id for job_id, *_ in store.runs.runs_to_close(limit=1000)) == ids
     assert plans and all("ix_jobs_runs_open" in plan for plan in plans), plans
     store.close()

@@ -121,7 +121,7 @@ def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     store = api.open_store()
     ended = api.submit(JobSpec(argv=["true"]), store=store)[0].id  # its run was made before the store went down
-    store.set_run_ids({ended: "0" * 32})
+    store.runs.set_run_ids({ended: "0" * 32})
     store.cancel(ended)
     service = make_service("cpu:1")
     tracked = api.submit(JobSpec(argv=["true"]))[0].id
@@ -136,7 +136,7 @@ def test_an_unreachable_tracking_store_leaves_the_job_queued_without_spending_an
     # The cancelled job's run could not be ended either: it stays listed, to be ended when the store is back.
     wait_for(lambda: "could not end the MLflow runs of 1 finished jobs" in caplog.text, timeout=30,
              what="a try to end the run")
-    assert [row[0] for row in service.store.runs_to_close()] == [ended]
+    assert [row[0] for row in service.store.runs.runs_to_close()] == [ended]
 
 
 def test_retries_with_backoff_and_exit_75(make_service, monkeypatch):
@@ -210,7 +210,7 @@ def test_leftover_processes_are_killed_before_the_device_is_reused(make_service,
 
 def test_disabled_device_gets_no_new_jobs(make_service):
     service = make_service("cpu:2")
-    service.store.set_device_state(service.host, "cpu:0", "disabled", "maintenance")
+    service.store.hosts.set_device_state(service.host, "cpu:0", "disabled", "maintenance")
     ids = [api.submit(JobSpec(argv=["true"], track=False))[0].id for _ in range(3)]
     wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in ids), timeout=20)
     assert {tuple(service.store.get(j).devices) for j in ids} == {("cpu:1",)}
@@ -252,7 +252,7 @@ def test_the_mlflow_runs_the_service_made_end_with_their_jobs(make_service, home
     store = api.open_store()
     # Left open by a service that died: the run was made and recorded, then the job was cancelled unseen.
     orphan = api.submit(JobSpec(argv=["true"]), store=store)[0]
-    store.set_run_ids({orphan.id: tracker.client.create_run(tracker.experiment_id("jobs")).info.run_id})
+    store.runs.set_run_ids({orphan.id: tracker.client.create_run(tracker.experiment_id("jobs")).info.run_id})
     store.cancel(orphan.id)
     brought = tracker.client.create_run(tracker.experiment_id("jobs")).info.run_id
 
@@ -279,4 +279,4 @@ def test_the_mlflow_runs_the_service_made_end_with_their_jobs(make_service, home
     for job_id in expected:
         assert status(job_id)[1] == int(service.store.get(job_id).finished_at * 1000)
     assert status(theirs) == ("RUNNING", None)
-    assert service.store.runs_to_close() == []
+    assert service.store.runs.runs_to_close() == []

@@ -223,7 +223,7 @@ def test_a_partition_whose_gpus_change_is_seen_without_a_restart(service, node):
     """--devices auto: the slots are the partition's GPUs, read again while the service runs; a job of the
     grown partition's size then runs, and a shrunk partition's slots go."""
     def slots(svc):
-        return [d.name for d in svc.store.devices(svc.host)]
+        return [d.name for d in svc.store.hosts.devices(svc.host)]
 
     try:
         cluster.scontrol("update", f"nodename={node}", "gres=gpu:2")  # count-only gres: no device files needed
@@ -237,7 +237,7 @@ def test_a_partition_whose_gpus_change_is_seen_without_a_restart(service, node):
         assert svc.store.get(job_id).state == "SUCCEEDED", svc.store.get(job_id).reason
         cluster.scontrol("update", f"nodename={node}", "gres=gpu:1")
         wait_for(lambda: slots(svc) == ["slurm:0"], timeout=30, what="the shrunk partition")
-        wait_for(lambda: [r.devices for r in svc.store.services()] == [["slurm:0"]], timeout=30,
+        wait_for(lambda: [r.devices for r in svc.store.hosts.services()] == [["slurm:0"]], timeout=30,
                  what="the heartbeat's devices")  # what `gpus` and a submit's capacity check read
     finally:
         cluster.scontrol("update", f"nodename={node}", "gres=")  # no GPUs again, as the other tests expect

@@ -61,8 +61,8 @@ def test_finished_jobs_never_change(store):
     assert store.claim([(job.id, ["cpu:0"])], "h1") == []
     assert store.finish(job.id, 1).state == "SUCCEEDED"  # a late duplicate report changes nothing
     with pytest.raises(InvalidTransition):
-        with store._tx() as session:
-            store._move(session, store._lock(session, job.id), S.QUEUED, "x", None, 0.0)
+        with store.db.tx() as session:
+            store.transitions._move(session, store.transitions._lock(session, job.id), S.QUEUED, "x", None, 0.0)
 
 
 def test_preemption_goes_back_in_line_keeping_priority_and_submit_time(store):
@@ -145,8 +145,8 @@ def test_retry_backoff_is_the_stores_setting_read_when_a_job_fails(db_url):
         failed = store.finish(job.id, 1)
         assert failed.not_before - failed.finished_at == pytest.approx(wait)
         store.requeue_due(now=1e12)
-    store.retry_backoff = 2.0  # changed by whoever holds the store: the next failure uses it
-    store.retry_backoff_cap = 100.0
+    store.transitions.retry_backoff = 2.0  # changed by whoever holds the store: the next failure uses it
+    store.transitions.retry_backoff_cap = 100.0
     run(store, job.id)
     failed = store.finish(job.id, 1)
     assert failed.not_before - failed.finished_at == pytest.approx(backoff(3, 2.0, 100.0)) == 8.0
@@ -237,16 +237,16 @@ def test_claim_is_all_or_nothing_per_job_and_skips_taken_jobs(store):
 def test_claim_skips_a_device_disabled_or_quarantined_since_the_pass_read_it(store):
     """A pass plans from the devices it read; a person (or a check) may take one away before the claim
     commits. The claim re-reads them under its lock: the job stays QUEUED, with no attempt spent."""
-    store.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
+    store.hosts.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
     a, b, c = store.submit(spec()), store.submit(spec()), store.submit(spec(gpus=2))
-    store.set_device_state("h1", "cpu:1", "disabled", "maintenance")
-    store.set_device_state("h1", "cpu:2", "quarantined", "preflight failed")
+    store.hosts.set_device_state("h1", "cpu:1", "disabled", "maintenance")
+    store.hosts.set_device_state("h1", "cpu:2", "quarantined", "preflight failed")
     claimed = store.claim([(a.id, ["cpu:0"]), (b.id, ["cpu:1"]), (c.id, ["cpu:0", "cpu:2"])], "h1")
     assert [j.id for j in claimed] == [a.id]
     for job_id in (b.id, c.id):
         job = store.get(job_id)
         assert (job.state, job.attempts, job.devices) == ("QUEUED", 0, [])
-    store.set_device_state("h1", "cpu:1", "available")
+    store.hosts.set_device_state("h1", "cpu:1", "available")
     assert [j.id for j in store.claim([(b.id, ["cpu:1"])], "h1")] == [b.id]
 
 
@@ -278,13 +278,13 @@ def test_requeue_after_lost_host(store):
 
 
 def test_devices_keep_their_state_across_syncs(store):
-    store.sync_devices("h1", ["cpu:0", "cpu:1"])
-    store.set_device_state("h1", "cpu:1", "disabled", "maintenance")
-    devs = store.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
+    store.hosts.sync_devices("h1", ["cpu:0", "cpu:1"])
+    store.hosts.set_device_state("h1", "cpu:1", "disabled", "maintenance")
+    devs = store.hosts.sync_devices("h1", ["cpu:0", "cpu:1", "cpu:2"])
     assert [(d.name, d.state) for d in devs] == [("cpu:0", "available"), ("cpu:1", "disabled"),
                                                  ("cpu:2", "available")]
     with pytest.raises(BadInput):
-        store.set_device_state("h1", "cpu:9", "disabled")
+        store.hosts.set_device_state("h1", "cpu:9", "disabled")
 
 
 def test_every_contract_transition_is_known():
@@ -327,7 +327,7 @@ def test_a_database_from_an_older_release_is_upgraded_in_place(db_url):
 
     old = JobStore(db_url)
     kept = old.submit(spec(name="from before")).id
-    with old.engine.connect() as conn:  # what an older release left: no time_limit (nor job environment) column
+    with old.db.engine.connect() as conn:  # what an older release left: no time_limit (nor job environment) column
         for column in ("time_limit", "image", "image_id", "mounts", "env_file"):
             conn.execute(text(f'ALTER TABLE "jobs" DROP COLUMN "{column}"'))
         conn.commit()

@@ -35,7 +35,7 @@ def gc(
     if keep:
         store = api.open_store(cfg)
         for job_id in keep:
-            store.set_keep(job_id, keep_mode or "all")
+            store.keeping.set_keep(job_id, keep_mode or "all")
     report = run_gc(cfg, dry_run=dry_run)
     if as_json:
         print_json(report.to_dict())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Optional
 
 import typer
 
@@ -20,7 +19,7 @@ def _resolve(store, idx: str):
     from orchestrator.core.layout import node_name
 
     host = node_name(settings().home)
-    names = {d.name for d in store.devices(host)}
+    names = {d.name for d in store.hosts.devices(host)}
     if not names:
         raise BadInput("no devices known for this home yet: start `autoresearch serve` first")
     for candidate in (idx, f"cpu:{idx}"):
@@ -38,7 +37,7 @@ def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
     from orchestrator.faces.views.top import device_state
 
     store = api.open_store(settings())
-    devs = store.devices()
+    devs = store.hosts.devices()
     on = {(j.host or "", dev): j.id for j in store.list(HOLDING) for dev in j.devices or ()}
     if as_json:  # `state` stays the device's own (available, disabled, quarantined); `job`: who holds it now
         print_json([{**d.to_dict(), "job": on.get((d.host, d.name))} for d in devs])
@@ -58,7 +57,7 @@ def disable(idx: str = typer.Argument(..., metavar="IDX"),
     """Take a device out of scheduling (running jobs on it finish)."""
     store = api.open_store(settings())
     host, name = _resolve(store, idx)
-    store.set_device_state(host, name, "disabled", reason)
+    store.hosts.set_device_state(host, name, "disabled", reason)
     print(f"{name}: disabled")
 
 
@@ -67,7 +66,7 @@ def enable(idx: str = typer.Argument(..., metavar="IDX")) -> None:
     """Return a disabled or quarantined device to scheduling."""
     store = api.open_store(settings())
     host, name = _resolve(store, idx)
-    store.set_device_state(host, name, "available", "")
+    store.hosts.set_device_state(host, name, "available", "")
     from orchestrator.core.wakeup import notify
 
     notify(settings().home)

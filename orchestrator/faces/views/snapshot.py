@@ -184,7 +184,7 @@ def line_plans(settings: Settings, store: Optional[JobStore] = None) -> dict[int
     holding = store.list(HOLDING)
     held = {j.id for j in holding}
     waiting = [row for row in store.line(QUEUE_ROWS) if row.id not in held]
-    rows, _ = plan_queue(waiting, holding, store.devices(), api.live_services(store), time.time(),
+    rows, _ = plan_queue(waiting, holding, store.hosts.devices(), api.live_services(store), time.time(),
                          settings.preempt_after)
     return {row.job.id: row.plan for row in rows}
 
@@ -202,7 +202,7 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
     store = store or api.open_store(settings)
     now = time.time()
     services = api.live_services(store)
-    devices = store.devices()
+    devices = store.hosts.devices()
     # A screenful, not the whole queue: the head of the line as light rows, the jobs holding devices (a few per
     # device), and the counts by state from SQL (10,000 queued jobs cost the same frame as 10). Separate reads:
     # a job placed in between is shown on its device, not also in the line.
