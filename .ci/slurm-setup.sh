@@ -53,9 +53,17 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 # -- accounting: slurmdbd on MariaDB (accounts and associations enforced, as on a real cluster) -------------
-if ! pgrep -x mariadbd >/dev/null; then
-  as_root /etc/init.d/mariadb start >/dev/null 2>&1 \
-    || { echo "slurm-setup: MariaDB did not start (for slurmdbd)" >&2; exit 1; }
+# Started through mysqld_safe and waited on with a ping, not through /etc/init.d/mariadb: that script's own
+# check needs /etc/mysql/debian.cnf, which a container's install may lack, and then reports a running server
+# as failed.
+db_alive() { as_root mariadb-admin ping >/dev/null 2>&1; }
+# A daemon started here keeps none of this script's descriptors past stdio (a CI runner's pipes among them).
+no_fds=(python3 -c 'import os, sys; os.closerange(3, 65536); os.execvp(sys.argv[1], sys.argv[1:])')
+if ! db_alive; then
+  as_root mkdir -p /run/mysqld && as_root chown mysql:mysql /run/mysqld
+  pgrep -x mariadbd >/dev/null || as_root setsid -f "${no_fds[@]}" /usr/bin/mysqld_safe </dev/null >/dev/null 2>&1
+  for _ in $(seq 300); do db_alive && break; sleep 0.2; done
+  db_alive || { echo "slurm-setup: MariaDB did not start (for slurmdbd); see /var/log/mysql/error.log" >&2; exit 1; }
   did+=("started mariadb")
 fi
 as_root mariadb -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
@@ -84,7 +92,7 @@ if [ "$(as_root cat /etc/slurm/slurmdbd.conf 2>/dev/null)" != "$dbd" ]; then
   did+=("wrote slurmdbd.conf")
 fi
 if ! pgrep -x slurmdbd >/dev/null; then
-  as_root /usr/sbin/slurmdbd || { echo "slurm-setup: slurmdbd did not start; see /var/log/slurm/slurmdbd.log" >&2; exit 1; }
+  as_root "${no_fds[@]}" /usr/sbin/slurmdbd </dev/null || { echo "slurm-setup: slurmdbd did not start; see /var/log/slurm/slurmdbd.log" >&2; exit 1; }
   did+=("started slurmdbd")
 fi
 # -- slurm.conf ---------------------------------------------------------------------------------------------
