@@ -173,15 +173,7 @@ def test_two_hosts_share_200_jobs_and_survive_kill_9(pg_url, tmp_path, home):
             assert not _running(pid)  # the orphan was stopped before the job ran again
         assert {s.host for s in store.hosts.services()} == {"B"}
     finally:
-        for proc in services.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        kill_leftovers(store)
-        store.close()
+        _stop(services, store)
 
 
 def test_reaper_on_sqlite(tmp_path):
@@ -254,12 +246,17 @@ def test_a_projects_quota_holds_across_two_hosts(pg_url, tmp_path, home):
         assert 2 <= len(victims) and all(any("reclaim" in e.reason for e in store.events(j) if e.dst == "PREEMPTING")
                                          for j in victims)
     finally:
-        for proc in services.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        kill_leftovers(store)
-        store.close()
+        _stop(services, store)
+
+
+def _stop(services: dict, store) -> None:
+    """Stop the test's services (SIGTERM, then kill after 15 s) and whatever jobs they left running."""
+    for proc in services.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    kill_leftovers(store)
+    store.close()

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Optional, Union
 
+from orchestrator.executors.local import serveloop
 from orchestrator.executors.local.procs import start_time
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class SpawnerGone(OSError):
 DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT)
 
 
-def _spawn(request: dict, devnull: int) -> dict:
+def _spawn(request: dict, devnull: int, own: list) -> dict:
     """Start one request. posix_spawn (vfork and exec), not fork: a fork copies this process's page tables, and
     the child runs Python until its exec (benchmarks/RESULTS.md has both measured)."""
     try:
@@ -65,52 +66,10 @@ def _spawn(request: dict, devnull: int) -> dict:
     return {"pid": pid, "start": start_time(pid)}
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def main() -> None:
     """The spawner process: requests on stdin, answers on stdout, until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C at the service's terminal is the service's to handle
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # (only to wake the loop: children are reaped below)
-    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    sel = selectors.DefaultSelector()
-    sel.register(0, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    pending = b""
-    while True:
-        answers = []
-        for key, _ in sel.select():
-            if key.fd == wake_r:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-                continue
-            data = os.read(0, 1 << 16)
-            if not data:  # the service is gone: its jobs keep running
-                return
-            *lines, pending = (pending + data).split(b"\n")
-            answers.extend(_spawn(json.loads(line), devnull) for line in lines if line.strip())
-        if answers:
-            _write_all(1, b"".join(json.dumps(a).encode() + b"\n" for a in answers))
-        _reap()
+    serveloop.serve(_spawn)
 
 
 Answer = Union[tuple[int, Optional[str]], OSError]

@@ -30,11 +30,11 @@ _AT_START = frozenset(sys.modules)  # what the interpreter had imported before t
 import importlib
 import json
 import os
-import selectors
 import signal
 import types
 from typing import NoReturn, Optional
 
+from orchestrator.executors.local import serveloop
 from orchestrator.executors.local.procs import start_time
 
 # What a job of this environment imports first. Not MLflow: pyarrow, which it imports, starts a thread.
@@ -226,43 +226,7 @@ def main(ready_file: Optional[str] = None) -> None:
     if ready_file:
         _write_json(ready_file, {"pid": os.getpid(), "files": files, "modules": imported(),
                                  "dirs": [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]})
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # (only to wake the loop: children are reaped below)
-    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    sel = selectors.DefaultSelector()
-    sel.register(0, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    own = [sel, wake_r, wake_w]
-    pending = b""
-    while True:
-        answers = []
-        for key, _ in sel.select():
-            if key.fd == wake_r:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-                continue
-            data = os.read(0, 1 << 16)
-            if not data:  # the service is gone: its jobs keep running
-                return
-            *lines, pending = (pending + data).split(b"\n")
-            answers.extend(_spawn(json.loads(line), devnull, own) for line in lines if line.strip())
-        if answers:
-            out = b"".join(json.dumps(a).encode() + b"\n" for a in answers)
-            while out:
-                out = out[os.write(1, out):]
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-
+    serveloop.serve(_spawn)
 
 if __name__ == "__main__":
     _job: Optional[Become] = None
