@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
     from experiments.registry import ExperimentSpec
     from orchestrator.agent.proposers.base import Proposer
     from orchestrator.agent.session import SessionConfig
+    from orchestrator.queue.models import Job
     from orchestrator.queue.store import JobStore
     from orchestrator.tracking.client import Tracker
 
@@ -256,7 +257,7 @@ class Agent(Phases):
             time.sleep(self.cfg.poll)
         return {"trials": dump(trials), "elapsed": state["elapsed"]}
 
-    def _watch(self, t: Trial, job: Any) -> bool:
+    def _watch(self, t: Trial, job: Job) -> bool:
         """Read a running trial's progress (ASHA's rungs); True when it reached a new one."""
         if not (t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping
                 and t.run_id):

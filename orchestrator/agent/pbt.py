@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from experiments.common import CHECKPOINT_EVERY_ENV, INIT_CHECKPOINT_ENV, SCHEDULE_ENV
 from orchestrator.agent import schedule as sched
@@ -39,6 +39,9 @@ from orchestrator.agent.graph import Agent
 from orchestrator.agent.phases import ACTIVE, FINAL
 from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
 from orchestrator.core.errors import BadInput
+
+if TYPE_CHECKING:
+    from orchestrator.queue.models import Job
 
 S, P = TrialStatus, Phase
 METADATA = ".metadata"  # a DCP checkpoint counts once this is committed (runtime.checkpoint)
@@ -178,7 +181,7 @@ class PBTAgent(Agent):
 
     # -- monitor and analyse -----------------------------------------------------------------------------------
 
-    def _watch(self, t: Trial, job: Any) -> bool:
+    def _watch(self, t: Trial, job: Job) -> bool:
         """A running member's history (in `rungs`: step -> value); True when it reached the next interval."""
         if t.status is not S.RUNNING or t.phase is not P.SEARCH or not t.run_id:
             return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from sqlalchemy import func, select as core_select
 from sqlmodel import select
@@ -24,6 +24,9 @@ from orchestrator.core.errors import BadInput
 from orchestrator.queue.models import Job, ProjectRecord
 from orchestrator.queue.states import HOLDING
 from orchestrator.queue.policy import DEFAULT_PROJECT
+
+if TYPE_CHECKING:  # annotations only: the store module is the heavier import
+    from orchestrator.queue.store import JobStore
 
 JOBS = Job.__table__
 MAX_SHARE = 1_000_000.0
@@ -80,7 +83,7 @@ def from_config(extra: Mapping[str, Any]) -> dict[str, Declared]:
     return out
 
 
-def declared(store: Any, extra: Mapping[str, Any]) -> dict[str, Declared]:
+def declared(store: JobStore, extra: Mapping[str, Any]) -> dict[str, Declared]:
     """Every declared project by name: config.toml's, then the table's (which wins for the same name)."""
     out = from_config(extra)
     with store.db.read() as session:
@@ -89,7 +92,7 @@ def declared(store: Any, extra: Mapping[str, Any]) -> dict[str, Declared]:
     return out
 
 
-def set_project(store: Any, name: str, *, share: Any = None, quota: Any = None, borrow_limit: Any = None,
+def set_project(store: JobStore, name: str, *, share: Any = None, quota: Any = None, borrow_limit: Any = None,
                 clear_borrow_limit: bool = False, devices: int = 0, extra: Mapping[str, Any] = {}) -> Declared:
     """Declare or change a project in the table (what is not given keeps its current value, or the file's)."""
     now = declared(store, extra).get(name)
@@ -117,7 +120,7 @@ def resolve(name: Optional[str], known: Mapping[str, Declared]) -> str:
     return name
 
 
-def held_by_project(store: Any, *, exclude_host: Optional[str] = None) -> dict[str, int]:
+def held_by_project(store: JobStore, *, exclude_host: Optional[str] = None) -> dict[str, int]:
     """Devices the jobs of each project hold (scavengers apart: not counted), on every host or all but one."""
     stmt = (core_select(JOBS.c.project, func.sum(JOBS.c.gpus))
             .where(JOBS.c.state.in_([s.value for s in HOLDING]), JOBS.c.scavenger.isnot(True))
@@ -128,7 +131,7 @@ def held_by_project(store: Any, *, exclude_host: Optional[str] = None) -> dict[s
         return {(name or DEFAULT_PROJECT): int(n or 0) for name, n in conn.execute(stmt)}
 
 
-def others_active(store: Any) -> bool:
+def others_active(store: JobStore) -> bool:
     """Whether any waiting or holding job is in a project other than the default one (one indexed read)."""
     from orchestrator.queue.states import ACTIVE
 
@@ -138,7 +141,7 @@ def others_active(store: Any) -> bool:
         return conn.execute(stmt).first() is not None
 
 
-def queued_by_project(store: Any) -> dict[str, int]:
+def queued_by_project(store: JobStore) -> dict[str, int]:
     """QUEUED jobs of each project (scavengers counted apart, under `(scavenger)`)."""
     stmt = (core_select(JOBS.c.project, JOBS.c.scavenger, func.count())
             .where(JOBS.c.state == "QUEUED").group_by(JOBS.c.project, JOBS.c.scavenger))

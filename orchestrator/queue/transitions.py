@@ -96,7 +96,7 @@ class Transitions:
             writes.flush(session)
 
     @staticmethod
-    def _move(writes: Writes, job: Any, dst: JobState, reason: str, by: Optional[str], now: float,
+    def _move(writes: Writes, job: Job, dst: JobState, reason: str, by: Optional[str], now: float,
               **fields: Any) -> Any:
         src = job.job_state
         if not allowed(src, dst):
@@ -230,7 +230,7 @@ class Transitions:
             job = self._lock(session, job_id)
             return self._finish(writes, job, exit_code, host, now, detail)
 
-    def _finish(self, writes: Writes, job: Any, code: int, host: Optional[str], now: float,
+    def _finish(self, writes: Writes, job: Job, code: int, host: Optional[str], now: float,
                 detail: str) -> Job:
         state = job.job_state
         how = detail or f"exit code {code}"

@@ -32,10 +32,13 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.core.errors import BadInput
 from orchestrator.core.config import Settings
+
+if TYPE_CHECKING:
+    from orchestrator.queue.models import Job
 
 log = logging.getLogger(__name__)
 EVENTS = ("job.failed", "job.succeeded", "session.finished", "session.paused", "device.quarantined", "disk.low")
@@ -240,7 +243,7 @@ class Notifier:
                 pass
 
 
-def job_notice(notifier: "Notifier", job: Any) -> None:
+def job_notice(notifier: "Notifier", job: Job) -> None:
     """job.failed for a job that failed for good, job.succeeded for a person's job that succeeded."""
     if job.state == "FAILED":
         event = "job.failed"
