@@ -214,9 +214,10 @@ def test_a_container_cancelled_while_its_engine_is_still_starting_it_gets_the_st
     released = time.monotonic()
     done = wait_for(lambda: finished(service.store, job.id), timeout=60, what="the cancelled job to end")
     lines = output(service.store, job.id).splitlines()
-    assert done.state == "CANCELLED" and done.exit_code == 143, (done.reason, lines[-5:])  # the SIGTERM's
-    assert time.monotonic() - released < 25  # not the grace's SIGKILL (30 s)
-    if "attempt 1 from step 0" in lines:  # the job got as far as its handler: the handler had it
-        assert any(line.startswith("saved at step ") for line in lines), lines[-5:]
+    # Ended by the SIGTERM, never the grace's SIGKILL (137, at 30 s): by its default action (143) when it came
+    # before the job's handler was set, else by the handler, which saves and exits 0.
+    handled = any(line.startswith("saved at step ") for line in lines)
+    assert done.state == "CANCELLED" and done.exit_code == (0 if handled else 143), (done.reason, lines[-5:])
+    assert time.monotonic() - released < 25
     assert "done at step 3000" not in lines
     wait_for(lambda: containers_of(Settings.load().home) == [], timeout=15, what="the container to be removed")
