@@ -19,7 +19,7 @@ from experiments.config_file import ConfigError, load
 from orchestrator.agent import schedule as sched
 
 ROOT = Path(__file__).resolve().parents[2]
-TOTAL = 32  # digits' steps at --param epochs=2 (1,077 images, batches of 64, 16 an epoch)
+TOTAL = 64  # digits' steps at --param epochs=4 (1,077 images, batches of 64, 16 an epoch)
 
 
 def _cli(*args: str) -> list[str]:
@@ -96,9 +96,10 @@ def _runs(tracker, job_ids):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a real session of 7 jobs: minutes on a loaded 2-core box
 def test_pbt_on_digits_forks_the_top_member_and_gates_the_replayed_schedule(home):
-    # Two members over 2 epochs of 16 steps, judged at step 16: the worse one takes the better one's checkpoint.
+    # Two members over 4 epochs of 16 steps, judged at step 32: the worse one takes the better one's newest
+    # checkpoint (32 or, when the session looks late, 48), so the child always has training left to do.
     done = subprocess.run(_cli("start", "--experiment", "digits", "--proposer", "pbt", "--population", "2",
-                               "--perturbation-interval", "16", "--param", "epochs=2", "--devices", "cpu:2",
+                               "--perturbation-interval", "32", "--param", "epochs=4", "--devices", "cpu:2",
                                "--baseline-seeds", "2", "--confirm-seeds", "2", "--json"),
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -121,9 +122,9 @@ def test_pbt_on_digits_forks_the_top_member_and_gates_the_replayed_schedule(home
     donor_job = next(j for j in by_phase["search"][:2] if j.mlflow_run_id == tags["autoresearch.pbt.parent_run"])
     loser_job = next(j for j in by_phase["search"][:2] if j is not donor_job)
     fork_step = int(tags["autoresearch.pbt.fork_step"])
-    assert fork_step >= 16 and tags["autoresearch.pbt.replaced_trial"] == str(by_phase["search"].index(loser_job))
-    # The loser was the worse member at step 16 (the first report at or past it).
-    at = {j.id: sched.value_at(tracker.history(j.mlflow_run_id, "val_accuracy"), 16) for j in (donor_job, loser_job)}
+    assert 32 <= fork_step < TOTAL and tags["autoresearch.pbt.replaced_trial"] == str(by_phase["search"].index(loser_job))
+    # The loser was the worse member at step 32 (the first report at or past it).
+    at = {j.id: sched.value_at(tracker.history(j.mlflow_run_id, "val_accuracy"), 32) for j in (donor_job, loser_job)}
     assert at[donor_job.id] >= at[loser_job.id]
     assert store.get(loser_job.id).state == "CANCELLED"
     # The fork is the donor's checkpoint at that step, byte for byte.
