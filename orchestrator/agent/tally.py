@@ -54,9 +54,9 @@ def of_trials(trials: Iterable[Mapping[str, Any]], plan: Mapping[str, Optional[i
                   for t in trials if t.get("job_id") is not None), plan)
 
 
-def text(counts: Mapping[str, Mapping[str, Optional[int]]]) -> str:
+def text(counts: Mapping[str, Mapping[str, Optional[int]]], *, short: bool = False) -> str:
     """`baseline 3/3, search 2/3, confirm 0/1`: done of planned (of those submitted where no number is planned);
-    a phase with nothing planned or submitted is left out."""
+    a phase with nothing planned or submitted is left out. `short`: `b3/3 s2/3 c0/1`, for tables at 80 columns."""
     parts = []
     for phase in PHASES:
         row = counts.get(phase) or {}
@@ -64,5 +64,5 @@ def text(counts: Mapping[str, Mapping[str, Optional[int]]]) -> str:
         if of is None:
             of = row.get("submitted") or 0
         if of or done:
-            parts.append(f"{phase} {done}/{of}")
-    return ", ".join(parts) or "no trials yet"
+            parts.append(f"{phase[0]}{done}/{of}" if short else f"{phase} {done}/{of}")
+    return (" " if short else ", ").join(parts) or ("none yet" if short else "no trials yet")

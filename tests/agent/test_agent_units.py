@@ -138,5 +138,6 @@ def test_trial_counts_are_one_definition_for_the_session_and_the_queue():
             ("search", "RUNNING", 1)]
     assert tally.of_trials(trials, plan) == tally.count(jobs, plan)
     assert tally.text(tally.count(jobs, plan)) == "baseline 3/3, search 2/3, confirm 0/1"
+    assert tally.text(tally.count(jobs, plan), short=True) == "b3/3 s2/3 c0/1"  # `sessions` at 80 columns
     assert tally.planned({"program": "/p", "trials": 8})["search"] == 8 and tally.text(tally.count([], {})) == \
         "no trials yet"

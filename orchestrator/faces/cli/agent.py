@@ -260,7 +260,7 @@ def sessions(as_json: bool = typer.Option(False, "--json")) -> None:
     print_columns(SESSION_COLUMNS,
                   [(r["id"], r["experiment"], r["proposer"],
                     r["status"] + (f" ({r['summary']['stop_reason']})" if r["summary"].get("stop_reason") else ""),
-                    tally.text(r["phases"]), best(r), _llm(r),
+                    tally.text(r["phases"], short=True), best(r), _llm(r),
                     dt.datetime.fromtimestamp(r["created_at"]).strftime("%m-%d %H:%M"), r["goal"])
                    for r in rows])
 
