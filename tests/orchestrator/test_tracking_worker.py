@@ -52,7 +52,8 @@ def test_a_tracking_worker_lost_mid_batch_leaves_one_run_per_job(home, monkeypat
         # No further run can be committed from here, and the worker is caught waiting for the lock, so every
         # run it committed is answered (its answers are in the pipe) before it is stopped or killed.
         lock.execute("BEGIN EXCLUSIVE")
-        wait_for(lambda: open(f"/proc/{pid}/wchan").read() in SLEEPING, what="the worker to wait for the lock")
+        wait_for(lambda: open(f"/proc/{pid}/wchan").read() in SLEEPING, timeout=90,
+                 what="the worker to wait for the lock")
         os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
 
     preparer = RunPreparer(store, worker, capacity=lambda: 1, on_ready=on_ready, retry_after=0.1)

@@ -215,8 +215,9 @@ class ProcessTree:
         if self.cgroup is None:
             return None
         pids = cgroup_pids(self.cgroup)
-        if self.leader is not None and alive(self.leader):
-            return pids if self.leader.pid in pids else None
+        leader = self.leader  # read once: the watcher's thread may mark it reaped meanwhile
+        if leader is not None and alive(leader):
+            return pids if leader.pid in pids else None
         return pids if pids or not any(alive(p) for p in self._known.values()) else None
 
     def refresh(self, children: Optional[dict[int, list[int]]] = None) -> None:
