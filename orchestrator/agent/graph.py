@@ -287,14 +287,13 @@ class Agent(Phases):
         if t.job_id is not None and t.value is not None and t.status is S.SUCCEEDED:
             self.store.keeping.set_scores({t.job_id: -t.value if self.spec.direction == "minimize" else t.value})
 
-    def analyse(self, state: State) -> State:
-        """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
-        trials = load(state["trials"])
+    def _record_ends(self, state: State, trials: list[Trial], early_stopping: bool) -> dict | None:
+        """Record how each newly ended trial ended, score it, and return the best search trial so far."""
         best = state.get("best")
         for t in trials:
             if not t.ended or t.status in FINAL:
                 continue
-            self.outcomes.record_end(t, self.cfg.early_stopping)
+            self.outcomes.record_end(t, early_stopping)
             self._score(t)
             # Once confirmation has begun, the candidates being re-run on fresh seeds stay the best: a search
             # trial that was still running and ends better shows on the leaderboard, but it was not confirmed.
@@ -303,6 +302,12 @@ class Agent(Phases):
                 best = {"n": t.n, "value": t.value, "params": t.params, "job_id": t.job_id}
             self._event(t.status.value, {**state, "trials": trials, "best": best}, trial=t.n, value=t.value,
                         error=t.error, phase=t.phase)
+        return best
+
+    def analyse(self, state: State) -> State:
+        """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
+        trials = load(state["trials"])
+        best = self._record_ends(state, trials, self.cfg.early_stopping)
         if self.cfg.early_stopping:
             peers = _peers(trials)
             for t in trials:

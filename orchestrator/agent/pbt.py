@@ -199,17 +199,8 @@ class PBTAgent(Agent):
     def analyse(self, state: State) -> State:
         """Record ended trials and the best member; exploit and explore at every interval all members reached."""
         trials = load(state["trials"])
-        best = state.get("best")
-        for t in trials:
-            if not t.ended or t.status in FINAL:
-                continue
-            self.outcomes.record_end(t, False)
-            self._score(t)
-            if t.status is S.SUCCEEDED and t.phase is P.SEARCH and (best is None or self.spec.better(
-                    t.value, best["value"])):
-                best = {"n": t.n, "value": t.value, "params": t.params, "job_id": t.job_id}
-            self._event(t.status.value, {**state, "trials": trials, "best": best}, trial=t.n, value=t.value,
-                        error=t.error, phase=t.phase)
+        # (Every member has ended before the replays begin, so the graph's search-phase rule for the best holds.)
+        best = self._record_ends(state, trials, early_stopping=False)
         pbt = dict(state.get("pbt") or {"judged": []})
         if state["phase"] == "search" and not self._time_up(state):
             while self._exploit(trials, pbt, state):
