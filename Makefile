@@ -20,7 +20,7 @@ demo: install
 	$(PY) -m orchestrator.faces.demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The user documentation (docs/, mkdocs.yml) into build/site; --strict: a broken link or a missing page fails
 # (NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2, not a warning about these documents).

@@ -52,7 +52,7 @@ def run_request(job: Job) -> dict[str, Any]:
     tags.update(image_tags(job))
     params = {str(k): str(v)[:6000] for k, v in (job.params or {}).items()}
     return {"id": job.id, "experiment": job.experiment or DEFAULT_EXPERIMENT, "name": name, "tags": tags,
-            "params": params}
+            "params": params, "submitted": int(job.submitted_at * 1000)}
 
 
 def create_run(tracker: Tracker, request: dict[str, Any]) -> str:
@@ -68,10 +68,19 @@ def create_run(tracker: Tracker, request: dict[str, Any]) -> str:
     return run.info.run_id
 
 
-def create_runs(tracker: Tracker, requests: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str]]:
+def create_runs(tracker: Tracker, requests: Sequence[dict[str, Any]], *,
+                adopt: bool = False) -> Iterator[tuple[int, str]]:
     """Make the runs of `requests` in order, yielding `(job id, run id)` as each is committed. Raises at the
-    first run that cannot be made (MLflow's error); the runs before it are made, those after it are not."""
+    first run that cannot be made (MLflow's error); the runs before it are made, those after it are not.
+
+    `adopt`: first look for runs already made for these jobs and not recorded by the queue (a worker killed,
+    or a service killed, between the commit of a run and its answer); those are answered instead of being
+    made twice (`made_runs`)."""
     store = _sql_store(tracker)
+    if adopt:
+        found = made_runs(tracker, store, requests)
+        yield from found.items()
+        requests = [request for request in requests if request["id"] not in found]
     size, start = (RUNS_PER_COMMIT if store is not None else 1), 0
     while start < len(requests):
         chunk = requests[start:start + size]
@@ -87,6 +96,46 @@ def create_runs(tracker: Tracker, requests: Sequence[dict[str, Any]]) -> Iterato
         yield from zip((request["id"] for request in chunk), run_ids)
         if store is not None:
             size = min(2 * size, MAX_RUNS_PER_COMMIT)
+
+
+ADOPT_SKEW_MS = 60_000  # a run made up to this long before its job's submission time (another host's clock) is its
+
+
+def made_runs(tracker: Tracker, store: Optional[Any], requests: Sequence[dict[str, Any]]) -> dict[int, str]:
+    """The runs already made for `requests`' jobs: open, tagged with the job's id, named as `run_request` names
+    them, in the job's experiment and started after the job was submitted (so a run of an earlier queue whose
+    job ids are reused is never taken). One query on a database store, one search per job elsewhere."""
+    wanted = {str(request["id"]): request for request in requests}
+    if not wanted:
+        return {}
+
+    def fits(request: dict[str, Any], name: str, experiment_id: str, start_ms: int) -> bool:
+        return (name == request["name"] and str(experiment_id) == str(tracker.experiment_id(request["experiment"]))
+                and start_ms >= request.get("submitted", 0) - ADOPT_SKEW_MS)
+
+    found: dict[int, str] = {}
+    if store is not None:
+        from mlflow.entities import LifecycleStage
+        from mlflow.store.tracking.dbmodels.models import SqlRun, SqlTag
+
+        with store.ManagedSessionMaker() as session:
+            rows = (session.query(SqlTag.value, SqlRun.run_uuid, SqlRun.name, SqlRun.experiment_id, SqlRun.start_time)
+                    .join(SqlRun, SqlRun.run_uuid == SqlTag.run_uuid)
+                    .filter(SqlTag.key == TAG_JOB, SqlTag.value.in_(list(wanted)), SqlRun.status.in_(OPEN),
+                            SqlRun.lifecycle_stage == LifecycleStage.ACTIVE)
+                    .order_by(SqlRun.start_time).all())
+        for job, run_id, name, experiment_id, start_ms in rows:
+            if int(job) not in found and fits(wanted[job], name, experiment_id, start_ms or 0):
+                found[int(job)] = run_id
+        return found
+    for job, request in wanted.items():
+        for run in tracker.client.search_runs([tracker.experiment_id(request["experiment"])],
+                                              f"tags.`{TAG_JOB}` = '{job}'", order_by=["attributes.start_time"]):
+            if run.info.status in OPEN and fits(request, run.info.run_name, run.info.experiment_id,
+                                                run.info.start_time or 0):
+                found[int(job)] = run.info.run_id
+                break
+    return found
 
 
 def _checked_params(request: dict[str, Any]) -> list[Any]:

@@ -119,7 +119,10 @@ class RunPreparer:
             nonlocal last
             last = time.monotonic()
             ready = self.store.runs.set_run_ids(made)
-            losers.extend(run_id for job_id, run_id in made.items() if job_id not in ready)  # another host won
+            lost = {job_id: run_id for job_id, run_id in made.items() if job_id not in ready}  # another host won
+            if lost:  # ... unless the run was adopted (`jobruns.made_runs`) and is the one it recorded
+                recorded = self.store.runs.recorded(list(lost))
+                losers.extend(run_id for job_id, run_id in lost.items() if recorded.get(job_id) != run_id)
             self.prepared += len(ready)
             made.clear()
             if ready:

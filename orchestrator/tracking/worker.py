@@ -7,7 +7,8 @@ hands it batches of run requests (`orchestrator.tracking.jobruns.run_request`, i
 one run id per job as each is made, and stops it after `idle_exit` seconds without work. The worker also
 exits when the service goes (its stdin closes).
 
-Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...]}`,
+Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...], "adopt": bool}` (adopt:
+answer runs already made for these jobs first, after a worker or the service was lost mid-batch),
 `{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}`,
 `{"op": "discard", "runs": [run_id, ...]}` and `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`
 (retention's record of a removed checkpoint). `runs` answers `{"id": job_id, "run": run_id}` per run made,
@@ -56,6 +57,9 @@ class TrackingWorker:
         self._lock = threading.Lock()  # one conversation at a time
         self._used = 0.0
         self._unread = b""  # the worker's output read and not yet answered (part of a line)
+        # Runs may have been made and not answered (this service, or a worker, killed between a run's commit
+        # and its answer): the next batch adopts them instead of making them twice (`jobruns.made_runs`).
+        self._adopt = True
 
     @property
     def pid(self) -> Optional[int]:
@@ -69,7 +73,7 @@ class TrackingWorker:
         if not requests:
             return
         with self._lock:
-            proc = self._talk({"op": "runs", "jobs": list(requests)})
+            proc = self._talk({"op": "runs", "jobs": list(requests), "adopt": self._adopt})
             while True:
                 answer = self._read(proc)
                 if "run" in answer:
@@ -77,6 +81,7 @@ class TrackingWorker:
                 elif "error" in answer:
                     raise TrackingUnavailable(answer["error"])
                 else:
+                    self._adopt = False  # every job of the batch has its run answered
                     return
 
     def end_runs(self, ends: Sequence[dict[str, Any]]) -> None:
@@ -187,12 +192,14 @@ class TrackingWorker:
             code = proc.wait()
         if self._proc is proc:
             self._proc = None
+        self._adopt = True  # it may have committed runs it never answered
         return code
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        self._adopt = True  # stopped mid-batch, it may have committed runs it never answered
         try:
             proc.stdin.close()  # the worker exits when its input ends
         except (OSError, ValueError):
@@ -260,7 +267,7 @@ def _answer(out, request: dict, tracker) -> None:
         jobs = request.get("jobs", [])
         made = 0
         try:
-            for job_id, run_id in create_runs(tracker, jobs):
+            for job_id, run_id in create_runs(tracker, jobs, adopt=bool(request.get("adopt"))):
                 out.write(json.dumps({"id": job_id, "run": run_id}) + "\n")
                 made += 1
         except Exception as exc:

@@ -20,10 +20,6 @@ from orchestrator.tracking import worker as tracking_worker
 from orchestrator.tracking.client import TAG_JOB
 from orchestrator.tracking.preparer import RunPreparer
 from orchestrator.tracking.worker import TrackingWorker
-from tests.orchestrator.helpers import wait_for
-
-SLEEPING = ("hrtimer_nanosleep", "do_nanosleep", "futex_wait_queue", "futex_wait_queue_me")
-
 
 def mlflow_runs(db) -> Counter:
     """How many runs the MLflow store holds per job id tag."""
@@ -37,7 +33,7 @@ def test_a_tracking_worker_lost_mid_batch_leaves_one_run_per_job(home, monkeypat
     settings = Settings.load()
     db = settings.tracking_uri[len("sqlite:///"):]
     store = JobStore(settings.db_url)
-    jobs = [api.submit(JobSpec(argv=["true"]), store=store)[0].id for _ in range(20)]  # tracked
+    jobs = [api.submit(JobSpec(argv=["true"]), store=store)[0].id for _ in range(120)]  # tracked
     worker = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
     lock = sqlite3.connect(db, timeout=60, isolation_level=None)
     lost = []
@@ -49,14 +45,15 @@ def test_a_tracking_worker_lost_mid_batch_leaves_one_run_per_job(home, monkeypat
         lost.append(pid)
         # (Set only now: the first answer waits for MLflow's import, slow on a loaded machine.)
         monkeypatch.setattr(tracking_worker, "ANSWER_WITHIN", 2.0)
-        # No further run can be committed from here, and the worker is caught waiting for the lock, so every
-        # run it committed is answered (its answers are in the pipe) before it is stopped or killed.
+        # No further run can be committed from here. The worker is stopped wherever it is: in a transaction,
+        # or between a commit and its answers (the next worker adopts those runs instead of making them twice).
         lock.execute("BEGIN EXCLUSIVE")
-        wait_for(lambda: open(f"/proc/{pid}/wchan").read() in SLEEPING, timeout=90,
-                 what="the worker to wait for the lock")
+        made = lock.execute("SELECT COUNT(*) FROM tags WHERE key = ?", (TAG_JOB,)).fetchone()[0]
+        assert made < len(jobs), "the worker made the whole batch before it could be stopped"
         os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
 
-    preparer = RunPreparer(store, worker, capacity=lambda: 1, on_ready=on_ready, retry_after=0.1)
+    preparer = RunPreparer(store, worker, capacity=lambda: 1, on_ready=on_ready, retry_after=0.1,
+                           batch=len(jobs))
     try:
         preparer.prepare_once()
         lock.execute("COMMIT")
@@ -80,3 +77,32 @@ def test_a_tracking_worker_lost_mid_batch_leaves_one_run_per_job(home, monkeypat
     finally:
         lock.close()
         worker.close()
+
+
+def test_runs_made_and_never_answered_are_adopted_not_made_twice(home):
+    """A service (or worker) killed between the commit of a batch's runs and their answers: the next worker
+    answers those runs for their jobs; a run tagged with a reused job id from before the job was submitted
+    (an earlier queue) is not taken."""
+    from orchestrator.tracking.client import Tracker
+    from orchestrator.tracking.jobruns import create_runs, run_request
+
+    settings = Settings.load()
+    db = settings.tracking_uri[len("sqlite:///"):]
+    store = JobStore(settings.db_url)
+    jobs = [api.submit(JobSpec(argv=["true"]), store=store)[0] for _ in range(4)]
+    tracker = Tracker(settings.tracking_uri, settings.artifacts_dir)
+    requests = [run_request(job) for job in jobs]
+    orphans = dict(create_runs(tracker, requests[:2] + [requests[3]]))  # committed; the queue never heard of them
+    with sqlite3.connect(db) as conn:  # job 4's run is from an earlier queue: two hours before its submission
+        conn.execute("UPDATE runs SET start_time = start_time - 7200000 WHERE run_uuid = ?", (orphans[jobs[3].id],))
+    worker = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
+    try:
+        RunPreparer(store, worker, capacity=lambda: 1, on_ready=lambda: None).prepare_once()
+    finally:
+        worker.close()
+    recorded = {job.id: store.get(job.id).mlflow_run_id for job in jobs}
+    assert recorded[jobs[0].id] == orphans[jobs[0].id] and recorded[jobs[1].id] == orphans[jobs[1].id]
+    assert None not in recorded.values()
+    runs = mlflow_runs(db)
+    assert runs[jobs[0].id] == runs[jobs[1].id] == runs[jobs[2].id] == 1  # none made twice
+    assert runs[jobs[3].id] == 2 and recorded[jobs[3].id] != orphans[jobs[3].id]  # the stale run not taken
