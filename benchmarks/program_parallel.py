@@ -1,6 +1,7 @@
 """Program mode on K slots against the sequential keep/reset loop (karpathy/autoresearch's), same program and answers.
 
     python benchmarks/program_parallel.py [--slots 4] [--run-seconds 5] [--think 0.5] [--runs 24] [--seq-runs 8]
+                                          [--holdout-seconds S]
 
 The program sleeps for its fixed budget and prints `score: <number>` (a GPU-bound run: the host CPU is idle while
 it runs, which is what lets K virtual `cpu:N` slots stand in for K GPUs on a 2-core box). The LLM is the local
@@ -14,6 +15,11 @@ OpenAI-compatible fake, answering from one script of edits and taking `--think` 
 Printed: experiments (runs of the fixed budget) per device-hour and per hour for both, the ratio of program
 mode's rate to K x the sequential rate (aim >= 0.9), and the share of device time left idle in program mode
 between the first start and the last end (aim < 5%), which is where the agent's thinking would show.
+
+`--holdout-seconds S`: the program mode's program also has a holdout (an ignored `holdout.txt` and a protected
+`evaluate.py` that takes S seconds to score the commit on it, as `holdout_eval`); printed is the device time of
+its evaluation jobs (the baseline's and the kept commit's, at the session's end) as a share of the session's
+device time (aim < 5%).
 """
 
 from __future__ import annotations
@@ -39,6 +45,26 @@ time.sleep({run})
 print(f"score: {{evaluate(LR) + random.gauss(0, 0.01):.6f}}", flush=True)
 """
 PREPARE = "def evaluate(lr):\n    return (lr - 3.0) ** 2\n"
+EVALUATE = """import pathlib, re, time
+time.sleep({seconds})
+lr = float(re.search(r"^LR = (.*)$", pathlib.Path("train.py").read_text(), re.M).group(1))
+shift = float(pathlib.Path("holdout.txt").read_text())
+print(f"score: {{(lr - 3.0 - shift) ** 2:.6f}}", flush=True)
+"""
+
+
+def add_holdout(root: Path, seconds: float) -> Path:
+    """Give the program a holdout: `holdout.txt` (ignored, never committed) and the protected `evaluate.py`."""
+    (root / ".gitignore").write_text("holdout.txt\n")
+    (root / "evaluate.py").write_text(EVALUATE.format(seconds=seconds))
+    (root / "holdout.txt").write_text("0.25\n")
+    toml = (root / "autoresearch.toml").read_text().replace('protected = ["prepare.py"]',
+                                                            'protected = ["prepare.py", "evaluate.py"]')
+    (root / "autoresearch.toml").write_text(toml + f'holdout = ["holdout.txt"]\nholdout_eval = "{sys.executable} '
+                                            f'evaluate.py"\n')
+    for args in (["add", "-A"], ["commit", "-qm", "holdout evaluator"]):
+        subprocess.run(["git", "-c", "user.name=b", "-c", "user.email=b@b", *args], cwd=root, check=True)
+    return root
 
 
 def make_program(root: Path, run: float, repeats: int) -> Path:
@@ -126,8 +152,11 @@ def parallel(program: Path, fake_url: str, runs: int, slots: int, home: Path) ->
     summary = start(ProgramConfig(goal="lower score", program=str(program), trials=runs, parallel=slots, poll=0.2,
                                   llm={"timeout": 30.0}), devices=f"cpu:{slots}")
     wall = time.time() - t0
-    jobs = JobStore(Settings.load().db_url).list(owner=summary["session"])
-    busy = sum(j.finished_at - j.started_at for j in jobs if j.started_at and j.finished_at)
+    every = JobStore(Settings.load().db_url).list(owner=summary["session"])
+    evals = [j for j in every if (j.params or {}).get("holdout")]
+    jobs = [j for j in every if not (j.params or {}).get("holdout")]
+    spent = lambda js: sum(j.finished_at - j.started_at for j in js if j.started_at and j.finished_at)  # noqa: E731
+    busy = spent(jobs)
     first = min(j.started_at for j in jobs if j.started_at)
     last = max(j.finished_at for j in jobs if j.finished_at)
     window = last - first
@@ -148,7 +177,8 @@ def parallel(program: Path, fake_url: str, runs: int, slots: int, home: Path) ->
             "per_device_hour": n / (window * slots) * 3600, "idle_share": 1 - busy / (window * slots),
             "thinking_idle_share": gaps / steady if steady > 0 else 0.0,
             "best": (summary["best"] or {}).get("mean"), "variants": summary["variants"],
-            "startup_s": first - t0}
+            "startup_s": first - t0, "holdout_jobs": len(evals), "holdout_device_s": spent(evals),
+            "device_s": busy + spent(evals), "holdout": summary.get("holdout")}
 
 
 def main() -> None:
@@ -159,6 +189,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=24, help="jobs in program mode (baseline and re-runs included)")
     parser.add_argument("--seq-runs", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--holdout-seconds", type=float, default=None,
+                        help="give program mode's program a holdout evaluator taking this long")
     args = parser.parse_args()
     from tests.agent.fake_llm import FakeLLM
 
@@ -168,8 +200,10 @@ def main() -> None:
         with FakeLLM(default=Script(args.think).answer) as fake:
             seq = sequential(make_program(tmp / "seq", args.run_seconds, args.repeats), fake.base_url, args.seq_runs)
         with FakeLLM(default=Script(args.think).answer) as fake:
-            par = parallel(make_program(tmp / "par", args.run_seconds, args.repeats), fake.base_url, args.runs,
-                           args.slots, tmp / "home")
+            program = make_program(tmp / "par", args.run_seconds, args.repeats)
+            if args.holdout_seconds is not None:
+                add_holdout(program, args.holdout_seconds)
+            par = parallel(program, fake.base_url, args.runs, args.slots, tmp / "home")
     ratio = par["per_hour"] / (args.slots * seq["per_hour"])
     print(f"fixed budget per run {args.run_seconds:g} s, LLM think {args.think:g} s, {args.slots} slots")
     print(f"sequential keep/reset: {seq['runs']} runs in {seq['wall_s']:.1f} s -> {seq['per_hour']:.0f} runs/h "
@@ -179,6 +213,11 @@ def main() -> None:
           f"device-hour); device idle {par['idle_share']:.1%}; variants {par['variants']}")
     print(f"program mode / ({args.slots} x sequential) = {ratio:.2f} (aim >= 0.9); device idle while the agent "
           f"works (first to last start) {par['thinking_idle_share']:.1%} (aim < 5%)")
+    if args.holdout_seconds is not None:
+        share = par["holdout_device_s"] / par["device_s"] if par["device_s"] else 0.0
+        print(f"holdout: {par['holdout_jobs']} evaluation jobs ({args.holdout_seconds:g} s evaluator), "
+              f"{par['holdout_device_s']:.1f} of {par['device_s']:.1f} device-s = {share:.1%} of the session's "
+              f"device time (aim < 5%); {par['holdout']}")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,16 @@ from typing import NoReturn, Optional
 from orchestrator.executors.local import serveloop
 from orchestrator.executors.local.procs import start_time
 
-# What a job of this environment imports first. Not MLflow: pyarrow, which it imports, starts a thread.
+# What a job of this environment imports first: torch, the runtime, and MLflow's client (its metrics and params;
+# pandas and pyarrow come with it, the largest part of a warm trial's start without it: benchmarks/RESULTS.md).
 PRELOAD = ("numpy", "torch", "torch.nn", "torch.nn.functional", "torch.optim", "torch.utils.data",
            "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
            "PIL.Image", "PIL.PngImagePlugin", "runtime.context", "runtime.checkpoint", "runtime.data",
-           "runtime.data.loader", "runtime.devices")
+           "runtime.data.loader", "runtime.devices", "mlflow.tracking", "mlflow.entities")
+# pyarrow's allocator (jemalloc) starts a background thread when it loads; the pool is started with it off
+# (`pool_environ`), so that it forks with no thread of its own but the interpreter's.
+ALLOCATOR_VAR = "JE_ARROW_MALLOC_CONF"
+NO_BACKGROUND = "background_thread:false"
 PRELOAD_VAR = "AUTORESEARCH_WARM_PRELOAD"  # another list (comma-separated), e.g. a small one for tests
 PAD_VAR = "AUTORESEARCH_WARM_PAD"  # room in the pool's /proc environ for an attempt's environment
 PAD_BYTES = 96 * 1024
@@ -186,6 +191,25 @@ def _spawn(request: dict, devnull: int, own: list) -> dict:
     return {"pid": pid, "start": start_time(pid)}
 
 
+def pool_environ(env: dict[str, str]) -> dict[str, str]:
+    """The pool's own environment: the service's, with pyarrow's allocator told to start no thread."""
+    conf = env.get(ALLOCATOR_VAR, "")
+    return {**env, ALLOCATOR_VAR: f"{conf},{NO_BACKGROUND}" if conf else NO_BACKGROUND}
+
+
+def threads() -> list[str]:
+    """The names of this process's threads (the main one first)."""
+    tasks = sorted(os.listdir("/proc/self/task"), key=lambda t: (t != str(os.getpid()), int(t)))
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:  # it ended
+            pass
+    return names
+
+
 def preload(names=PRELOAD) -> list[str]:
     """Import `names` (those that fail are left to the job); the files of this environment they loaded that
     a change would make stale: the project's own modules (outside the installed packages, whose changes
@@ -224,7 +248,7 @@ def main(ready_file: Optional[str] = None) -> None:
     names = os.environ.get(PRELOAD_VAR)
     files = preload([n for n in names.split(",") if n] if names is not None else PRELOAD)
     if ready_file:
-        _write_json(ready_file, {"pid": os.getpid(), "files": files, "modules": imported(),
+        _write_json(ready_file, {"pid": os.getpid(), "files": files, "modules": imported(), "threads": threads(),
                                  "dirs": [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]})
     serveloop.serve(_spawn)
 

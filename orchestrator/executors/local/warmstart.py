@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.executors.local.spawner import Spawner
-from orchestrator.executors.local.warmpool import PAD_BYTES, PAD_VAR, environ_bytes
+from orchestrator.executors.local.warmpool import PAD_BYTES, PAD_VAR, environ_bytes, pool_environ
 
 # Environment variables read when a library loads (the interpreter, the dynamic linker, OpenMP, BLAS, the
 # allocators, the locale, torch): a forked job has the pool's values of these, so a job that sets them
@@ -105,7 +105,7 @@ class WarmPool:
         self.close()
         self._ready_file.unlink(missing_ok=True)
         self._env = dict(os.environ)
-        env = {**self._env, PAD_VAR: "x" * PAD_BYTES}
+        env = {**pool_environ(self._env), PAD_VAR: "x" * PAD_BYTES}  # (jobs are compared with the service's)
         self._started_at = time.time()
         self._spawner = Spawner(1, argv=[sys.executable, "-m", "orchestrator.executors.local.warmpool",
                                          str(self._ready_file)], env=env, cwd="/")
