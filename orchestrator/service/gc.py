@@ -53,11 +53,13 @@ class Report:
     logs_deleted: int = 0
     log_bytes: int = 0
     events_dropped: int = 0
+    forks: list[dict[str, Any]] = field(default_factory=list)  # {name, session, bytes}: PBT's checkpoint copies
+    fork_bytes: int = 0
 
     @property
     def bytes_freed(self) -> int:
         """Checkpoint and log bytes freed (or that would be)."""
-        return self.checkpoint_bytes + self.log_bytes
+        return self.checkpoint_bytes + self.log_bytes + self.fork_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of `gc --json`."""
@@ -196,6 +198,7 @@ class Collector:
         now = time.time()
         slow = everything or now - self._slow_at >= SLOW_PARTS_EVERY
         self._checkpoints(report, dry_run, again=slow)
+        self._forks(report, dry_run)
         self._cap_logs(report, dry_run, every=slow)
         if slow:
             self._slow_at = now
@@ -238,6 +241,28 @@ class Collector:
                 self.tag_runs(tags)
             except Exception as exc:  # the tracking store may be down; the queue has the record
                 log.warning("could not tag runs whose checkpoints were removed: %s", exc)
+
+    def _forks(self, report: Report, dry_run: bool) -> None:
+        """Remove the checkpoint copies PBT's children started from (`Layout.fork_dir`, named after the child's
+        trial key `SESSION:N`) once their session has ended: a resumable session still needs them. A copy left
+        half-made by a crash (`.NAME.PID`) goes with them."""
+        root = Path(self.settings.home) / "forks"
+        if not root.is_dir():
+            return
+        ended = [sid for sid, done in session_states(self.settings.home).items() if done]
+        if not ended:
+            return
+        for path in sorted(root.iterdir()):
+            name = path.name.lstrip(".").split(".")[0]
+            session = next((sid for sid in ended if name.startswith(f"{sid}-") and name[len(sid) + 1:].isdigit()),
+                           None)
+            if session is None:
+                continue
+            freed = tree_bytes(path)
+            if not dry_run:
+                shutil.rmtree(path, ignore_errors=True)
+            report.forks.append({"name": path.name, "session": session, "bytes": freed})
+            report.fork_bytes += freed
 
     def _cap_logs(self, report: Report, dry_run: bool, every: bool = True) -> None:
         cap = self.settings.log_max_bytes

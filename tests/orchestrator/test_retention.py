@@ -249,3 +249,28 @@ def test_the_service_pass_decides_again_only_when_something_changed(stocked, mon
     reads.clear()
     collector.collect(everything=False)  # settled again
     assert reads == []
+
+
+def test_pbt_forks_go_once_their_session_has_ended(home):
+    """The checkpoint copies PBT children start from stay while their session can resume, and go with it."""
+    from orchestrator.core.layout import Layout
+
+    settings = Settings.load()
+    layout = Layout(settings.home)
+    _session(settings.home, "s-ended01", "finished")
+    _session(settings.home, "s-live0001", "interrupted")
+    for key in ("s-ended01:5", "s-live0001:5"):
+        _write_steps(layout.fork_dir(key), steps=(30,))
+    torn = layout.fork_dir("s-ended01:6").with_name(".s-ended01-6.4242")  # a copy a crash left half-made
+    _write_steps(torn, steps=(30,))
+    dry = run_gc(settings, dry_run=True)
+    assert sorted(f["name"] for f in dry.forks) == [".s-ended01-6.4242", "s-ended01-5"]
+    assert dry.fork_bytes >= 2 * 64 * 1024 and layout.fork_dir("s-ended01:5").exists()
+    report = run_gc(settings)
+    assert report.bytes_freed >= report.fork_bytes == dry.fork_bytes
+    assert not layout.fork_dir("s-ended01:5").exists() and not torn.exists()
+    assert _steps_in(layout.fork_dir("s-live0001:5"))  # its session may resume: the child still needs it
+
+
+def _steps_in(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("step_*"))

@@ -46,5 +46,8 @@ def gc(
     print(f"checkpoints: {len(report.checkpoints)} jobs, {verb} {human_bytes(report.checkpoint_bytes)}")
     print(f"logs: {report.logs_capped} capped, {report.logs_compressed} compressed, {report.logs_deleted} deleted, "
           f"{verb} {human_bytes(report.log_bytes)}")
+    if report.forks:
+        print(f"forks: {len(report.forks)} checkpoint copies of ended PBT sessions, {verb} "
+              f"{human_bytes(report.fork_bytes)}")
     if report.events_dropped:
         print(f"events: {report.events_dropped} old event rows compacted")
