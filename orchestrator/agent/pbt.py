@@ -10,8 +10,8 @@ The graph is the agent's (`orchestrator.agent.graph`); these nodes replace its s
   (`orchestrator.agent.schedule.pairs`): the loser's job is cancelled (it checkpoints; its trial ends
   stopped) and a child trial, recorded with its key before anything happens, takes the loser's slot with the
   donor's params perturbed (`perturb`). The interval is recorded as judged in the same checkpointed step.
-- submit: a child's donor checkpoint is copied once into the child's fork dir (`Layout.fork_dir(key)`: a
-  copy under a temporary name, renamed; one that exists is never copied again), then the child is queued
+- submit: a child's donor checkpoint (the one at the judged interval) is copied once into the child's fork dir
+  (`Layout.fork_dir(key)`: a copy under a temporary name, renamed; one that exists is never copied again), then the child is queued
   with `AUTORESEARCH_INIT_CHECKPOINT` (its job starts from that copy), `AUTORESEARCH_SCHEDULE` (its lineage)
   and `AUTORESEARCH_CHECKPOINT_EVERY=K` (every member keeps a checkpoint at each interval for donors).
 - decide: when every member's last trial has ended, the best finished member's schedule is replayed from
@@ -130,24 +130,25 @@ class PBTAgent(Agent):
 
     def _fork(self, child: Trial, donor: Trial) -> tuple[int, bool]:
         """(step, copied now) of the donor checkpoint in the child's fork dir; a dir already there is the copy
-        made before a crash and is kept. The donor's newest committed checkpoint is copied; if the donor's
-        retention deletes it mid-copy, the next newest is tried."""
+        made before a crash and is kept. Copied is the donor's committed checkpoint at the judged interval
+        (`_pick`); if the donor's retention deletes it mid-copy, the pick is made again."""
         target = self.layout.fork_dir(child.key)
         if target.exists():
             return _step_of(target), False
         source = self.layout.checkpoint_dir(donor.job_id)
         for _ in range(5):
-            steps = sorted(p for p in source.glob("step_*") if (p / METADATA).exists())
-            if not steps:
+            pick = _pick([p for p in source.glob("step_*") if (p / METADATA).exists()], child.lineage.get("at"),
+                         donor.total)
+            if pick is None:
                 break
             tmp = target.with_name(f".{target.name}.{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                shutil.copytree(steps[-1], tmp / steps[-1].name)
+                shutil.copytree(pick, tmp / pick.name)
             except (FileNotFoundError, shutil.Error):
                 shutil.rmtree(tmp, ignore_errors=True)
                 continue
-            if not (tmp / steps[-1].name / METADATA).exists():
+            if not (tmp / pick.name / METADATA).exists():
                 shutil.rmtree(tmp, ignore_errors=True)
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +291,19 @@ def _members(trials: list[Trial]) -> dict[int, Trial]:
         if t.member is not None and t.phase is P.SEARCH and (t.member not in out or t.n > out[t.member].n):
             out[t.member] = t
     return out
+
+
+def _pick(steps: list[Path], at: int | None, total: int | None) -> Path | None:
+    """The donor checkpoint a child starts from: the one at the judged interval `at` (what the donor was
+    when it was judged, whenever the copy is made), else the newest with training left after it (the donor may
+    have moved on and its retention dropped that one), else the newest."""
+    by_step = {int(p.name.split("_")[1]): p for p in steps}
+    if not by_step:
+        return None
+    if at is not None and at in by_step:
+        return by_step[at]
+    left = [n for n in by_step if total is None or n < total]
+    return by_step[max(left)] if left else by_step[max(by_step)]
 
 
 def _step_of(fork: Path) -> int:

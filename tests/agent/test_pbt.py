@@ -96,8 +96,8 @@ def _runs(tracker, job_ids):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a real session of 7 jobs: minutes on a loaded 2-core box
 def test_pbt_on_digits_forks_the_top_member_and_gates_the_replayed_schedule(home):
-    # Two members over 4 epochs of 16 steps, judged at step 32: the worse one takes the better one's newest
-    # checkpoint (32 or, when the session looks late, 48), so the child always has training left to do.
+    # Two members over 4 epochs of 16 steps, judged at step 32: the worse one takes the better one's checkpoint
+    # at step 32 (however far the better one got before the copy), so the child always has training left to do.
     done = subprocess.run(_cli("start", "--experiment", "digits", "--proposer", "pbt", "--population", "2",
                                "--perturbation-interval", "32", "--param", "epochs=4", "--devices", "cpu:2",
                                "--baseline-seeds", "2", "--confirm-seeds", "2", "--json"),
@@ -202,3 +202,15 @@ def test_pbt_on_charlm_killed_mid_exploit_resumes_without_losing_or_copying_twic
     counts = json.loads(done.stdout)["counts"]
     # The loser ends stopped, or succeeded when it finished its budget while the session was dead (it still counts).
     assert counts.get("succeeded", 0) >= 3 and counts.get("succeeded", 0) + counts.get("stopped", 0) == 4
+
+
+def test_a_child_starts_from_the_donor_as_it_was_judged_never_from_its_end(tmp_path):
+    """The copy is the donor's checkpoint at the judged interval; when its retention dropped that one, the newest
+    with training left after it; the final one only when nothing else is left."""
+    from orchestrator.agent.pbt import _pick
+
+    steps = {n: tmp_path / f"step_{n:010d}" for n in (32, 48, 64)}
+    assert _pick([steps[32], steps[64]], 32, 64) == steps[32]  # the donor finished before the copy
+    assert _pick([steps[48], steps[64]], 32, 64) == steps[48]
+    assert _pick([steps[64]], 32, 64) == steps[64]
+    assert _pick([], 32, 64) is None
