@@ -9,6 +9,7 @@ the ordinary queue, with its metric read from MLflow. Modules, one job each:
 - `edits`: applying and validating the model's edits before anything runs.
 - `answers`: the prompt and the parsing of the model's JSON answers.
 - `governor`: when a session changes course, and when it stops.
+- `trial`: one trial (a job running one commit on one seed): its kind, status and verdict.
 - `tree`: the session's trials and nodes, persisted after every step (kill -9 safe).
 - `loop`: K variants in flight (ask, commit, submit, read); `judge`: re-runs, the noise gate, verdicts.
 - `propose`: one step's question to the model, with bounded re-asks.

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator.agent.history import device_seconds
+from orchestrator.programs.trial import ProgramTrial
 from orchestrator.programs.wrap import read_values
 
 OUTPUT_VAR = "AUTORESEARCH_OUTPUT_DIR"
@@ -32,10 +33,11 @@ class Holdout:
         self.spec, self.store, self.repo, self.home = spec, store, repo, Path(home)
         self.session, self.root, self.priority, self.poll, self.notify = session, root, priority, poll, notify
 
-    def score(self, nodes: list[dict], output_of: Callable[[dict], str | None]) -> dict[int, dict]:
+    def score(self, nodes: list[ProgramTrial], output_of: Callable[[ProgramTrial], str | None]
+              ) -> dict[int, dict[str, Any]]:
         """{node: {"value", "error", "device_s", "job_id"}} for each node trial, once its job has ended;
         `output_of(node)` is the checkpoint directory of the node's first run."""
-        jobs = {t["n"]: self._submit(t, output_of(t)) for t in nodes}
+        jobs = {t.n: self._submit(t, output_of(t)) for t in nodes}
         while not all(self.store.get(j).final for j in jobs.values()):
             time.sleep(self.poll)
         out = {}
@@ -53,14 +55,14 @@ class Holdout:
     def _worktree(self, n: int) -> Path:
         return self.home / "programs" / self.session / f"holdout-{n}"
 
-    def _submit(self, node: dict, output: str | None) -> int:
+    def _submit(self, node: ProgramTrial, output: str | None) -> int:
         from orchestrator.queue.models import JobSpec
 
-        key = f"{self.session}:holdout:{node['n']}"
+        key = f"{self.session}:holdout:{node.n}"
         job = self.store.find_by_key(key)
         if job is not None:
             return job.id
-        worktree = self.repo.add_worktree(self._worktree(node["n"]), node["commit"])
+        worktree = self.repo.add_worktree(self._worktree(node.n), node.commit)
         self.repo.restore_protected(worktree, self.root, [self.spec.repo_path(p) for p in self.spec.protected])
         cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
         for name in self.spec.holdout:
@@ -73,9 +75,9 @@ class Holdout:
         argv = [sys.executable, "-m", "orchestrator.programs.wrap", "--metric", self.spec.eval_metric,
                 "--pattern", self.spec.pattern, "--", *self.spec.eval_argv]
         job = self.store.submit(JobSpec(
-            argv=argv, name=f"{self.spec.name}-{self.session}-holdout-{node['n']}", priority=self.priority, gpus=1,
+            argv=argv, name=f"{self.spec.name}-{self.session}-holdout-{node.n}", priority=self.priority, gpus=1,
             max_attempts=1, grace=10.0, owner=self.session, cwd=str(cwd), idempotency_key=key, track=False,
             time_limit=self.spec.time_limit, env={OUTPUT_VAR: output or "", "AUTORESEARCH_SEED": "0"},
-            params={"commit": node["commit"], "holdout": True}))
+            params={"commit": node.commit, "holdout": True}))
         self.notify()
         return job.id

@@ -12,10 +12,12 @@ A mixin of `Loop` (it uses the loop's trials, state, tracker and repo); kept apa
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from orchestrator.core.gate import gate
 from orchestrator.programs import tree
 from orchestrator.programs.governor import CHANGE, STOP
+from orchestrator.programs.trial import ACTIVE, Kind, ProgramTrial, S, Verdict
 
 ALPHA = 0.05  # family-wise error rate of the gate over one parent's children
 
@@ -23,75 +25,79 @@ ALPHA = 0.05  # family-wise error rate of the gate over one parent's children
 class Judge:
     """Verdicts on nodes; see `Loop` for the attributes it uses."""
 
+    trials: list[ProgramTrial]
+    state: dict[str, Any]
+
     def _judge(self) -> None:
         for node in tree.nodes(self.trials):
-            if node["verdict"] is None:
+            if node.verdict is None:
                 self._judge_node(node)
 
-    def _judge_node(self, node: dict) -> None:
-        runs = tree.runs_of(self.trials, node["n"])
-        if node["kind"] == "baseline":
-            if any(r["status"] in tree.ACTIVE for r in runs):
+    def _judge_node(self, node: ProgramTrial) -> None:
+        runs = tree.runs_of(self.trials, node.n)
+        if node.kind is Kind.BASELINE:
+            if any(r.status in ACTIVE for r in runs):
                 return
             values = tree.values_of(self.trials, 0)
             if not values:
-                self._verdict(node, "crashed", "the baseline failed: " + runs[0]["error"])
-                self.state["stop_reason"] = f"the unmodified program failed: {runs[0]['error']}"
+                self._verdict(node, Verdict.CRASHED, "the baseline failed: " + runs[0].error)
+                self.state["stop_reason"] = f"the unmodified program failed: {runs[0].error}"
                 return
             s = tree.summary_of(self.trials, 0)
-            self._verdict(node, "baseline", f"baseline {s['mean']:.5g} over {s['n']} run(s)")
+            self._verdict(node, Verdict.BASELINE, f"baseline {s['mean']:.5g} over {s['n']} run(s)")
             return
-        if node["status"] in tree.ACTIVE:
+        if node.status in ACTIVE:
             return
-        if node["status"] != "succeeded":
-            self._verdict(node, "crashed", node["error"])
-            if node["status"] == "failed" and node["depth"] < self.spec.max_debug:
-                self.state["pending_debug"].append(node["n"])
+        if node.status is not S.SUCCEEDED:
+            self._verdict(node, Verdict.CRASHED, node.error)
+            if node.status is S.FAILED and node.depth < self.spec.max_debug:
+                self.state["pending_debug"].append(node.n)
             self._govern("failed")
             return
         if len(runs) < self.spec.repeats:  # fresh seeds: one good run is not a result
             for seed in range(len(runs), self.spec.repeats):
-                self._add(tree.new_trial(self.sid, len(self.trials), kind="rerun", step="rerun",
-                                         parent=node["parent"], parent_node=node["parent_node"], node=node["n"],
-                                         commit=node["commit"], seed=seed, rationale=node["rationale"]))
+                self._add(tree.new_trial(self.sid, len(self.trials), kind=Kind.RERUN, step="rerun",
+                                         parent=node.parent, parent_node=node.parent_node, node=node.n,
+                                         commit=node.commit, seed=seed, rationale=node.rationale))
             return
-        if any(r["status"] in tree.ACTIVE for r in runs):
+        if any(r.status in ACTIVE for r in runs):
             return
         base = self._gate_parent(node)
-        if base is None or base["verdict"] is None:
+        if base is None or base.verdict is None:
             return  # the parent is still being measured
-        values = tree.values_of(self.trials, node["n"])
+        values = tree.values_of(self.trials, node.n)
         if len(values) < 2:
-            self._verdict(node, "discarded", "its re-runs failed: the result does not reproduce")
+            self._verdict(node, Verdict.DISCARDED, "its re-runs failed: the result does not reproduce")
             self._govern("failed")
             return
         k = len(siblings(self.trials, node, base))
-        v = gate(tree.values_of(self.trials, base["n"]), values, direction=self.spec.direction,
+        v = gate(tree.values_of(self.trials, base.n), values, direction=self.spec.direction,
                  level=1.0 - ALPHA / k)
         if k > 1:
             v = dataclasses.replace(v, method=f"{v.method}, Bonferroni-corrected for {k} children")
+        against = f" (vs {(base.commit or '')[:10]})"
         if not v.win:
-            self._verdict(node, "discarded", v.describe() + f" (vs {base['commit'][:10]})")
+            self._verdict(node, Verdict.DISCARDED, v.describe() + against)
             self._govern("discarded")
             return
-        self._verdict(node, "kept", v.describe() + f" (vs {base['commit'][:10]})")
+        self._verdict(node, Verdict.KEPT, v.describe() + against)
         best = self.trials[self.state["incumbent"]]
-        mean = tree.summary_of(self.trials, node["n"])["mean"]
-        if self.spec.better(mean, tree.summary_of(self.trials, best["n"])["mean"]):
-            self.state["incumbent"] = node["n"]
-            self.repo.set_ref(self.repo.branch(self.sid), node["commit"])
-            self.say(f"new incumbent: trial {node['n']} commit {node['commit'][:10]}, {self.spec.metric} "
+        mean = tree.summary_of(self.trials, node.n)["mean"]
+        if self.spec.better(mean, tree.summary_of(self.trials, best.n)["mean"]):
+            self.state["incumbent"] = node.n
+            self.repo.set_ref(self.repo.branch(self.sid), node.commit)
+            self.say(f"new incumbent: trial {node.n} commit {(node.commit or '')[:10]}, {self.spec.metric} "
                      f"{mean:.5g} ({v.describe()})")
         self._govern("improved")
 
-    def _gate_parent(self, node: dict) -> dict | None:
+    def _gate_parent(self, node: ProgramTrial) -> ProgramTrial | None:
         return gate_parent(self.trials, node)
 
-    def _verdict(self, node: dict, verdict: str, text: str) -> None:
-        node["verdict"], node["verdict_text"] = verdict, text
-        if node["run_id"]:
-            self.tracker.set_tags(node["run_id"], {"autoresearch.verdict": verdict,
-                                                   "autoresearch.verdict_text": text})
+    def _verdict(self, node: ProgramTrial, verdict: Verdict, text: str) -> None:
+        node.verdict, node.verdict_text = verdict, text
+        if node.run_id:
+            self.tracker.set_tags(node.run_id, {"autoresearch.verdict": verdict.value,
+                                                "autoresearch.verdict_text": text})
         self._save(node)
 
     def _govern(self, outcome: str) -> None:
@@ -108,25 +114,26 @@ class Judge:
         self._save()
 
 
-def gate_parent(trials: list[dict], node: dict) -> dict | None:
-    """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from)."""
-    n = node["parent_node"]
+def gate_parent(trials: list[ProgramTrial], node: ProgramTrial) -> ProgramTrial | None:
+    """The nearest measured ancestor (a debug fix is judged against what its crashed parent came from); one
+    not judged yet counts (the caller waits for its verdict)."""
+    n = node.parent_node
     while n is not None:
         parent = trials[n]
-        if parent["verdict"] in ("baseline", "kept", "discarded") or parent["verdict"] is None:
+        if parent.verdict is not Verdict.CRASHED:
             return parent
-        n = parent["parent_node"]
+        n = parent.parent_node
     return None
 
 
-def siblings(trials: list[dict], node: dict, base: dict) -> list[dict]:
+def siblings(trials: list[ProgramTrial], node: ProgramTrial, base: ProgramTrial) -> list[ProgramTrial]:
     """The nodes gated against `base` (`node` among them): its non-baseline descendants through crashed
     nodes that have not crashed themselves (succeeded or still running)."""
     out = []
     for m in tree.nodes(trials):
-        if m["n"] == node["n"] or (m["kind"] != "baseline" and m["verdict"] != "crashed"
-                                   and m["status"] in ("succeeded", *tree.ACTIVE)):
+        if m.n == node.n or (m.kind is not Kind.BASELINE and m.verdict is not Verdict.CRASHED
+                             and m.status in (S.SUCCEEDED, *ACTIVE)):
             parent = gate_parent(trials, m)
-            if parent is not None and parent["n"] == base["n"]:
+            if parent is not None and parent.n == base.n:
                 out.append(m)
     return out

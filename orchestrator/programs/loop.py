@@ -24,6 +24,7 @@ from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.memory import Memory
+from orchestrator.programs.trial import ACTIVE, Kind, ProgramTrial, S
 from orchestrator.programs.wrap import log_tail, read_values
 from orchestrator.queue.states import TIME_LIMIT
 from orchestrator.tracking.client import run_status
@@ -43,7 +44,7 @@ class Loop(Judge):
         self.parallel, self.home, self.parent_run = parallel, Path(home), parent_run
         self.notify, self.say, self.on_usage = notify, say, on_usage
         self.experiment = f"program:{spec.name}"
-        self.trials: list[dict] = trees.trials(session_id)
+        self.trials: list[ProgramTrial] = trees.trials(session_id)
         self.state: dict = trees.state(session_id) or self._initial_state()
         self.gov = Governor.from_dict(self.state["governor"])
         self.state.setdefault("program", str(spec.root))  # (a session from before the memory of earlier ones)
@@ -55,7 +56,7 @@ class Loop(Judge):
         self._asking: tuple[Future, answers.Step] | None = None
         # Worktrees of runs that ended, including any a killed session left behind.
         self._cleanup = [self._worktree(t) for t in self.trials
-                         if t["status"] not in tree.ACTIVE and self._worktree(t).exists()]
+                         if t.status not in ACTIVE and self._worktree(t).exists()]
 
     # -- state -----------------------------------------------------------------------------------------------------
 
@@ -69,7 +70,7 @@ class Loop(Judge):
         self.trees.save_state(self.sid, state)
         return state
 
-    def _save(self, t: dict | None = None) -> None:
+    def _save(self, t: ProgramTrial | None = None) -> None:
         if t is not None:
             self.trees.save(self.sid, t)
         self.state["governor"] = self.gov.to_dict()
@@ -90,9 +91,9 @@ class Loop(Judge):
         total = self.cfg.max_trials
         if total is None:
             return None
-        owed = sum(max(0, self.spec.repeats - len(tree.runs_of(self.trials, t["n"])))
-                   for t in tree.nodes(self.trials) if t["kind"] == "variant" and t["verdict"] is None
-                   and t["status"] not in ("failed", "cancelled"))
+        owed = sum(max(0, self.spec.repeats - len(tree.runs_of(self.trials, t.n)))
+                   for t in tree.nodes(self.trials) if t.kind is Kind.VARIANT and t.verdict is None
+                   and t.status not in (S.FAILED, S.CANCELLED))
         return total - len(self.trials) - owed
 
     # -- the loop --------------------------------------------------------------------------------------------------
@@ -100,19 +101,19 @@ class Loop(Judge):
     def run(self) -> dict:
         """Run to the end: budget spent, time up, or the governor's stop; returns the summary."""
         # The baseline: the program as committed, on `repeats` seeds (completed after a crash mid-way).
-        if all(t["kind"] == "baseline" for t in self.trials):
+        if all(t.kind is Kind.BASELINE for t in self.trials):
             for seed in range(len(self.trials), self.spec.repeats):
-                self._add(tree.new_trial(self.sid, len(self.trials), kind="baseline", step="baseline", parent=None,
+                self._add(tree.new_trial(self.sid, len(self.trials), kind=Kind.BASELINE, step="baseline", parent=None,
                                          parent_node=None, node=0, commit=self.state["root"], seed=seed,
                                          rationale="the program as committed"))
         while True:
             self._elapsed()
             self._sync()
             self._judge()
-            active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+            active = [t for t in self.trials if t.status in ACTIVE]
             if not self.state["stop_reason"] and not self._time_up():
                 self._fill()
-                active = [t for t in self.trials if t["status"] in tree.ACTIVE]
+                active = [t for t in self.trials if t.status in ACTIVE]
             idle = not active and self._asking is None
             if idle and (self.state["stop_reason"] or self._time_up() or not self._can_add()):
                 break
@@ -139,7 +140,7 @@ class Loop(Judge):
         nodes = [self.trials[n] for n in sorted({0, self.state["incumbent"]})]
         scores = Holdout(self.spec, store=self.store, repo=self.repo, home=self.home, session=self.sid,
                          root=self.state["root"], priority=self.cfg.priority, poll=self.cfg.poll,
-                         notify=self.notify).score(nodes, lambda t: self.store.get(t["job_id"]).checkpoint_dir)
+                         notify=self.notify).score(nodes, lambda t: self.store.get(t.job_id).checkpoint_dir)
         best, base = scores[self.state["incumbent"]], scores[0]
         self.state["holdout"] = {"trial": self.state["incumbent"], "metric": self.spec.eval_metric,
                                  "value": best["value"], "baseline": base["value"], "error": best["error"],
@@ -155,38 +156,39 @@ class Loop(Judge):
 
     # -- trials ----------------------------------------------------------------------------------------------------
 
-    def _add(self, t: dict) -> dict:
+    def _add(self, t: ProgramTrial) -> ProgramTrial:
         self.trials.append(t)
         self._save(t)  # recorded before its commit or job exists: a crash from here on loses nothing
         self._submit(t)
         return t
 
-    def _submit(self, t: dict) -> None:
+    def _submit(self, t: ProgramTrial) -> None:
         """Commit (variants), worktree, MLflow run and job, each found again if it already exists."""
         from orchestrator.queue.models import JobSpec
 
-        if t["commit"] is None:
-            ref = self.repo.trial_ref(self.sid, t["n"])
-            t["commit"] = self.repo.resolve(ref) or self.repo.commit(
-                t["parent"], {self.spec.repo_path(f): text for f, text in t.pop("files").items()},
-                f"autoresearch {self.sid} trial {t['n']} ({t['step']}): {t['rationale'] or 'no rationale'}")
-            self.repo.set_ref(ref, t["commit"])
-            t.pop("files", None)
+        if t.commit is None:
+            ref = self.repo.trial_ref(self.sid, t.n)
+            t.commit = self.repo.resolve(ref) or self.repo.commit(
+                t.parent, {self.spec.repo_path(f): text for f, text in _take_files(t).items()},
+                f"autoresearch {self.sid} trial {t.n} ({t.step}): {t.rationale or 'no rationale'}")
+            self.repo.set_ref(ref, t.commit)
+            t.files = None  # in the commit now (and out of the stored row)
             self._save(t)
-        job = self.store.find_by_key(t["key"])
+        commit: str = t.commit
+        job = self.store.find_by_key(t.key)
         if job is None:
-            worktree = self.repo.add_worktree(self._worktree(t), t["commit"])
+            worktree = self.repo.add_worktree(self._worktree(t), commit)
             self.repo.restore_protected(worktree, self.state["root"], [self.spec.repo_path(p)
                                                                        for p in self.spec.protected])
             cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
-            node = self.trials[t["node"]]
+            node = self.trials[t.node]
             run_id = self.tracker.trial_run(
-                self.parent_run, self.experiment, key=t["key"], name=f"{self.sid} trial {t['n']}",
-                params={"commit": t["commit"], "parent": node["parent"] or "", "seed": t["seed"], "step": t["step"]},
+                self.parent_run, self.experiment, key=t.key, name=f"{self.sid} trial {t.n}",
+                params={"commit": commit, "parent": node.parent or "", "seed": t.seed, "step": t.step},
                 tags={"autoresearch.session": self.sid, "autoresearch.owner": self.sid,
-                      "autoresearch.commit": t["commit"], "autoresearch.parent": node["parent"] or "",
-                      "autoresearch.rationale": node["rationale"], "autoresearch.step": t["step"],
-                      "autoresearch.node": str(t["node"]),
+                      "autoresearch.commit": commit, "autoresearch.parent": node.parent or "",
+                      "autoresearch.rationale": node.rationale, "autoresearch.step": t.step,
+                      "autoresearch.node": str(t.node),
                       "autoresearch.project": self.cfg.project})
             python = "python3" if self.spec.image else sys.executable  # an image has its own python
             argv = [python, "-m", "orchestrator.programs.wrap", "--metric", self.spec.metric,
@@ -195,12 +197,12 @@ class Loop(Judge):
                 argv += ["--sandbox", str(worktree)]
                 argv += [a for p in self.spec.protected for a in ("--protect", str(cwd / p))]
                 argv += [a for p in self.spec.holdout for a in ("--hide", str(self.spec.root / p))]
-            spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t['n']}",
+            spec = JobSpec(argv=[*argv, "--", *self.spec.argv], name=f"{self.spec.name}-{self.sid}-{t.n}",
                            priority=self.cfg.priority, gpus=1, max_attempts=1, grace=10.0, preemptible=True,
                            owner=self.sid, project=self.cfg.project,
-                           params={"commit": t["commit"], "seed": t["seed"]},
-                           env={"AUTORESEARCH_SEED": str(t["seed"])}, cwd=str(cwd), mlflow_run_id=run_id,
-                           idempotency_key=t["key"], time_limit=self.spec.time_limit, image=self.spec.image)
+                           params={"commit": commit, "seed": t.seed},
+                           env={"AUTORESEARCH_SEED": str(t.seed)}, cwd=str(cwd), mlflow_run_id=run_id,
+                           idempotency_key=t.key, time_limit=self.spec.time_limit, image=self.spec.image)
             if spec.image:  # pinned to the image's content id; the run says which
                 from orchestrator.api.jobenv import prepare
                 from orchestrator.tracking.jobruns import image_tags
@@ -209,78 +211,78 @@ class Loop(Judge):
                 self.tracker.set_tags(run_id, image_tags(spec))
             job = self.store.submit(spec)
             self.notify()
-            self._log_patch(node, run_id, t["commit"])
-        elif t["status"] == "pending" and job.mlflow_run_id:  # submitted just before a crash: finish the record
+            self._log_patch(node, run_id, commit)
+        elif t.status is S.PENDING and job.mlflow_run_id:  # submitted just before a crash: finish the record
             if "patch.diff" not in [a.path for a in self.tracker.client.list_artifacts(job.mlflow_run_id)]:
-                self._log_patch(self.trials[t["node"]], job.mlflow_run_id, t["commit"])
-        t.update(job_id=job.id, run_id=job.mlflow_run_id, status="queued" if t["status"] == "pending" else t["status"])
+                self._log_patch(self.trials[t.node], job.mlflow_run_id, commit)
+        t.update(job_id=job.id, run_id=job.mlflow_run_id, status=S.QUEUED if t.status is S.PENDING else t.status)
         self._save(t)
-        if t["kind"] == "variant":
-            self.say(f"trial {t['n']} ({t['step']}) commit {t['commit'][:10]} from {t['parent'][:10]} -> job "
-                     f"{job.id}: {t['rationale']}")
+        if t.kind is Kind.VARIANT:
+            self.say(f"trial {t.n} ({t.step}) commit {commit[:10]} from {(t.parent or '')[:10]} -> job "
+                     f"{job.id}: {t.rationale}")
 
-    def _worktree(self, t: dict) -> Path:
-        return self.home / "programs" / self.sid / str(t["n"])
+    def _worktree(self, t: ProgramTrial) -> Path:
+        return self.home / "programs" / self.sid / str(t.n)
 
     def _tidy(self) -> None:
         """Remove the worktrees of finished runs (their commits stay)."""
         while self._cleanup:
             self.repo.remove_worktree(self._cleanup.pop())
 
-    def _log_patch(self, node: dict, run_id: str, commit: str) -> None:
+    def _log_patch(self, node: ProgramTrial, run_id: str, commit: str) -> None:
         """The diff from the node's parent, as the run's `patch.diff` (logged after the submit: the device
         need not wait for the artifact store)."""
-        if node["parent"]:
-            self.tracker.client.log_text(run_id, self.repo.diff(node["parent"], commit), "patch.diff")
+        if node.parent:
+            self.tracker.client.log_text(run_id, self.repo.diff(node.parent, commit), "patch.diff")
 
     def _sync(self) -> None:
         """Submit what a crash left pending; record runs that started or ended."""
         for t in self.trials:
-            if t["status"] == "pending":
+            if t.status is S.PENDING:
                 self._submit(t)
-            if t["status"] not in ("queued", "running"):
+            if t.status not in (S.QUEUED, S.RUNNING):
                 continue
-            job = self.store.get(t["job_id"])
+            job = self.store.get(t.job_id)
             if job.final:
                 self._finish(t, job)
-            elif t["status"] == "queued" and job.state == "RUNNING":
-                t["status"] = "running"
+            elif t.status is S.QUEUED and job.state == "RUNNING":
+                t.status = S.RUNNING
                 self._save(t)
 
-    def _finish(self, t: dict, job: Any) -> None:
+    def _finish(self, t: ProgramTrial, job: Any) -> None:
         tail = log_tail(job.log_path, TAIL)
         if job.state == "SUCCEEDED":
-            t["value"] = self._metric(t, job)
-            t["status"] = "succeeded" if t["value"] is not None else "failed"
-            if t["value"] is None:
-                t["error"] = f"no {self.spec.metric} in MLflow or in the output"
+            t.value = self._metric(t, job)
+            t.status = S.SUCCEEDED if t.value is not None else S.FAILED
+            if t.value is None:
+                t.error = f"no {self.spec.metric} in MLflow or in the output"
             else:  # its place in the session's ranking, for checkpoint retention (orchestrator.service.retention)
-                self.store.keeping.set_scores({job.id: -t["value"] if self.spec.direction == "minimize" else t["value"]})
+                self.store.keeping.set_scores({job.id: -t.value if self.spec.direction == "minimize" else t.value})
         elif job.state == "FAILED":
-            t["status"] = "failed"
+            t.status = S.FAILED
             timed_out = job.timed_out  # the queue stopped it at the program's time_limit
-            t["error"] = TIME_LIMIT if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
+            t.error = TIME_LIMIT if timed_out else f"exit code {job.exit_code}: {job.reason}"[:300]
         else:
-            t["status"], t["error"] = "cancelled", job.reason[:300]
-        if t["status"] == "failed":
-            t["log_tail"] = tail
-        t["device_s"] = device_seconds(self.store, job)
-        self.tracker.finish(t["run_id"], run_status(t["status"]))
+            t.status, t.error = S.CANCELLED, job.reason[:300]
+        if t.status is S.FAILED:
+            t.log_tail = tail
+        t.device_s = device_seconds(self.store, job)
+        self.tracker.finish(t.run_id, run_status(t.status.value))
         self._cleanup.append(self._worktree(t))  # removed after this pass's submissions: devices first
         self._save(t)
-        if t["kind"] != "rerun":
-            self.say(f"trial {t['n']} {t['status']}: " + (f"{self.spec.metric} {t['value']:.5g}"
-                                                          if t["value"] is not None else t["error"]))
+        if t.kind is not Kind.RERUN:
+            self.say(f"trial {t.n} {t.status.value}: " + (f"{self.spec.metric} {t.value:.5g}"
+                                                          if t.value is not None else t.error))
 
-    def _metric(self, t: dict, job: Any) -> float | None:
+    def _metric(self, t: ProgramTrial, job: Any) -> float | None:
         """The run's metric: from MLflow (a program using the runtime), else the output lines its wrapper read,
         which are then logged to the run so MLflow shows them too."""
-        value = self.tracker.final(t["run_id"], self.spec.metric)
+        value = self.tracker.final(t.run_id, self.spec.metric)
         if value is not None:
             return value
         values = read_values(job.checkpoint_dir, self.spec.metric)
         for step, v in enumerate(values):
-            self.tracker.log_metrics(t["run_id"], {self.spec.metric: v}, step=step)
+            self.tracker.log_metrics(t.run_id, {self.spec.metric: v}, step=step)
         return values[-1] if values and math.isfinite(values[-1]) else None
 
     # -- proposing -------------------------------------------------------------------------------------------------
@@ -304,20 +306,20 @@ class Loop(Judge):
             return
         if self._asking is not None:
             return
-        free = self.parallel + 1 - sum(1 for t in self.trials if t["status"] in tree.ACTIVE)
+        free = self.parallel + 1 - sum(1 for t in self.trials if t.status in ACTIVE)
         left = self._left()
         room = free if left is None else min(free, left // self.spec.repeats)
         if room <= 0:
             return
         if self.state["pending_debug"]:
             crashed = self.trials[self.state["pending_debug"][0]]  # dropped from the list once answered
-            step = answers.Step("debug", crashed["commit"], self._files(crashed["commit"]), 1,
-                                log_tail=crashed.get("log_tail", ""))
+            step = answers.Step("debug", crashed.commit, self._files(crashed.commit), 1,
+                                log_tail=crashed.log_tail or "")
         else:
             best = self.trials[self.state["incumbent"]]
             kind = "draft" if self.state["drafts_left"] > 0 else "improve"
-            step = answers.Step(kind, best["commit"], self._files(best["commit"]), room, note=self.state["note"])
-        commits = [t["commit"] for t in tree.nodes(self.trials) if t["commit"]]
+            step = answers.Step(kind, best.commit, self._files(best.commit), room, note=self.state["note"])
+        commits = [t.commit for t in tree.nodes(self.trials) if t.commit]
         self._asking = (self._pool.submit(
             propose.ask, self.llm, goal=self.cfg.goal, spec=self.spec, step=step, history=self._history(),
             best=self._best_line(), resolve=lambda ref: _resolve(commits, ref), read=self._read,
@@ -327,7 +329,7 @@ class Loop(Judge):
         """Record and submit the variants of one answered step (or count a step that gave none)."""
         self._usage()
         pending = self.state["pending_debug"]
-        if step.kind == "debug" and pending and self.trials[pending[0]]["commit"] == step.parent:
+        if step.kind == "debug" and pending and self.trials[pending[0]].commit == step.parent:
             pending.pop(0)  # answered (a crash before this point asks again on resume)
         if not variants:
             self.state["rejected"] += 1
@@ -335,11 +337,11 @@ class Loop(Judge):
             self._govern("failed")
             return
         for v in variants:
-            parent = next(t for t in tree.nodes(self.trials) if t["commit"] == v.parent)
-            t = tree.new_trial(self.sid, len(self.trials), kind="variant", step=v.kind, parent=v.parent,
-                               parent_node=parent["n"], rationale=v.rationale, edits=v.edits,
-                               depth=parent["depth"] + 1 if v.kind == "debug" else 0)
-            t["files"], t["fingerprint"] = v.files, propose.fingerprint(v.files)
+            parent = next(t for t in tree.nodes(self.trials) if t.commit == v.parent)
+            t = tree.new_trial(self.sid, len(self.trials), kind=Kind.VARIANT, step=v.kind, parent=v.parent,
+                               parent_node=parent.n, rationale=v.rationale, edits=v.edits,
+                               depth=parent.depth + 1 if v.kind == "debug" else 0)
+            t.files, t.fingerprint = v.files, propose.fingerprint(v.files)
             self._add(t)
             if v.kind == "draft":
                 self.state["drafts_left"] = max(0, self.state["drafts_left"] - 1)
@@ -351,7 +353,7 @@ class Loop(Judge):
         return self.repo.show(commit, self.spec.repo_path(file))
 
     def _tried(self) -> set:
-        own = {(t["parent"], t.get("fingerprint")) for t in tree.nodes(self.trials) if t["kind"] == "variant"}
+        own = {(t.parent, t.fingerprint) for t in tree.nodes(self.trials) if t.kind is Kind.VARIANT}
         return own | self.memory.tried
 
     def _history(self) -> list[str]:
@@ -367,6 +369,14 @@ class Loop(Judge):
             usage[k] = usage.get(k, 0) + v
         if usage:
             self.on_usage(dict(usage))  # in all so far: `usage` shows a running session's spend
+
+
+def _take_files(t: ProgramTrial) -> dict[str, str]:
+    """A variant's new file texts, taken off the trial for its commit (a variant is recorded with them)."""
+    files, t.files = t.files, None
+    if files is None:  # a variant is saved with its files until its commit exists: a row broken by hand
+        raise ValueError(f"trial {t.n} has neither a commit nor the files to make it from")
+    return files
 
 
 def _resolve(commits: list[str], ref: str) -> str | None:

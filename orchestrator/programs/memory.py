@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.programs import tree
+from orchestrator.programs.trial import Kind
 
 HEADER = "Earlier sessions on this program and start commit (commit | parent | step | metric | outcome | rationale):"
 
@@ -35,17 +36,17 @@ class Memory:
             if other == session or state.get("program") != program or state.get("root") != root:
                 continue
             trials = trees.trials(other)
-            variants = [t for t in tree.nodes(trials) if t["kind"] == "variant"]
-            memory.tried |= {(t["parent"], t.get("fingerprint")) for t in variants if t.get("fingerprint")}
+            variants = [t for t in tree.nodes(trials) if t.kind is Kind.VARIANT]
+            memory.tried |= {(t.parent, t.fingerprint) for t in variants if t.fingerprint}
             base = tree.summary_of(trials, 0)["mean"] if trials else None
             for t in variants:
-                mean = tree.summary_of(trials, t["n"])["mean"]
+                mean = tree.summary_of(trials, t.n)["mean"]
                 effect = "-" if mean is None else f"{mean:.5g}" + (f" ({mean - base:+.3g} vs baseline)"
                                                                    if base is not None else "")
-                outcome = t["verdict"] or t["status"]
+                outcome = tree.state_of(t)
                 outcomes.append(outcome)
-                rows.append(f"{other} {(t['commit'] or '')[:10]} | {(t['parent'] or '-')[:10]} | {t['step']} | "
-                            f"{effect} | {outcome} | {t['rationale'][:160]}")
+                rows.append(f"{other} {(t.commit or '')[:10]} | {(t.parent or '-')[:10]} | {t.step} | "
+                            f"{effect} | {outcome} | {t.rationale[:160]}")
         if not rows:
             return memory
         kept: list[str] = []

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
 from orchestrator.programs import spec as specs, tree
+from orchestrator.programs.trial import Kind, ProgramTrial, S
 
 
 @dataclass(frozen=True)
@@ -208,25 +209,25 @@ def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settin
             service.stop()
 
 
-def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, state: dict, trials: list[dict],
-              parallel: int) -> dict[str, Any]:
+def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, state: dict[str, Any],
+              trials: list[ProgramTrial], parallel: int) -> dict[str, Any]:
     """What a session found: the incumbent against the baseline, counts, cost, why it stopped."""
     counts: dict[str, int] = {}
     for node in tree.nodes(trials):
-        if node["kind"] == "variant":
-            counts[node["verdict"] or node["status"]] = counts.get(node["verdict"] or node["status"], 0) + 1
+        if node.kind is Kind.VARIANT:
+            counts[tree.state_of(node)] = counts.get(tree.state_of(node), 0) + 1
     best_node = trials[state["incumbent"]] if trials else None
     best = None
     if best_node is not None:
-        s = tree.summary_of(trials, best_node["n"])
-        best = {"value": s["mean"], "mean": s["mean"], "std": s["std"], "runs": s["n"], "commit": best_node["commit"],
-                "trial": best_node["n"], "rationale": best_node["rationale"], "verdict": best_node["verdict_text"]}
+        s = tree.summary_of(trials, best_node.n)
+        best = {"value": s["mean"], "mean": s["mean"], "std": s["std"], "runs": s["n"], "commit": best_node.commit,
+                "trial": best_node.n, "rationale": best_node.rationale, "verdict": best_node.verdict_text}
     return {
         "session": session_id, "program": str(spec.root), "goal": config.goal, "metric": spec.metric,
         "direction": spec.direction, "stop_reason": state.get("stop_reason", ""), "trials": len(trials),
         "variants": counts, "baseline": tree.summary_of(trials, 0)["mean"] if trials else None, "best": best,
         "branch": f"autoresearch/{session_id}", "elapsed_s": round(state.get("elapsed", 0.0), 1),
-        "device_seconds": round(sum(t.get("device_s", 0.0) for t in trials), 1), "usage": state.get("usage", {}),
+        "device_seconds": round(sum(t.device_s for t in trials), 1), "usage": state.get("usage", {}),
         "rejected_rounds": state.get("rejected", 0), "parallel": parallel, "finished_at": time.time(),
         "holdout": state.get("holdout"),
     }
@@ -255,14 +256,14 @@ def lineage(session_id: str, settings: Settings | None = None) -> list[dict[str,
         trees.close()
     rows = []
     for node in tree.nodes(trials):
-        runs = tree.runs_of(trials, node["n"])
-        s = tree.summary_of(trials, node["n"])
-        rows.append({"trial": node["n"], "commit": node["commit"], "parent_trial": node["parent_node"],
-                     "parent": node["parent"], "step": node["step"], "state": node["verdict"] or node["status"],
-                     "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node["rationale"],
-                     "detail": node["verdict_text"] or node["error"], "job_ids": [r["job_id"] for r in runs],
-                     "holdout": held.get("value") if held.get("trial") == node["n"] else
-                     held.get("baseline") if held and node["n"] == 0 else None})
+        runs = tree.runs_of(trials, node.n)
+        s = tree.summary_of(trials, node.n)
+        rows.append({"trial": node.n, "commit": node.commit, "parent_trial": node.parent_node,
+                     "parent": node.parent, "step": node.step, "state": tree.state_of(node),
+                     "runs": len(runs), "mean": s["mean"], "std": s["std"], "rationale": node.rationale,
+                     "detail": node.verdict_text or node.error, "job_ids": [r.job_id for r in runs],
+                     "holdout": held.get("value") if held.get("trial") == node.n else
+                     held.get("baseline") if held and node.n == 0 else None})
     return rows
 
 
@@ -292,11 +293,11 @@ def leaderboard(name: str, settings: Settings | None = None) -> dict[str, Any]:
         for row in sessions:
             trials = trees.trials(row["id"])
             for t in trials:
-                node = trials[t["node"]]
-                if t["status"] == "succeeded" and t["value"] is not None:
-                    rows.append({"params": {"commit": (t["commit"] or "")[:10], "change": node["rationale"][:80]},
-                                 "value": t["value"], "job_id": t["job_id"], "source": row["id"],
-                                 "baseline": node["kind"] == "baseline"})
+                node = trials[t.node]
+                if t.status is S.SUCCEEDED and t.value is not None:
+                    rows.append({"params": {"commit": (t.commit or "")[:10], "change": node.rationale[:80]},
+                                 "value": t.value, "job_id": t.job_id, "source": row["id"],
+                                 "baseline": node.kind is Kind.BASELINE})
     finally:
         trees.close()
     return {"experiment": name, "metric": metric, **rank(rows, direction)}

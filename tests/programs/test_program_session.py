@@ -168,6 +168,7 @@ def test_four_variants_run_at_once_on_four_slots(home, tmp_path, monkeypatch):
 def test_kill_9_mid_run_and_resume_loses_no_trial_and_no_commit(home, tmp_path, monkeypatch):
     from orchestrator.programs import session as program_session
     from orchestrator.programs.tree import TreeStore
+    from orchestrator.programs.trial import Kind, S
 
     program = make_program(tmp_path / "proj", sleep=1.0, repeats=2)
     drafts.count = 0
@@ -183,24 +184,24 @@ def test_kill_9_mid_run_and_resume_loses_no_trial_and_no_commit(home, tmp_path, 
 
         deadline = time.time() + 120
         while time.time() < deadline:
-            running = [t for t in trees.trials("s-killme00") if t["kind"] == "variant" and t["status"] == "running"]
+            running = [t for t in trees.trials("s-killme00") if t.kind is Kind.VARIANT and t.status is S.RUNNING]
             if running:
                 break
             time.sleep(0.2)
         assert running, "no variant started"
         proc.kill()
         proc.wait()
-        before = {t["n"]: t["commit"] for t in trees.trials("s-killme00")}
+        before = {t.n: t.commit for t in trees.trials("s-killme00")}
         summary = program_session.resume("s-killme00", devices="cpu:2")
     after = trees.trials("s-killme00")
     trees.close()
-    assert all(after[n]["commit"] == commit for n, commit in before.items() if commit)
-    assert all(t["status"] in ("succeeded", "failed") for t in after)
+    assert all(after[n].commit == commit for n, commit in before.items() if commit)
+    assert all(t.status in (S.SUCCEEDED, S.FAILED) for t in after)
     session_jobs = jobs("s-killme00")
-    assert sorted(j.idempotency_key for j in session_jobs) == sorted(t["key"] for t in after)  # each ran once
+    assert sorted(j.idempotency_key for j in session_jobs) == sorted(t.key for t in after)  # each ran once
     for t in after:
-        if t["kind"] == "variant":
-            assert git(program, "rev-parse", f"refs/autoresearch/s-killme00/{t['n']}") == t["commit"]
+        if t.kind is Kind.VARIANT:
+            assert git(program, "rev-parse", f"refs/autoresearch/s-killme00/{t.n}") == t.commit
     assert summary["trials"] == len(after) == 8
 
 

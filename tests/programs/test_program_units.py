@@ -12,6 +12,7 @@ from orchestrator.programs import answers, edits, spec as specs, tree
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.governor import CHANGE, CONTINUE, STOP, Governor
 from orchestrator.programs.repo import Repo
+from orchestrator.programs.trial import Kind, ProgramTrial, S, Verdict
 from tests.programs.conftest import git, make_program
 
 
@@ -162,18 +163,18 @@ class _Judged(Judge):
         pass
 
 
-def _tree(program, children: list[list[float]]) -> list[dict]:
+def _tree(program, children: list[list[float]]) -> list[ProgramTrial]:
     """A measured baseline (node 0, 3 seeds) and `children` drafted from it, each run on 3 seeds."""
     head = Repo(program).head()
-    trials = [{**tree.new_trial("s", i, kind="baseline", step="baseline", parent=None, parent_node=None, node=0,
-                                commit=head, seed=i), "status": "succeeded", "value": v}
+    trials = [tree.new_trial("s", i, kind=Kind.BASELINE, step="baseline", parent=None, parent_node=None, node=0,
+                             commit=head, seed=i).update(status=S.SUCCEEDED, value=v)
               for i, v in enumerate([1.00, 1.01, 0.99])]
     for values in children:
         node = len(trials)
         for seed, v in enumerate(values):
-            trials.append({**tree.new_trial("s", len(trials), kind="variant", step="draft", parent=head,
-                                            parent_node=0, node=node, commit=head, seed=seed),
-                           "status": "succeeded", "value": v})
+            trials.append(tree.new_trial("s", len(trials), kind=Kind.VARIANT, step="draft", parent=head,
+                                         parent_node=0, node=node, commit=head, seed=seed)
+                          .update(status=S.SUCCEEDED, value=v))
     return trials
 
 
@@ -183,18 +184,18 @@ def test_judge_corrects_for_several_children_of_one_parent(program):
     close, clear = [0.975, 0.985, 0.965], [0.95, 0.96, 0.94]
     alone = _Judged(program, _tree(program, [close]))
     alone._judge()
-    assert alone.trials[3]["verdict"] == "kept" and "95% CI" in alone.trials[3]["verdict_text"]
+    assert alone.trials[3].verdict is Verdict.KEPT and "95% CI" in alone.trials[3].verdict_text
     pair = _Judged(program, _tree(program, [close, clear]))
     pair._judge()
-    assert pair.trials[3]["verdict"] == "discarded" and "97.5% CI" in pair.trials[3]["verdict_text"]
-    assert pair.trials[6]["verdict"] == "kept" and pair.state["incumbent"] == 6
+    assert pair.trials[3].verdict is Verdict.DISCARDED and "97.5% CI" in pair.trials[3].verdict_text
+    assert pair.trials[6].verdict is Verdict.KEPT and pair.state["incumbent"] == 6
     # A crashed sibling was never tested: it does not widen the others' intervals.
     crashed = _tree(program, [close])
-    crashed.append({**tree.new_trial("s", 6, kind="variant", step="draft", parent=None, parent_node=0),
-                    "status": "failed", "error": "boom"})
+    crashed.append(tree.new_trial("s", 6, kind=Kind.VARIANT, step="draft", parent=None, parent_node=0)
+                   .update(status=S.FAILED, error="boom"))
     one = _Judged(program, crashed)
     one._judge()
-    assert one.trials[3]["verdict"] == "kept" and one.trials[6]["verdict"] == "crashed"
+    assert one.trials[3].verdict is Verdict.KEPT and one.trials[6].verdict is Verdict.CRASHED
 
 
 def test_earlier_sessions_memory_stays_within_its_size_and_matches_program_and_commit(tmp_path):
@@ -206,12 +207,12 @@ def test_earlier_sessions_memory_stays_within_its_size_and_matches_program_and_c
         for sid, program, root in [("s-a", "/p", "c0"), ("s-b", "/p", "c0"), ("s-other", "/q", "c0"),
                                    ("s-old", "/p", "c9")]:
             trees.save_state(sid, {"program": program, "root": root})
-            trees.save(sid, {**tree.new_trial(sid, 0, kind="baseline", step="baseline", parent=None,
-                                              parent_node=None, commit="c0"), "status": "succeeded", "value": 4.0})
+            trees.save(sid, tree.new_trial(sid, 0, kind=Kind.BASELINE, step="baseline", parent=None,
+                                           parent_node=None, commit="c0").update(status=S.SUCCEEDED, value=4.0))
             for n in range(1, 41):
-                t = tree.new_trial(sid, n, kind="variant", step="improve", parent="c0", parent_node=0,
+                t = tree.new_trial(sid, n, kind=Kind.VARIANT, step="improve", parent="c0", parent_node=0,
                                    commit=f"{sid}{n:08d}", rationale=f"idea {n} of {sid} " + "x" * 60)
-                t.update(status="succeeded", value=4.0 - n / 100, verdict="discarded" if n % 2 else "kept",
+                t.update(status=S.SUCCEEDED, value=4.0 - n / 100, verdict=Verdict.DISCARDED if n % 2 else Verdict.KEPT,
                          fingerprint=f"{sid}-{n}")
                 trees.save(sid, t)
         memory = Memory.of(trees, "s-new", program="/p", root="c0", chars=2000)
