@@ -8,6 +8,7 @@ import fnmatch
 import os
 import shutil
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +22,36 @@ class FileInfo:
     rel: str
     size: int
     version: str
+
+
+SLOW_CALL_S = 0.002  # a filesystem call slower than this is a round trip: the rest of a listing runs in parallel
+
+
+class _Calls:
+    """Runs a listing's filesystem calls in order while they are fast, and on a thread pool (started then) from
+    the first one that is slow (a network or FUSE round trip)."""
+
+    def __init__(self, threads: int):
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def map(self, fn, items: list) -> list:
+        out = []
+        for i, item in enumerate(items):
+            if self._pool is not None:
+                return out + list(self._pool.map(fn, items[i:]))
+            t0 = time.perf_counter()
+            out.append(fn(item))
+            if time.perf_counter() - t0 > SLOW_CALL_S and self.threads > 1:
+                self._pool = ThreadPoolExecutor(self.threads)
+        return out
+
+    def __enter__(self) -> "_Calls":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 class LocalSource:
@@ -45,13 +76,14 @@ class LocalSource:
                 raise NotADirectoryError(20, "not a directory")
             found, level, seen = {}, [""], set()
             # A stat is a round trip on network storage, and scandir cannot always tell a file from a
-            # directory without one: stat every entry, one directory level at a time, in parallel.
-            with ThreadPoolExecutor(threads) as pool:
+            # directory without one: stat every entry, one directory level at a time, in parallel once a
+            # call shows the storage is slow (on a local disk the pool's hand-offs cost 100x the stats).
+            with _Calls(threads) as calls:
                 while level:
-                    listings = pool.map(lambda d: os.listdir(os.path.join(self.root, d)), level)
+                    listings = calls.map(lambda d: os.listdir(os.path.join(self.root, d)), level)
                     names = [os.path.join(d, n) if d else n for d, names in zip(level, listings) for n in names]
                     level = []
-                    for rel, st in zip(names, pool.map(stat_or_none, names)):
+                    for rel, st in zip(names, calls.map(stat_or_none, names)):
                         if st is None:
                             continue
                         if stat.S_ISDIR(st.st_mode):

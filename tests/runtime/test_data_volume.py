@@ -159,3 +159,30 @@ def test_fsspec_urls_are_sources_too(data_dir, tmp_path):
     assert list(ds) == list(range(5))
     with pytest.raises(VolumeError, match="data volume not found: memory://nowhere"):
         VolumeDataset("memory://nowhere", cache_dir=tmp_path / "cache")
+
+
+def test_a_listing_goes_parallel_only_once_the_storage_shows_it_is_slow():
+    """A listing's stats run in order on a fast disk (no pool: its hand-offs cost more than the stats) and on a
+    pool from the first call that is a round trip; either way the results keep their order."""
+    import threading
+    import time
+
+    from runtime.data.sources import SLOW_CALL_S, _Calls
+
+    active, most, lock = [0], [0], threading.Lock()
+
+    def call(i: int, delay: float) -> int:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(delay)
+        with lock:
+            active[0] -= 1
+        return i * i
+
+    with _Calls(8) as calls:
+        assert calls.map(lambda i: call(i, 0), list(range(50))) == [i * i for i in range(50)]
+        assert calls._pool is None and most[0] == 1
+    with _Calls(8) as calls:
+        assert calls.map(lambda i: call(i, SLOW_CALL_S * 3), list(range(40))) == [i * i for i in range(40)]
+        assert calls._pool is not None and most[0] >= 4

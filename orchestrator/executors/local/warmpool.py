@@ -41,8 +41,13 @@ from orchestrator.executors.local.procs import start_time
 # pandas and pyarrow come with it, the largest part of a warm trial's start without it: benchmarks/RESULTS.md).
 PRELOAD = ("numpy", "torch", "torch.nn", "torch.nn.functional", "torch.optim", "torch.utils.data",
            "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch._dynamo",  # (an optimizer's constructor imports it: most of a warm trial's start without it)
            "PIL.Image", "PIL.PngImagePlugin", "runtime.context", "runtime.checkpoint", "runtime.data",
-           "runtime.data.loader", "runtime.devices", "mlflow.tracking", "mlflow.entities")
+           "runtime.data.loader", "runtime.devices", "mlflow.tracking", "mlflow.entities",
+           # a job's first MlflowClient builds its store: SQLAlchemy, its SQLite dialect and alembic's schema check
+           "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store",
+           "mlflow.store.db.utils", "mlflow.store.db_migrations.env", "alembic.command", "alembic.config",
+           "alembic.runtime.migration", "alembic.script", "sqlalchemy.dialects.sqlite")
 # pyarrow's allocator (jemalloc) starts a background thread when it loads; the pool is started with it off
 # (`pool_environ`), so that it forks with no thread of its own but the interpreter's.
 ALLOCATOR_VAR = "JE_ARROW_MALLOC_CONF"
