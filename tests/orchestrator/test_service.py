@@ -245,7 +245,6 @@ def test_the_mlflow_runs_the_service_made_end_with_their_jobs(make_service, home
     """A tracked job's run ends with the job (FINISHED, FAILED, KILLED, at the job's end time), even when the
     job never ran or ended while no service watched; a run the submitter brought is the submitter's to end."""
     from orchestrator.core.config import Settings
-    from orchestrator.tracking.jobruns import run_request
     from orchestrator.tracking.client import Tracker
 
     tracker = Tracker.from_settings(Settings.load())

@@ -1,7 +1,6 @@
 """A runtime job whose preemption arrives during its last step: it finishes that step within its grace, tells
 the runtime it is complete, and exits 0. It must end SUCCEEDED and never run again."""
 
-import os
 import time
 
 from runtime.context import JobContext
