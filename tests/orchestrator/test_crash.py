@@ -5,10 +5,12 @@ the state its exit code earned, a job still running is adopted (not started twic
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
@@ -147,3 +149,57 @@ def test_an_exit_seen_but_not_yet_recorded_survives_a_crash(home, tmp_path):
     second.forget(job.id, job.attempts)
     assert not Layout(tmp_path).exit_file(job.id, job.attempts).exists()
     second.close()
+
+
+WAITER = """import pathlib, sys, time
+gate = pathlib.Path(sys.argv[1])
+print("waiting", flush=True)
+while not gate.exists():
+    time.sleep(0.05)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_warm_attempts_outlive_a_kill_9_of_the_service_and_are_adopted(home, tmp_path):
+    """Attempts forked from the warm pool are the cold wrapper's twins after a crash too: they outlive the
+    service (and its pool, which exits with it), one that ends meanwhile is settled from its exit file, one
+    still running is adopted, and none runs twice."""
+    store = JobStore(Settings.load().db_url)
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    serve = start_serve("cpu:2")
+    try:
+        wait_for(lambda: api.live_services(store), timeout=60, what="the service heartbeat")
+        first = api.submit(JobSpec(argv=[sys.executable, str(script), str(tmp_path / "open"), "0"], track=False))
+        (tmp_path / "open").touch()  # the first Python attempt starts cold and the pool with it
+        wait_for(lambda: store.get(first[0].id).state == "SUCCEEDED", timeout=60, what="the first job")
+        run_dir = Settings.load().home / "run"
+        wait_for(lambda: any(run_dir.glob("warmpool-*.json")), timeout=60, what="the warm pool to be ready")
+        pool = int(json.loads(next(run_dir.glob("warmpool-*.json")).read_text())["pid"])
+        ends = api.submit(JobSpec(argv=[sys.executable, str(script), str(tmp_path / "g1"), "3"], track=False))[0].id
+        stays = api.submit(JobSpec(argv=[sys.executable, str(script), str(tmp_path / "g2"), "0"], track=False))[0].id
+        wait_for(lambda: all(store.get(j).state == "RUNNING" for j in (ends, stays)), what="two running jobs")
+        for job_id in (ends, stays):
+            assert [e.reason for e in api.show(job_id, store)[1] if e.dst == "RUNNING"][0].endswith(", warm")
+        pid_before = store.get(stays).pid
+
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        assert alive(store.get(ends).pid) and alive(pid_before), "warm attempts outlive the service"
+        wait_for(lambda: not alive(pool), timeout=30, what="the warm pool to exit with its service")
+        (tmp_path / "g1").touch()
+        wait_for(lambda: not alive(store.get(ends).pid), timeout=10, what="the gated job to end with no service")
+
+        serve = start_serve("cpu:2")
+        wait_for(lambda: store.get(ends).state == "FAILED", timeout=60, what="the ended warm job to be settled")
+        assert store.get(ends).exit_code == 3
+        adopted = store.get(stays)
+        assert adopted.state == "RUNNING" and adopted.pid == pid_before  # adopted, not started again
+        (tmp_path / "g2").touch()
+        wait_for(lambda: store.get(stays).state == "SUCCEEDED", timeout=30, what="the adopted warm job's exit")
+        assert all(store.get(j).attempts == 1 for j in (ends, stays)), "no job ran twice"
+        assert Path(store.get(stays).log_path).read_text().count("waiting") >= 1
+    finally:
+        kill_leftovers(store)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=20)
