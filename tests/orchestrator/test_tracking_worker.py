@@ -33,7 +33,10 @@ def test_a_tracking_worker_lost_mid_batch_leaves_one_run_per_job(home, monkeypat
     settings = Settings.load()
     db = settings.tracking_uri[len("sqlite:///"):]
     store = JobStore(settings.db_url)
-    jobs = [api.submit(JobSpec(argv=["true"]), store=store)[0].id for _ in range(120)]  # tracked
+    # Tracked, and heavy to record (100 params each): the worker is still writing the batch long after the
+    # test has taken the lock at the first answers, however fast the machine.
+    params = {f"p{i}": "x" * 100 for i in range(100)}
+    jobs = [api.submit(JobSpec(argv=["true"], params=params), store=store)[0].id for _ in range(120)]
     worker = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
     lock = sqlite3.connect(db, timeout=60, isolation_level=None)
     lost = []
