@@ -141,3 +141,21 @@ def test_runs_the_service_made_are_listed_to_end_once_their_jobs_end_for_good(db
     assert [row[:3] for row in store.runs.runs_to_close()] == [(cancelled.id, f"r{cancelled.id}", "CANCELLED"),
                                                          (retrying.id, f"r{retrying.id}", "FAILED")]
     store.close()
+
+
+def test_runs_made_and_not_recorded_are_found_on_a_store_that_is_not_a_database(tmp_path, monkeypatch):
+    """Adoption's other path (an MLflow server, a file store: MLflow's client, a search per job) finds the same
+    runs the database path does: open, tagged with the job, named as its request, started after submission."""
+    import time
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tracker = Tracker((tmp_path / "mlruns").as_uri(), None)
+    assert jobruns._sql_store(tracker) is None
+    now = int(time.time() * 1000)
+    requests = [{"id": i, "experiment": "jobs", "name": f"job-{i}", "tags": {jobruns.TAG_JOB: str(i)}, "params": {},
+                 "submitted": now - 1000} for i in (1, 2, 3)]
+    made = dict(jobruns.create_runs(tracker, requests[:2]))
+    tracker.client.set_terminated(made[2], "FAILED")  # ended: not a run waiting for its job
+    assert jobruns.made_runs(tracker, None, requests) == {1: made[1]}
+    again = dict(jobruns.create_runs(tracker, requests, adopt=True))
+    assert again[1] == made[1] and again[2] != made[2] and set(again) == {1, 2, 3}
