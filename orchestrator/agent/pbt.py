@@ -10,10 +10,11 @@ The graph is the agent's (`orchestrator.agent.graph`); these nodes replace its s
   (`orchestrator.agent.schedule.pairs`): the loser's job is cancelled (it checkpoints; its trial ends
   stopped) and a child trial, recorded with its key before anything happens, takes the loser's slot with the
   donor's params perturbed (`perturb`). The interval is recorded as judged in the same checkpointed step.
-- submit: a child's donor checkpoint (the one at the judged interval) is copied once into the child's fork dir
-  (`Layout.fork_dir(key)`: a copy under a temporary name, renamed; one that exists is never copied again), then the child is queued
-  with `AUTORESEARCH_INIT_CHECKPOINT` (its job starts from that copy), `AUTORESEARCH_SCHEDULE` (its lineage)
-  and `AUTORESEARCH_CHECKPOINT_EVERY=K` (every member keeps a checkpoint at each interval for donors).
+- submit: a child's donor checkpoint (the one at the judged interval) is copied once into the child's fork
+  dir (`Layout.fork_dir(key)`: a copy under a temporary name, renamed; one that exists is never copied
+  again), then the child is queued with `AUTORESEARCH_INIT_CHECKPOINT` (its job starts from that copy),
+  `AUTORESEARCH_SCHEDULE` (its lineage) and `AUTORESEARCH_CHECKPOINT_EVERY=K` (every member keeps a
+  checkpoint at each interval for donors).
 - decide: when every member's last trial has ended, the best finished member's schedule is replayed from
   scratch on `confirm_seeds` fresh seeds beside the baseline's `baseline_seeds` runs; the session's gate
   judges those replays alone (the lineage that found the schedule only ranks it), so a lucky lineage is

@@ -11,6 +11,7 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from runtime.errors import VolumeError
 
@@ -24,6 +25,7 @@ class FileInfo:
     version: str
 
 
+T, R = TypeVar("T"), TypeVar("R")
 SLOW_CALL_S = 0.002  # a filesystem call slower than this is a round trip: the rest of a listing runs in parallel
 
 
@@ -35,8 +37,8 @@ class _Calls:
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
 
-    def map(self, fn, items: list) -> list:
-        out = []
+    def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        out: list[R] = []
         for i, item in enumerate(items):
             if self._pool is not None:
                 return out + list(self._pool.map(fn, items[i:]))
