@@ -46,7 +46,7 @@ PRELOAD = ("numpy", "torch", "torch.nn", "torch.nn.functional", "torch.optim", "
            "runtime.data.loader", "runtime.devices", "mlflow.tracking", "mlflow.entities",
            # a job's first MlflowClient builds its store: SQLAlchemy, its SQLite dialect and alembic's schema check
            "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store",
-           "mlflow.store.db.utils", "mlflow.store.db_migrations.env", "alembic.command", "alembic.config",
+           "mlflow.store.db.utils", "alembic.command", "alembic.config",
            "alembic.runtime.migration", "alembic.script", "sqlalchemy.dialects.sqlite")
 # pyarrow's allocator (jemalloc) starts a background thread when it loads; the pool is started with it off
 # (`pool_environ`), so that it forks with no thread of its own but the interpreter's.
