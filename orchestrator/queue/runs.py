@@ -64,14 +64,6 @@ class RunRecords:
                     done.add(job_id)
         return done
 
-    def recorded(self, job_ids: list[int]) -> dict[int, str | None]:
-        """The run each of these jobs records (None: none yet)."""
-        if not job_ids:
-            return {}
-        with self.db.lone_read() as conn:
-            rows = conn.execute(core_select(JOBS.c.id, JOBS.c.mlflow_run_id).where(JOBS.c.id.in_(list(job_ids))))
-            return {job_id: run_id for job_id, run_id in rows}
-
     def runs_to_close(self, limit: int = 256) -> list[tuple[int, str, str, float]]:
         """Jobs finished for good whose run the service made and has not ended yet, the longest finished first:
         (job id, run id, state, finished_at)."""

@@ -197,8 +197,9 @@ class Collector:
         report = Report(dry_run=dry_run)
         now = time.time()
         slow = everything or now - self._slow_at >= SLOW_PARTS_EVERY
-        self._checkpoints(report, dry_run, again=slow)
-        self._forks(report, dry_run)
+        sessions = session_states(self.settings.home)
+        self._checkpoints(report, dry_run, sessions, again=slow)
+        self._forks(report, dry_run, sessions)
         self._cap_logs(report, dry_run, every=slow)
         if slow:
             self._slow_at = now
@@ -208,9 +209,8 @@ class Collector:
                 report.events_dropped = self.store.keeping.compact_events(now - days * DAY)
         return report
 
-    def _checkpoints(self, report: Report, dry_run: bool, again: bool = True) -> None:
-        sessions = session_states(self.settings.home)
-        # Read before the rows: a change that lands after it makes the next pass decide again.
+    def _checkpoints(self, report: Report, dry_run: bool, sessions: dict[str, bool], again: bool = True) -> None:
+        # `sessions` is read before the rows: a change that lands after it makes the next pass decide again.
         seen = (self.store.keeping.retention_fingerprint(), tuple(sorted(sessions.items())))
         if not again and seen == self._settled:
             return  # nothing the policy reads has changed since it last had nothing to do
@@ -242,14 +242,14 @@ class Collector:
             except Exception as exc:  # the tracking store may be down; the queue has the record
                 log.warning("could not tag runs whose checkpoints were removed: %s", exc)
 
-    def _forks(self, report: Report, dry_run: bool) -> None:
+    def _forks(self, report: Report, dry_run: bool, sessions: dict[str, bool]) -> None:
         """Remove the checkpoint copies PBT's children started from (`Layout.fork_dir`, named after the child's
         trial key `SESSION:N`) once their session has ended: a resumable session still needs them. A copy left
         half-made by a crash (`.NAME.PID`) goes with them."""
         root = Path(self.settings.home) / "forks"
         if not root.is_dir():
             return
-        ended = [sid for sid, done in session_states(self.settings.home).items() if done]
+        ended = [sid for sid, done in sessions.items() if done]
         if not ended:
             return
         for path in sorted(root.iterdir()):

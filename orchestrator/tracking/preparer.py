@@ -121,7 +121,7 @@ class RunPreparer:
             ready = self.store.runs.set_run_ids(made)
             lost = {job_id: run_id for job_id, run_id in made.items() if job_id not in ready}  # another host won
             if lost:  # ... unless the run was adopted (`jobruns.made_runs`) and is the one it recorded
-                recorded = self.store.runs.recorded(list(lost))
+                recorded = {job.id: job.mlflow_run_id for job in self.store.get_many(lost)}
                 losers.extend(run_id for job_id, run_id in lost.items() if recorded.get(job_id) != run_id)
             self.prepared += len(ready)
             made.clear()

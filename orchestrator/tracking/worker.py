@@ -199,7 +199,6 @@ class TrackingWorker:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        self._adopt = True  # stopped mid-batch, it may have committed runs it never answered
         try:
             proc.stdin.close()  # the worker exits when its input ends
         except (OSError, ValueError):
