@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, TypedDict
 
+from orchestrator.core.records import Record
+
 
 class Phase(str, Enum):
     """Why a trial runs: the baseline (the reference), the search, or a confirmation re-run on a fresh seed."""
@@ -46,7 +48,7 @@ class TrialStatus(str, Enum):
 
 
 @dataclass
-class Trial:
+class Trial(Record):
     """One trial; `key` (`<session>:<n>`) is its job's idempotency key and its MLflow run's tag."""
 
     n: int
@@ -80,26 +82,11 @@ class Trial:
         self.phase = Phase(self.phase)
         self.status = TrialStatus(self.status)
 
-    def update(self, **changes: Any) -> "Trial":
-        """Set several fields at once (statuses and phases given as words are coerced)."""
-        for k, v in changes.items():
-            if not hasattr(self, k):
-                raise AttributeError(f"Trial has no field {k!r}")
-            setattr(self, k, v)
-        self.__post_init__()
-        return self
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data for the graph's checkpoint."""
         out = dataclasses.asdict(self)
         out["phase"], out["status"] = self.phase.value, self.status.value
         return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Trial":
-        """A trial from its checkpointed dict (unknown keys, from another version, are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
 
     def config_values(self) -> dict[str, Any]:
         """The ASHA view of the trial (its rungs, what was judged, where it stopped), as `stopping` reads it."""

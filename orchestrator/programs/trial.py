@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
+
+from orchestrator.core.records import Record
 
 
 class _Word(str, Enum):
@@ -65,7 +67,7 @@ class Verdict(_Word):
 
 
 @dataclass
-class ProgramTrial:
+class ProgramTrial(Record):
     """One trial; `key` (`<session>:<n>`) is its job's idempotency key and its MLflow run's tag.
 
     `files`, `fingerprint` and `log_tail` are absent from the stored dict while unset (None), as they were
@@ -106,15 +108,6 @@ class ProgramTrial:
         """It is the first run of its commit."""
         return self.node == self.n
 
-    def update(self, **changes: Any) -> "ProgramTrial":
-        """Set several fields at once (kinds, statuses and verdicts given as words are coerced)."""
-        for k, v in changes.items():
-            if not hasattr(self, k):
-                raise AttributeError(f"ProgramTrial has no field {k!r}")
-            setattr(self, k, v)
-        self.__post_init__()
-        return self
-
     def to_dict(self) -> dict[str, Any]:
         """The stored form: plain JSON-able data, keys in the order trials have always been written."""
         out = dataclasses.asdict(self)
@@ -124,9 +117,3 @@ class ProgramTrial:
             if out[optional] is None:
                 del out[optional]
         return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ProgramTrial":
-        """A trial from its stored dict (unknown keys, from another version, are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
