@@ -1,7 +1,7 @@
 """Population-based training against ASHA+TPE and ASHA+random on charlm, at the same device budget.
 
     python benchmarks/pbt_vs_asha.py [--seeds 5] [--slots 2] [--max-steps 300] [--population 4]
-                                     [--interval 60] [--methods pbt,tpe,random]
+                                     [--interval 60] [--methods pbt,tpe,random] [--experiment DIR]
 
 Each (method, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its own
 embedded service on `cpu:SLOTS`, real charlm trials and a real MLflow store, as `autoresearch start` runs it:
@@ -18,8 +18,9 @@ budget is its population's total steps), and the ASHA sessions then get its wall
 device-seconds its sessions really used. Every session is judged by the same gate (Welch's t-test
 on fresh-seed runs only, against the baseline's): a row reports the share of seeds whose session found a gated
 win, the mean gated improvement in val_loss (nats per byte; 0 where none), and the best finished single run.
-Ratios are printed against ASHA+random. PBT is expected to pay on schedules (a learning rate that should
-fall), not on architectures, which it never changes.
+Ratios are printed against ASHA+random. `--experiment examples/tinyreg` runs the same comparison on a
+config-file experiment (PBT in resumed segments of the script's own checkpoints). PBT is expected to pay on
+schedules (a learning rate that should fall), not on architectures, which it never changes.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def run_session(method: str, seed: int, args: argparse.Namespace, minutes: float
 
     extra = ({"population": args.population, "perturbation_interval": args.interval} if method == "pbt"
              else {"trials": 1000})
-    config = SessionConfig(goal="lowest val_loss", experiment="charlm", proposer=method,
+    fixed = {"max_steps": args.max_steps, "scale": 1} if args.experiment == "charlm" else {}
+    config = SessionConfig(goal="lowest val_loss", experiment=args.experiment, proposer=method,
                            budget_minutes=minutes, parallel=args.slots, seed=seed, poll=0.5,
-                           fixed={"max_steps": args.max_steps, "scale": 1}, baseline_seeds=args.baseline_seeds,
+                           fixed=fixed, baseline_seeds=args.baseline_seeds,
                            confirm_seeds=args.confirm_seeds, **extra)
     t0 = time.time()
     summary = runner.start(config, settings=Settings.load(), devices=f"cpu:{args.slots}")
@@ -75,6 +77,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--slots", type=int, default=2, help="cpu:N device slots per session")
+    parser.add_argument("--experiment", default="charlm", help="charlm, or a config-file experiment's folder "
+                        "(its own step budget; e.g. examples/tinyreg)")
     parser.add_argument("--max-steps", type=int, default=300, help="charlm's step budget per trial")
     parser.add_argument("--population", type=int, default=4)
     parser.add_argument("--interval", type=int, default=60, help="pbt's perturbation interval in steps")
@@ -95,7 +99,8 @@ def main() -> int:
                   f"{s['wall_s']:.0f} s, {s['stop_reason']})", flush=True)
     rows = [row(m, found[m]) for m in methods]
     ref = next((r for r in rows if r["method"] == "random"), rows[-1])
-    print(f"\ncharlm, {args.max_steps} steps per trial, cpu:{args.slots}, the pbt session's wall time for each, "
+    what = f"charlm, {args.max_steps} steps per trial" if args.experiment == "charlm" else args.experiment
+    print(f"\n{what}, cpu:{args.slots}, the pbt session's wall time for each, "
           f"{args.seeds} seeds; pbt: population {args.population}, interval {args.interval}")
     print(f"{'method':8} {'wins':>6} {'gain':>9} {'best run':>9} {'device-s':>9} {'vs ' + ref['method']:>14}")
     for r in rows:

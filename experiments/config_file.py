@@ -33,7 +33,7 @@ SEED_RANGE = (0, 2**31 - 1)
 DEFAULT_ARGS = "--{name}={value}"
 JOB_PLACEHOLDERS = ("args", "checkpoint_dir", "seed", "job_id")
 EXPERIMENT_KEYS = ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "fixed",
-                   "seed", "time_limit", "image", "holdout_metric", "bools", "mutable")
+                   "seed", "time_limit", "image", "holdout_metric", "bools", "mutable", "steps")
 TYPE_KEYS = {"float": ("type", "low", "high", "log", "default", "help"),
              "int": ("type", "low", "high", "log", "default", "help"),
              "choice": ("type", "values", "default", "help")}
@@ -109,7 +109,7 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
         if key not in section:
             raise ConfigError(f"{where}: [experiment] needs {key!r}")
     for key in ("name", "description", "run", "args", "metric", "direction", "pattern", "resume", "seed", "image",
-                "holdout_metric"):
+                "holdout_metric", "steps"):
         if key in section and not isinstance(section[key], str):
             raise ConfigError(f"{where}: {key} must be a string, got {section[key]!r}")
     root = Path(folder).resolve() if folder is not None else Path.cwd()
@@ -168,6 +168,9 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
             raise ConfigError(f"{where}: mutable {key!r} must name a float or int parameter of [space] (what "
                               "may change mid-training: a learning rate, weight decay, dropout; never the "
                               "architecture)")
+    steps = section.get("steps") or None
+    if steps is not None:
+        _check_steps(steps, dims, fixed, where)
     description = section.get("description") or (
         f"A training script run as `{section['run']}` (in {root.name}/); {section['direction']} {metric}.")
     return ExperimentSpec(name=name, description=description, space=SearchSpace(dims), metric=metric,
@@ -175,7 +178,8 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
                           image=section.get("image") or None, run=section["run"], args_format=args_format,
                           pattern=pattern, resume=section.get("resume") or None, fixed=fixed,
                           seed_param=seed_param, time_limit=time_limit, cwd=str(root), source=source,
-                          holdout_metric=holdout_metric, bools=(bools[0], bools[1]), mutable=tuple(mutable))
+                          holdout_metric=holdout_metric, bools=(bools[0], bools[1]), mutable=tuple(mutable),
+                          steps=steps)
 
 
 def parse_dimension(key: str, table: Any, where: str = CONFIG) -> Dimension:
@@ -250,6 +254,17 @@ def _fixed(table: Any, dims: Mapping[str, Dimension], where: str) -> dict[str, A
             raise ConfigError(f"{where}: fixed {key} must be a string, number or boolean, got {value!r}")
         out[key] = value
     return out
+
+
+def _check_steps(steps: str, dims: Mapping[str, Dimension], fixed: Mapping[str, Any], where: str) -> None:
+    """`steps` names the int parameter that says where a run stops (fixed or in [space], never the seed)."""
+    dim = dims.get(steps)
+    if steps == SEED or (dim is None and steps not in fixed):
+        raise ConfigError(f"{where}: steps {steps!r} must name the parameter (fixed or in [space]) that says after "
+                          "how many steps the script stops, e.g. steps = \"max_iters\"")
+    if (dim is not None and not isinstance(dim, Int)) or (
+            dim is None and (isinstance(fixed[steps], bool) or not isinstance(fixed[steps], int) or fixed[steps] < 1)):
+        raise ConfigError(f"{where}: steps {steps!r} must be an int parameter (a number of steps >= 1)")
 
 
 def placeholders(run: str) -> list[str]:

@@ -51,6 +51,9 @@ class ExperimentSpec:
     # weight decay, dropout, a batch size where the loader allows; never the architecture. A float or int
     # parameter of the space each; the experiment applies a changed one after loading a copied checkpoint.
     mutable: tuple[str, ...] = ()
+    # The parameter that says after how many steps a config-file experiment's run stops (`steps` in the toml, e.g.
+    # "max_iters"): PBT runs its members and replays as segments that each stop at the next interval and resume.
+    steps: str | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in ("minimize", "maximize"):
@@ -85,6 +88,8 @@ class ExperimentSpec:
         plan = {"run": self.run, "args": self.args_format, "metric": self.metric, "pattern": self.pattern,
                 "resume": self.resume, "fixed": dict(self.fixed), "seed": self.seed_param,
                 "bools": list(self.bools)}
+        if self.steps:
+            plan["steps"] = self.steps
         return [python, "-m", "orchestrator.executors.scriptjob", json.dumps(plan, separators=(",", ":"))]
 
     def job_fields(self, in_image: bool = False) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +55,11 @@ def check(spec: Any) -> None:
     if not getattr(spec, "mutable", ()):
         raise BadInput(f"--proposer pbt: experiment {spec.name} declares no mutable params (what may change "
                        "mid-training: `mutable` in its spec or its autoresearch.toml)")
-    if spec.run is not None:
-        raise BadInput(f"--proposer pbt: {spec.name} is a config-file experiment; its script cannot yet start from "
-                       "a copied checkpoint (PBT runs the bundled experiments and Python specs)")
+    if spec.run is not None and not (spec.steps and spec.resume):
+        missing = " and ".join(k for k, v in (("steps", spec.steps), ("resume", spec.resume)) if not v)
+        raise BadInput(f"--proposer pbt: config-file experiment {spec.name} needs {missing} in [experiment] (the "
+                       "parameter where the script stops, e.g. steps = \"max_iters\", and its resume flag): PBT runs "
+                       "it in segments that resume from its checkpoint dir")
 
 
 class PBTAgent(Agent):
@@ -187,11 +190,16 @@ class PBTAgent(Agent):
         """A running member's history (in `rungs`: step -> value); True when it reached the next interval."""
         if t.status is not S.RUNNING or t.phase is not P.SEARCH or not t.run_id:
             return False
+        if self.spec.run is not None:  # a config-file member: the reports its segments' ends recorded
+            from orchestrator.core import outputmetrics
+
+            outputmetrics.sync(self.tracker, job, self.spec.metric)
         history = self.tracker.history(t.run_id, self.progress_metric)
         if not history:
             return False
         if t.total is None:
-            total = self.tracker.params(t.run_id).get("total_steps")
+            total = (t.params.get(self.spec.steps) or self.spec.fixed.get(self.spec.steps) if self.spec.steps
+                     else self.tracker.params(t.run_id).get("total_steps"))  # a config-file run's stop, or the log
             t.total = int(float(total)) if total else None
         seen = max((int(k) for k in t.rungs), default=-1)
         t.rungs = {str(int(step)): value for step, value in history}
@@ -261,13 +269,19 @@ class PBTAgent(Agent):
         self._elapsed(state)
         trials = load(state["trials"])
         phase, reason = state["phase"], state.get("stop_reason", "")
+        best = state.get("best")
         if self._time_up(state) and phase != "done":
-            for t in trials:
-                if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None:
-                    self._cancel(t, f"session {self.session_id}: time budget reached")
-                if t.status is S.PROPOSED:
-                    t.status = S.CANCELLED
+            self._stop_all(trials, "time budget reached")
             phase, reason = "done", "time budget reached"
+        elif phase == "search" and trials and self._late(state, trials):
+            # Only the replays' time is left: the members stop where they are, the leader at the furthest step
+            # they all reached is replayed (its schedule so far, then to the full budget) beside the baseline.
+            best = self._leader(trials)
+            self._stop_all(trials, "time left only for the baseline and the replays")
+            phase = "confirm" if best else "done"
+            reason = ("time left only for the baseline and the replays" if best else
+                      "time budget reached before any member reported")
+            self._event("phase", {**state, "trials": trials, "best": best}, phase=phase, reason=reason)
         elif phase == "search" and trials and all(t.status in FINAL for t in _members(trials).values()):
             phase, reason = "confirm", "every member finished its budget"
             self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
@@ -282,7 +296,44 @@ class PBTAgent(Agent):
         else:
             route = "monitor"
         return {"trials": dump(trials), "phase": phase, "stop_reason": reason, "route": route,
-                "elapsed": state["elapsed"]}
+                "elapsed": state["elapsed"], "best": best}
+
+    def _stop_all(self, trials: list[Trial], reason: str) -> None:
+        for t in trials:
+            if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None:
+                self._cancel(t, f"session {self.session_id}: {reason}")
+            if t.status is S.PROPOSED:
+                t.status = S.CANCELLED
+
+    def _late(self, state: State, trials: list[Trial]) -> bool:
+        """Whether only the confirm phase's time is left of `--budget-minutes`: its baseline and replay runs, at
+        full length, in rounds of `parallel`, a run's length estimated from the members' pace (x1.25 for a busy
+        machine). False until a member has reported: there is nothing to replay yet."""
+        minutes = self.cfg.budget_minutes
+        if minutes is None:
+            return False
+        now, runs = time.time(), []
+        for t in _members(trials).values():
+            start = t.lineage.get("fork_step") or 0
+            if t.status is S.RUNNING and t.total and t.last_step and t.last_step > start and t.submitted_at:
+                runs.append((now - t.submitted_at) / (t.last_step - start) * t.total)
+        if not runs:
+            return False
+        rounds = -(-(self.cfg.baseline_seeds + self.cfg.confirm_seeds) // max(1, self.parallel))
+        return state["elapsed"] >= minutes * 60 - 1.25 * sorted(runs)[len(runs) // 2] * rounds
+
+    def _leader(self, trials: list[Trial]) -> dict | None:
+        """The best member at the furthest step every reporting member reached (None when none reported)."""
+        members = [t for t in _members(trials).values() if t.rungs and t.status is not S.FAILED]
+        if not members:
+            return None
+        step = min(max(int(k) for k in t.rungs) for t in members)
+        best = None
+        for t in members:
+            v = sched.value_at([(int(k), x) for k, x in sorted(t.rungs.items(), key=lambda kv: int(kv[0]))], step)
+            if v is not None and (best is None or self.spec.better(v, best["value"])):
+                best = {"n": t.n, "value": v, "params": t.params, "job_id": t.job_id, "at_step": step}
+        return best
 
 
 def _members(trials: list[Trial]) -> dict[int, Trial]:

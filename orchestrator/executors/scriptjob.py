@@ -17,6 +17,9 @@ to the job's MLflow run, so ASHA sees it); the last is the result. A script that
 itself (the runtime, or plain `mlflow.log_metric` in the inherited MLFLOW_RUN_ID) keeps its own. A run that
 exits 0 with neither exits 1 with that reason: no result is ever made up. Standard library only: a job pays
 no MLflow import for its metric.
+Population-based training: with a `steps` parameter and a resume flag in the plan, a PBT member or a replayed
+schedule runs as a chain of resumed segments, each reported once, at its end (`orchestrator.executors.segments`).
+
 The wrapper shares the job's process group: the queue's SIGTERM reaches the script, and the wrapper waits for
 it and exits with its code.
 
@@ -38,7 +41,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from experiments import common
 from experiments.command import exec_form, render, script_params, with_interpreter
+from orchestrator.executors import segments
 from orchestrator.executors.local import warmpool
 from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
@@ -46,6 +51,8 @@ from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_p
 
 STATE = ".autoresearch-attempts.json"  # attempts started and reports read, kept in the checkpoint dir
 NO_RESULT_EXIT = 1
+TEMPFAIL_EXIT = 75  # a segment cut short by SIGTERM although its script exited 0: not finished
+TERMINATED: list[bool] = []  # SIGTERM reached the wrapper of a run in segments
 
 
 def say(message: str) -> None:
@@ -63,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_dir = Path(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR") or tempfile.mkdtemp(prefix="autoresearch-"))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     state = _read_state(checkpoint_dir)
+    # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    if segments.wanted(plan, os.environ):
+        signal.signal(signal.SIGTERM, lambda *_: TERMINATED.append(True))
+        return _in_segments(plan, params, checkpoint_dir, state)
     theirs = [p for p in checkpoint_dir.iterdir() if not p.name.startswith(".autoresearch")]
     values = script_params(params, plan.get("fixed") or {}, plan.get("seed"))
-    command = render(plan["run"], plan.get("args") or "--{name}={value}", values, checkpoint_dir=str(checkpoint_dir),
-                     job_id=os.environ.get("AUTORESEARCH_JOB_ID", "0"), seed_param=plan.get("seed"),
-                     bools=tuple(plan.get("bools") or ("True", "False")))
+    command = _command(plan, values, checkpoint_dir)
     start = 0
     if plan.get("resume") and theirs:
         command = f"{command} {plan['resume']}"
@@ -77,14 +88,29 @@ def main(argv: list[str] | None = None) -> int:
         why = "it declares no resume flag" if not plan.get("resume") else "its checkpoint dir is empty"
         say(f"attempt {state['attempts'] + 1} starts again from scratch: {why}")
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=start)
+    reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
+    code = _run(command, values, reader, checkpoint_dir)
+    _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
+    if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
+        say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
+            "to MLflow")
+        return NO_RESULT_EXIT
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _command(plan: dict, values: dict, checkpoint_dir: Path) -> str:
+    return render(plan["run"], plan.get("args") or "--{name}={value}", values, checkpoint_dir=str(checkpoint_dir),
+                  job_id=os.environ.get("AUTORESEARCH_JOB_ID", "0"), seed_param=plan.get("seed"),
+                  bools=tuple(plan.get("bools") or ("True", "False")))
+
+
+def _run(command: str, values: dict, reader: LineReader, checkpoint_dir: Path, record: bool = True) -> int:
+    """Run one command (forked warm when it can be), its output passed through and its metric lines read (each
+    recorded as a report, with `record`); its exit code."""
     command = with_interpreter(command, sys.executable)
     env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
     target = warm_target(command, env)
     say(f"running: {command}" + (" (warm)" if target else ""))
-    reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
-    # The queue signals the whole group; the command gets SIGTERM itself and decides how to stop.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
     if target is not None:
         proc: subprocess.Popen | Forked = Forked(target, env)
     else:
@@ -95,15 +121,60 @@ def main(argv: list[str] | None = None) -> int:
         out.write(raw)
         out.flush()
         report = reader.feed(raw.decode("utf-8", errors="replace"))
-        if report is not None:
+        if report is not None and record:
             outputmetrics.append(checkpoint_dir, *report)
-    code = proc.wait()
-    _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
-    if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
-        say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
-            "to MLflow")
-        return NO_RESULT_EXIT
-    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+    return proc.wait()
+
+
+def _in_segments(plan: dict, params: dict, checkpoint_dir: Path, state: dict) -> int:
+    """A PBT member or a schedule's replay as a chain of resumed segments (`orchestrator.executors.segments`)."""
+    steps, fixed, seed = plan["steps"], plan.get("fixed") or {}, plan.get("seed")
+    total = int(script_params(params, fixed, seed)[steps])
+    every = int(os.environ.get(common.CHECKPOINT_EVERY_ENV) or 0) or None
+    schedule = common.schedule()
+    run_dir = checkpoint_dir / segments.RUN
+    at = state.get("at")
+    if at is None:
+        at = segments.seed_from_fork(run_dir, os.environ.get(common.INIT_CHECKPOINT_ENV)) or 0
+        if at:
+            say(f"starting from the fork's checkpoint at step {at}")
+    attempts = int(state.get("attempts", 0)) + 1
+    _write_state(checkpoint_dir, attempts=attempts, at=at)
+    run_dir.mkdir(exist_ok=True)
+    done = dict(outputmetrics.read(checkpoint_dir))
+    for end in [b for b in segments.boundaries(total, every, schedule) if b > at]:
+        values = script_params(common.params_at(params, schedule, at), fixed, seed)
+        values[steps] = end
+        command = _command(plan, values, run_dir)
+        if any(run_dir.iterdir()):
+            command = f"{command} {plan['resume']}"
+        say(f"segment to step {end} of {total}" + (f", resuming from step {at}" if at else ", from scratch"))
+        reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]))
+        code = _run(command, values, reader, checkpoint_dir, record=False)  # one report, at the segment's end
+        # The segment's last value so far: a script resumed at its stop may train no step and print nothing.
+        last = reader.values[-1][1] if reader.values else state.get("last") if state.get("at") == at else None
+        state = {"at": at, "last": last} if last is not None else {"at": at}
+        _write_state(checkpoint_dir, attempts=attempts, **state)
+        if TERMINATED:  # stopped (a cancel, a preemption) even if the script exited 0: not done
+            say(f"the segment to step {end} was stopped; a next attempt resumes it from the script's checkpoint")
+            return (128 - code if code < 0 else code) or TEMPFAIL_EXIT
+        if code != 0:
+            return 128 - code if code < 0 else code
+        if last is not None and end not in done:
+            outputmetrics.append(checkpoint_dir, end, last)
+        elif last is None and end not in done and not logged_by_script(plan["metric"]):
+            say(f"no result: the segment to step {end} printed no line matching the metric pattern")
+            return NO_RESULT_EXIT
+        if not any(run_dir.iterdir()):
+            say(f"no checkpoint: the script left nothing in {run_dir} at step {end}; under PBT it must save one "
+                f"when it stops at {steps} (and resume from it with {plan['resume']!r})")
+            return NO_RESULT_EXIT
+        if every and end < total and end % every == 0:
+            segments.snapshot(checkpoint_dir, end)
+        at = end
+        state = {"at": at}
+        _write_state(checkpoint_dir, attempts=attempts, at=at)
+    return 0
 
 
 def warm_target(command: str, env: dict[str, str]) -> dict | None:
@@ -154,7 +225,7 @@ def _read_state(checkpoint_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write_state(checkpoint_dir: Path, **state: int) -> None:
+def _write_state(checkpoint_dir: Path, **state: float) -> None:
     tmp = checkpoint_dir / f"{STATE}.tmp"
     tmp.write_text(json.dumps(state))
     os.replace(tmp, checkpoint_dir / STATE)

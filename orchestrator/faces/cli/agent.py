@@ -335,12 +335,12 @@ def _schedule(console, board: dict) -> None:
     if not entry or SCHEDULE_KEY not in entry["params"]:
         return
     rows = schedule_rows(entry["params"][SCHEDULE_KEY])
-    out = Table(title=f"schedule of #{entry['rank']}{' (the winner)' if entry.get('winner') else ''}",
-                title_justify="left", pad_edge=False)
+    out = Table(pad_edge=False)  # its title on a line of its own: a table of two columns would fold it
     for name in rows[0]:
         out.add_column(name)
     for row in rows:
         out.add_row(*(_fmt(v) if isinstance(v, float) else str(v) for v in row.values()))
+    console.print(f"schedule of #{entry['rank']}{' (the winner)' if entry.get('winner') else ''}:")
     console.print(out)
 
 
