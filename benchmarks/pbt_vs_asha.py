@@ -1,6 +1,6 @@
 """Population-based training against ASHA+TPE and ASHA+random on charlm, at the same device budget.
 
-    python benchmarks/pbt_vs_asha.py [--seeds 5] [--slots 2] [--max-steps 300] [--population 4]
+    python benchmarks/pbt_vs_asha.py [--seeds 5] [--slots P] [--max-steps 300] [--population 4]
                                      [--interval 60] [--methods pbt,tpe,random] [--experiment DIR]
 
 Each (method, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its own
@@ -49,8 +49,10 @@ def run_session(method: str, seed: int, args: argparse.Namespace, minutes: float
 
     extra = ({"population": args.population, "perturbation_interval": args.interval} if method == "pbt"
              else {"trials": 1000})
-    fixed = {"max_steps": args.max_steps, "scale": 1} if args.experiment == "charlm" else {}
-    config = SessionConfig(goal="lowest val_loss", experiment=args.experiment, proposer=method,
+    charlm = args.experiment == "charlm"
+    fixed = {"max_steps": args.max_steps, "scale": 1} if charlm else {}
+    experiment = "charlm" if charlm else str(Path(args.experiment).resolve())
+    config = SessionConfig(goal="lowest val_loss", experiment=experiment, proposer=method,
                            budget_minutes=minutes, parallel=args.slots, seed=seed, poll=0.5,
                            fixed=fixed, baseline_seeds=args.baseline_seeds,
                            confirm_seeds=args.confirm_seeds, **extra)
@@ -76,7 +78,8 @@ def row(method: str, summaries: list[dict], direction: str = "minimize") -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--slots", type=int, default=2, help="cpu:N device slots per session")
+    parser.add_argument("--slots", type=int, default=None, help="cpu:N device slots per session (default: the "
+                        "population, which PBT trains at once)")
     parser.add_argument("--experiment", default="charlm", help="charlm, or a config-file experiment's folder "
                         "(its own step budget; e.g. examples/tinyreg)")
     parser.add_argument("--max-steps", type=int, default=300, help="charlm's step budget per trial")
@@ -86,6 +89,7 @@ def main() -> int:
     parser.add_argument("--confirm-seeds", type=int, default=3)
     parser.add_argument("--methods", default="pbt,tpe,random")
     args = parser.parse_args()
+    args.slots = args.slots or args.population
     methods = args.methods.split(",")
     found: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in range(args.seeds):

@@ -139,7 +139,7 @@ def _in_segments(plan: dict, params: dict, checkpoint_dir: Path, state: dict) ->
         if at:
             say(f"starting from the fork's checkpoint at step {at}")
     attempts = int(state.get("attempts", 0)) + 1
-    _write_state(checkpoint_dir, attempts=attempts, at=at)
+    _write_state(checkpoint_dir, attempts=attempts, at=at, **({"last": state["last"]} if "last" in state else {}))
     run_dir.mkdir(exist_ok=True)
     done = dict(outputmetrics.read(checkpoint_dir))
     for end in [b for b in segments.boundaries(total, every, schedule) if b > at]:
