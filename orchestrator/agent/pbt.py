@@ -60,6 +60,9 @@ def check(spec: Any) -> None:
         raise BadInput(f"--proposer pbt: config-file experiment {spec.name} needs {missing} in [experiment] (the "
                        "parameter where the script stops, e.g. steps = \"max_iters\", and its resume flag): PBT runs "
                        "it in segments that resume from its checkpoint dir")
+    if spec.run is not None and "{checkpoint_dir}" not in spec.run:
+        raise BadInput(f"--proposer pbt: config-file experiment {spec.name}'s run must pass {{checkpoint_dir}} (where "
+                       "the script keeps its state: each member has its own, and forks copy it)")
 
 
 class PBTAgent(Agent):

@@ -132,7 +132,8 @@ def test_pbt_on_a_config_file_needs_steps_and_resume(tmp_path):
                               ('resume = "--resume"\n', "", "needs resume in"),
                               ('steps = "steps"', 'steps = "lr"', "steps 'lr' must be an int parameter"),
                               ('steps = "steps"', 'steps = "epochs"', "steps 'epochs' must name the parameter"),
-                              ('steps = "steps"', 'steps = "seed"', "steps 'seed' must name the parameter")):
+                              ('steps = "steps"', 'steps = "seed"', "steps 'seed' must name the parameter"),
+                              ("--out={checkpoint_dir}", "--out=out", "run must pass {checkpoint_dir}")):
         toml.write_text(TOML.replace("STEPS", "100").replace("SLEEP", "0").replace(old, new))
         with pytest.raises((BadInput, ConfigError), match=message) as caught:
             check(load(folder))
