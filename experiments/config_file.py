@@ -170,7 +170,7 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
                               "architecture)")
     steps = section.get("steps") or None
     if steps is not None:
-        _check_steps(steps, dims, fixed, where)
+        _check_steps(steps, dims, fixed, mutable, where)
     description = section.get("description") or (
         f"A training script run as `{section['run']}` (in {root.name}/); {section['direction']} {metric}.")
     return ExperimentSpec(name=name, description=description, space=SearchSpace(dims), metric=metric,
@@ -256,7 +256,8 @@ def _fixed(table: Any, dims: Mapping[str, Dimension], where: str) -> dict[str, A
     return out
 
 
-def _check_steps(steps: str, dims: Mapping[str, Dimension], fixed: Mapping[str, Any], where: str) -> None:
+def _check_steps(steps: str, dims: Mapping[str, Dimension], fixed: Mapping[str, Any], mutable: list[str],
+                 where: str) -> None:
     """`steps` names the int parameter that says where a run stops (fixed or in [space], never the seed)."""
     dim = dims.get(steps)
     if steps == SEED or (dim is None and steps not in fixed):
@@ -265,6 +266,8 @@ def _check_steps(steps: str, dims: Mapping[str, Dimension], fixed: Mapping[str, 
     if (dim is not None and not isinstance(dim, Int)) or (
             dim is None and (isinstance(fixed[steps], bool) or not isinstance(fixed[steps], int) or fixed[steps] < 1)):
         raise ConfigError(f"{where}: steps {steps!r} must be an int parameter (a number of steps >= 1)")
+    if steps in mutable:
+        raise ConfigError(f"{where}: steps {steps!r} is also mutable; where a run stops is not a hyperparameter")
 
 
 def placeholders(run: str) -> list[str]:

@@ -133,7 +133,10 @@ def test_pbt_on_a_config_file_needs_steps_and_resume(tmp_path):
                               ('steps = "steps"', 'steps = "lr"', "steps 'lr' must be an int parameter"),
                               ('steps = "steps"', 'steps = "epochs"', "steps 'epochs' must name the parameter"),
                               ('steps = "steps"', 'steps = "seed"', "steps 'seed' must name the parameter"),
-                              ("--out={checkpoint_dir}", "--out=out", "run must pass {checkpoint_dir}")):
+                              ("--out={checkpoint_dir}", "--out=out", "run must pass {checkpoint_dir}"),
+                              ('steps = "steps"\nmutable = ["lr"]\nfixed = { steps = 100, sleep = 0 }',
+                               'steps = "n"\nmutable = ["lr", "n"]\nfixed = { steps = 100, sleep = 0 }\n[space.n]\n'
+                               'type = "int"\nlow = 1\nhigh = 9', "steps 'n' is also mutable")):
         toml.write_text(TOML.replace("STEPS", "100").replace("SLEEP", "0").replace(old, new))
         with pytest.raises((BadInput, ConfigError), match=message) as caught:
             check(load(folder))
