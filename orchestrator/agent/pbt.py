@@ -249,7 +249,8 @@ class PBTAgent(Agent):
                 continue
             n = len(trials)
             before = {k: donor.params[k] for k in self.mutable}
-            params = sched.perturb(self.spec.space, self.mutable, donor.params, sched.rng(self.session_id, "explore", n))
+            explore = sched.rng(self.session_id, "explore", n)
+            params = sched.perturb(self.spec.space, self.mutable, donor.params, explore)
             params = self.spec.space.validate(params)
             after = {k: params[k] for k in self.mutable}
             loser.stopped_at = b
