@@ -19,6 +19,14 @@ from tests.orchestrator.helpers import kill_leftovers, wait_for
 HOLDING = (JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED)
 
 
+def _stop_between_writes(store: JobStore, pid: int) -> None:
+    """SIGSTOP the service while this process holds the queue's write lock: it is then stopped outside any
+    write of its own (one stopped mid-write would hold the lock, and the test's submits would time out)."""
+    with store.db.tx() as session:
+        session.connection()  # BEGIN IMMEDIATE: waits for a write under way to commit
+        os.kill(pid, signal.SIGSTOP)
+
+
 def test_tops_plan_is_what_the_services_next_pass_does(home):
     settings = Settings.load()
     store = JobStore(settings.db_url)
@@ -28,7 +36,7 @@ def test_tops_plan_is_what_the_services_next_pass_does(home):
     try:
         low = api.submit(JobSpec(argv=["sleep", "60"], priority=0, track=False), store=store)[0].id
         wait_for(lambda: store.get(low).job_state is JobState.RUNNING, timeout=120, what="the low job running")
-        os.kill(serve.pid, signal.SIGSTOP)  # no pass until top has planned (well within its heartbeat's age)
+        _stop_between_writes(store, serve.pid)  # no pass until top has planned (well within its heartbeat's age)
         try:
             waiting = [api.submit(JobSpec(argv=["sleep", "60"], priority=p, track=False), store=store)[0].id
                        for p in (10, 50, 5)]
