@@ -2,6 +2,7 @@
 
     python benchmarks/pbt_vs_asha.py [--seeds 5] [--slots P] [--max-steps 300] [--population 4]
                                      [--interval 60] [--methods pbt,tpe,random] [--experiment DIR]
+                                     [--budget-minutes M] [--first-seed S]
 
 Each (method, seed) is one full agent session through the real queue, in a fresh AUTORESEARCH_HOME with its own
 embedded service on `cpu:SLOTS`, real charlm trials and a real MLflow store, as `autoresearch start` runs it:
@@ -88,15 +89,20 @@ def main() -> int:
     parser.add_argument("--baseline-seeds", type=int, default=3)
     parser.add_argument("--confirm-seeds", type=int, default=3)
     parser.add_argument("--methods", default="pbt,tpe,random")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--budget-minutes", type=float, default=None, help="the ASHA sessions' budget (default: "
+                        "the pbt session's wall time; required when pbt is not among --methods)")
     args = parser.parse_args()
+    if "pbt" not in args.methods.split(",") and args.budget_minutes is None:
+        parser.error("--budget-minutes is needed without pbt among --methods (its wall time is the default)")
     args.slots = args.slots or args.population
     methods = args.methods.split(",")
     found: dict[str, list[dict]] = {m: [] for m in methods}
-    for seed in range(args.seeds):
-        minutes = None
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        minutes = args.budget_minutes
         for method in sorted(methods, key=lambda m: m != "pbt"):  # pbt first: its wall time is the others' budget
             s = run_session(method, seed, args, None if method == "pbt" else minutes)
-            if method == "pbt":
+            if method == "pbt" and args.budget_minutes is None:
                 minutes = s["wall_s"] / 60
             found[method].append(s)
             print(f"{method} seed {seed}: {s['headline']} ({s['device_seconds']:.0f} device-s, "
@@ -104,7 +110,9 @@ def main() -> int:
     rows = [row(m, found[m]) for m in methods]
     ref = next((r for r in rows if r["method"] == "random"), rows[-1])
     what = f"charlm, {args.max_steps} steps per trial" if args.experiment == "charlm" else args.experiment
-    print(f"\n{what}, cpu:{args.slots}, the pbt session's wall time for each, "
+    budget = (f"{args.budget_minutes:g} minutes for each ASHA session" if args.budget_minutes is not None
+              else "the pbt session's wall time for each")
+    print(f"\n{what}, cpu:{args.slots}, {budget}, "
           f"{args.seeds} seeds; pbt: population {args.population}, interval {args.interval}")
     print(f"{'method':8} {'wins':>6} {'gain':>9} {'best run':>9} {'device-s':>9} {'vs ' + ref['method']:>14}")
     for r in rows:

@@ -147,22 +147,28 @@ class Agent(Phases):
         search_max, n_confirm = self.cfg.split()
         candidates = list(state.get("candidates") or [])
         if state["phase"] == "search" and free > 0:
+            new_room = free
             if self.cfg.early_stopping:
-                paused = [t for t in trials if t.status is S.PAUSED]
-                views = self.asha.promotable([t.config_values() for t in paused],
-                                             [p.config_values() for p in _peers(trials)])
-                by_n = {t.n: t for t in paused}
-                for t in [by_n[v["n"]] for v in views][:free]:
+                if self.winding_down(state, trials):
+                    resume, new_room = self.to_finish(trials, free)
+                    why = "promoted to finish: only the time for one whole trial and the re-runs is left"
+                else:
+                    paused = [t for t in trials if t.status is S.PAUSED]
+                    views = self.asha.promotable([t.config_values() for t in paused],
+                                                 [p.config_values() for p in _peers(trials)])
+                    by_n = {t.n: t for t in paused}
+                    resume, why = [by_n[v["n"]] for v in views][:free], "promoted by ASHA: now in the top 1/eta"
+                for t in resume:
                     try:
-                        self.store.demote(t.job_id, self.cfg.priority, "promoted by ASHA: now in the top 1/eta")
+                        self.store.demote(t.job_id, self.cfg.priority, why)
                     except Exception:  # it ended meanwhile; the next monitor pass records how
                         continue
                     self.notify()
                     t.update(status=S.QUEUED, stopped_at=None)
                     free -= 1
-                    self._event("promoted", {**state, "trials": trials}, trial=t.n)
+                    self._event("promoted", {**state, "trials": trials}, trial=t.n, reason=why)
             n_search = sum(1 for t in trials if t.phase is P.SEARCH)
-            n = free if search_max is None else min(free, search_max - n_search)
+            n = min(free, new_room) if search_max is None else min(free, new_room, search_max - n_search)
             if self.llm is not None and self.budget.capped and not state.get("budget_stop"):
                 state["budget_stop"] = self.budget.reached(state.get("usage") or {}) or ""
             if n > 0 and not state.get("budget_stop"):
@@ -308,7 +314,8 @@ class Agent(Phases):
         """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
         trials = load(state["trials"])
         best = self._record_ends(state, trials, self.cfg.early_stopping)
-        if self.cfg.early_stopping:
+        # Winding down, the search trials in flight are the session's last chance of a candidate: none is paused.
+        if self.cfg.early_stopping and not self.winding_down(state, trials):
             peers = _peers(trials)
             for t in trials:
                 if t.status is not S.RUNNING or t.phase is not P.SEARCH or t.ended:

@@ -45,6 +45,43 @@ class Phases:
             if t.status is S.PAUSED and t.job_id is not None:
                 self._cancel(t, reason)
 
+    def _full_trial_s(self, trials: list[Trial]) -> float | None:
+        """What a whole trial costs here: the median device time of the finished ones (the baseline's count: they
+        run the full budget too), or None before any has finished."""
+        took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
+        return took[len(took) // 2] if took else None
+
+    def _confirm_reserve(self, trials: list[Trial], n_confirm: int) -> float:
+        """Seconds to keep for the confirmation re-runs (they share the devices): a typical finished trial per
+        round, with a margin for a busy machine; 0 before any trial has finished."""
+        full = self._full_trial_s(trials)
+        rounds = -(-n_confirm // max(1, self.parallel))
+        return 1.25 * full * rounds if full and n_confirm else 0.0
+
+    def winding_down(self, state: State, trials: list[Trial]) -> bool:
+        """Whether a time-budgeted ASHA search must now finish what it has rather than widen: no search trial has
+        finished, and only the time for one whole trial and the confirmation re-runs is left. Promotions would
+        wait on peers that no longer come, so the session would reach its end with nothing to confirm."""
+        minutes, (_, n_confirm) = self.cfg.budget_minutes, self.cfg.split()
+        if not (minutes and n_confirm and self.cfg.early_stopping and state["phase"] == "search"):
+            return False
+        if any(t.phase is P.SEARCH and t.status is S.SUCCEEDED for t in trials):
+            return False
+        full = self._full_trial_s(trials)
+        left = minutes * 60 - state["elapsed"]
+        return bool(full) and left <= self._confirm_reserve(trials, n_confirm) + 1.25 * full
+
+    def to_finish(self, trials: list[Trial], free: int) -> tuple[list[Trial], int]:
+        """While winding down: the paused trials to resume now (the furthest and best first), and how many new
+        ones may still start (only when none is paused), so that `confirm_top` search trials are on their way to
+        a final value; the devices this leaves idle are the price of having a candidate at all."""
+        inflight = sum(1 for t in trials if t.phase is P.SEARCH and t.status in ACTIVE)
+        room = max(0, min(free, self.cfg.confirm_top - inflight))
+        paused = [t for t in trials if t.status is S.PAUSED and not t.ended]
+        by_n = {t.n: t for t in paused}
+        resume = [by_n[v["n"]] for v in self.asha.most_promising([t.config_values() for t in paused])][:room]
+        return resume, (0 if paused else room)
+
     def _hopeless(self, trials: list[Trial]) -> list[Trial]:
         """Paused trials no later report can promote: the search proposes nothing more, and every peer without
         a value at the rung where one was stopped has finished, so its rank there is final."""
@@ -68,14 +105,9 @@ class Phases:
             hit = target is not None and best is not None and not self.spec.better(target, best["value"])
             n_search = sum(1 for t in trials if t.phase is P.SEARCH)
             exhausted = search_max is not None and n_search >= search_max
-            reserve = 0.0
-            if n_confirm and self.cfg.budget_minutes and best is not None:
-                # Room for the confirmation rounds (the re-runs share the devices): a typical finished trial per
-                # round, with a margin for a busy machine. Until a search trial has finished there is nothing
-                # to confirm, so the search goes on.
-                took = sorted(t.device_s for t in trials if t.status is S.SUCCEEDED)
-                rounds = -(-n_confirm // max(1, self.parallel))
-                reserve = 1.25 * took[len(took) // 2] * rounds if took else 0.0
+            # Until a search trial has finished there is nothing to confirm, so the search goes on (winding down
+            # near the end: `winding_down`).
+            reserve = self._confirm_reserve(trials, n_confirm) if self.cfg.budget_minutes and best else 0.0
             late = self.cfg.budget_minutes is not None and state["elapsed"] >= self.cfg.budget_minutes * 60 - reserve
             searching = [t for t in active if t.phase is not P.BASELINE]
             if exhausted and self.cfg.early_stopping:

@@ -90,3 +90,10 @@ class ASHA:
                 out.append(t)
         sign = 1 if self.direction == "minimize" else -1
         return sorted(out, key=lambda t: sign * t["rungs"][str(t["stopped_at"])])
+
+    def most_promising(self, paused: Sequence[Mapping]) -> list[Mapping]:
+        """Paused trials by how far they got and how well they did there: the furthest rung first, the best
+        value at it first (what a session finishes when it has no time left to wait for promotions)."""
+        sign = 1 if self.direction == "minimize" else -1
+        out = [t for t in paused if t.get("stopped_at") is not None and str(t["stopped_at"]) in t.get("rungs", {})]
+        return sorted(out, key=lambda t: (-int(t["stopped_at"]), sign * t["rungs"][str(t["stopped_at"])]))

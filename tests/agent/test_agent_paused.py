@@ -6,7 +6,7 @@ The graph's `decide` node runs against a real SQLite queue and MLflow store (the
 
 from __future__ import annotations
 
-from tests.agent.test_agent_trust import SID, _submitted, _trial, agent, parts, state  # noqa: F401 (fixture)
+from tests.agent.test_agent_trust import SID, _log, _submitted, _trial, agent, parts, state  # noqa: F401 (fixture)
 
 
 def _run(store, job_id: int) -> None:
@@ -78,3 +78,62 @@ def test_a_paused_trial_no_later_report_can_promote_is_stopped_while_it_waits(pa
     assert out["phase"] == "search" and store.get(running["job_id"]).state == "RUNNING"  # the search goes on
     last = store.events(paused["job_id"])[-1]
     assert (last.src, last.dst, last.reason) == ("QUEUED", "CANCELLED", "ASHA: no later trial can promote it")
+
+
+def test_a_budgeted_search_with_no_finished_trial_finishes_its_best_paused_one(parts):
+    """Near the end of a time budget, no search trial has finished and the paused ones wait for promotions that
+    no new peer will bring: the session stops widening and resumes the paused trial that got furthest (rung 3
+    over rung 1, whatever their values), so it ends with a candidate to confirm. Earlier, the same state only
+    proposes new trials and promotes nothing (ASHA's rule: too few peers)."""
+    from tests.agent.test_agent_trust import Recording
+
+    store, tracker = parts
+    rec = Recording()
+    parent = tracker.session_run(SID, "synthetic", {})
+
+    def session(elapsed: float, n: int):
+        a = agent(parts, proposer=rec, trials=None, budget_minutes=10, confirm_top=1, confirm_seeds=2)
+        near, far = _submitted(a, parent, n, 1.0), _submitted(a, parent, n + 1, 1.1)  # new jobs each case
+        _paused(a, store, near, 5.0)
+        _paused(a, store, far, 6.0)
+        far.update(stopped_at=3, rungs={"1": 6.5, "3": 6.0})
+        base = _baseline(a)
+        for t in base:
+            t.device_s = 60.0  # 2 re-runs on 2 slots: one round, 75 s kept; winding down from 150 s left
+        return a, {**state(parent, base + [near, far]), "elapsed": elapsed}, near, far
+
+    a, s, near, far = session(elapsed=100.0, n=3)  # 500 s left
+    out = a.propose(s)
+    assert [t["status"] for t in out["trials"][3:5]] == ["paused", "paused"]
+    assert len(out["trials"]) == 5 + 3 and len(rec.seen) == 1  # three new trials fill the free slots
+
+    a, s, near, far = session(elapsed=460.0, n=10)  # 140 s left
+    events = []
+    a.on_event = events.append
+    out = a.propose(s)
+    assert len(out["trials"]) == 5 and len(rec.seen) == 1  # nothing new
+    assert [t["status"] for t in out["trials"][3:5]] == ["paused", "queued"]  # the furthest one, only it
+    assert [store.get(t["job_id"]).priority for t in (near, far)] == [a.cfg.priority - 1, a.cfg.priority]
+    (promoted,) = [e for e in events if e["event"] == "promoted"]
+    assert promoted["trial"] == far["n"] and promoted["reason"].startswith("promoted to finish")
+
+
+def test_winding_down_pauses_no_running_search_trial(parts):
+    """A running search trial worse than every baseline run at its rung is ASHA's loser early in the budget;
+    once the session is winding down it runs on, since it may be the only candidate the session gets."""
+    store, tracker = parts
+    parent = tracker.session_run(SID, "synthetic", {})
+    outcomes = {}
+    for n, elapsed in ((3, 100.0), (4, 460.0)):
+        a = agent(parts, trials=None, budget_minutes=10, confirm_top=1, confirm_seeds=2)
+        running = _submitted(a, parent, n, 1.0)
+        _run(store, running["job_id"])
+        _log(tracker, running["run_id"], [9.0], total=3)
+        running.update(status="running", rungs={"1": 9.0})
+        base = _baseline(a)
+        for t in base:
+            t.device_s = 60.0
+        out = a.analyse({**state(parent, base + [running]), "elapsed": elapsed})
+        outcomes[elapsed] = (out["trials"][3]["status"], store.get(running["job_id"]).priority)
+    assert outcomes[100.0] == ("paused", a.cfg.priority - 1)
+    assert outcomes[460.0] == ("running", a.cfg.priority)

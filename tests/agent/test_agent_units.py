@@ -50,6 +50,15 @@ def test_paused_trial_is_promoted_when_later_peers_did_worse():
     assert asha.promotable([paused], later) == [paused]
 
 
+def test_the_most_promising_paused_trial_got_furthest_then_did_best_there():
+    a = {"n": 0, "rungs": {"1": 0.1}, "stopped_at": 1}  # the best value, but only at the first rung
+    b = {"n": 1, "rungs": {"1": 0.5, "3": 0.4}, "stopped_at": 3}
+    c = {"n": 2, "rungs": {"1": 0.6, "3": 0.3}, "stopped_at": 3}
+    unjudged = {"n": 3, "rungs": {}, "stopped_at": None}
+    assert [t["n"] for t in ASHA(direction="minimize").most_promising([a, b, c, unjudged])] == [2, 1, 0]
+    assert [t["n"] for t in ASHA(direction="maximize").most_promising([a, b, c])] == [1, 2, 0]
+
+
 @given(st.lists(st.floats(-1e6, 1e6), min_size=3, max_size=40))
 @settings(max_examples=60, deadline=None)
 def test_at_least_the_top_fraction_always_continues(values):
