@@ -25,7 +25,9 @@ from typing import Any, Mapping, Sequence
 QUANTILE = 0.25
 RESAMPLE = 0.25
 FACTORS = (0.8, 1.2)
-SCHEDULE_KEY = "schedule"  # the leaderboard's name for a lineage's schedule (beside the params it started with)
+# The leaderboard's name for a lineage's schedule (beside the params it started with). Not a name a parameter
+# can have (the colon): experiments commonly have a `schedule` param of their own (an lr schedule).
+SCHEDULE_KEY = "pbt:schedule"
 
 
 def rng(*parts: Any) -> random.Random:

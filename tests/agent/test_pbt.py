@@ -59,6 +59,33 @@ def test_a_lineage_and_its_replays_are_one_configuration_apart_from_plain_runs()
     assert sched.table(leaf[sched.SCHEDULE_KEY]) == [{"step": 0, "lr": 0.003}, {"step": 32, "lr": 0.01}]
 
 
+def test_an_experiments_own_schedule_param_is_kept_apart_from_a_lineages_schedule(capsys):
+    """digits, charlm and tabular have an lr `schedule` param: a lineage's schedule must not overwrite it, and the
+    leaderboard must show a board whose best entry is a plain run of it, with the table of the lineage below it."""
+    from orchestrator.faces.cli.agent import show
+    from orchestrator.tracking.client import leaderboard
+
+    lineage = [[0, {"lr": 0.003}], [32, {"lr": 0.01}]]
+    cosine = sched.row_params({"lr": 0.01, "schedule": "cosine"}, lineage)
+    constant = sched.row_params({"lr": 0.01, "schedule": "constant"}, lineage)
+    assert cosine["schedule"] == "cosine" and cosine != constant  # two configurations, each its lr schedule
+    rows = [{"params": {"lr": 0.003, "schedule": "cosine", "seed": s}, "value": 0.9 + s / 100, "baseline": True,
+             "job_id": s} for s in range(3)]
+    rows += [{"params": {**constant, "seed": s}, "value": 0.5, "job_id": 10 + s} for s in range(2)]
+    board = {"experiment": "digits", "metric": "val_accuracy", **leaderboard(rows, "maximize")}
+    assert board["entries"][0]["baseline"] and board["entries"][0]["params"]["schedule"] == "cosine"
+    assert board["winner"] is None and board["entries"][1]["gated"]
+    show([board])  # the best entry is a plain run with schedule="cosine"; the re-run lineage's table still shows
+    out = capsys.readouterr().out
+    assert "schedule=constant + PBT schedule" in out and "schedule of #2 (the re-run candidate):" in out
+    assert "0.003" in out.split("schedule of #2")[1] and "32" in out.split("schedule of #2")[1]
+    show([{**board, "entries": board["entries"][:1]}])  # no lineage on the board: no table, no error
+    assert "schedule of #" not in capsys.readouterr().out
+    board["entries"].reverse()
+    show([board])  # the lineage first: its table of steps
+    assert "schedule of #" in capsys.readouterr().out
+
+
 def test_mutable_params_in_a_config_file(tmp_path):
     base = ('[experiment]\nrun = "python train.py {args}"\nmetric = "loss"\ndirection = "minimize"\n{extra}\n'
             '[space]\nlr = { type = "float", low = 1e-4, high = 1e-1, log = true, default = 1e-3 }\n'

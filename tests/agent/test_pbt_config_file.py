@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from experiments.config_file import ConfigError, load
+from orchestrator.agent import schedule as sched
 from orchestrator.core import outputmetrics
 from orchestrator.core.errors import BadInput
 from orchestrator.executors import segments
@@ -241,7 +242,7 @@ def test_pbt_on_tinyreg_forks_the_scripts_own_checkpoint_and_gates_the_replays(h
     confirm = [j for j in jobs if j.phase == "confirm"]
     winner = next(e for e in summary["ranking"] if e["gated"])
     for replay in confirm:
-        assert replay.env["AUTORESEARCH_SCHEDULE"] == winner["params"]["schedule"]
+        assert replay.env["AUTORESEARCH_SCHEDULE"] == winner["params"][sched.SCHEDULE_KEY]
         assert "from scratch" in layout.log_path(replay.id).read_text()
     assert winner["n_fresh"] == 2 and summary["headline"].startswith(("improvement", "no improvement"))
 

@@ -49,7 +49,7 @@ def progress(event: dict) -> None:
     elif kind in ("stopped", "cancelled"):
         line = f"trial {event['trial']} {kind}"
     elif kind == "promoted":
-        line = f"trial {event['trial']} promoted: resumes from its checkpoint"
+        line = f"trial {event['trial']} {event.get('reason') or 'promoted'}; resumes from its checkpoint"
     elif kind == "phase":
         then = {"confirm": "re-running the best on fresh seeds", "paused": "paused (resume with a higher cap)"}
         line = f"{event['reason']}: {then.get(event['phase'], 'done')}"
@@ -301,6 +301,8 @@ def show(boards: list[dict], top: int = 10) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from orchestrator.agent.schedule import SCHEDULE_KEY
+
     console = Console(width=WIDTH)
     for board in boards:
         table = Table(title=f"{board['experiment']}: {board['metric']} ({board['direction']})",
@@ -311,7 +313,7 @@ def show(boards: list[dict], top: int = 10) -> None:
             table.add_column(name, **opts)
         for e in board["entries"][:top]:
             diff = dict(e.get("diff", e["params"]))
-            lineage = " + schedule" if diff.pop("schedule", None) else ""  # a PBT lineage: its table follows
+            lineage = " + PBT schedule" if diff.pop(SCHEDULE_KEY, None) else ""  # a PBT lineage: its table follows
             what = "(baseline)" if e.get("baseline") else ((_params(diff, 6) or "(same)") + lineage)
             table.add_row(f"{e['rank']}{'*' if e.get('winner') else ''}", _fmt(e["mean"]),
                           "" if e["spread"] is None else f"{e['spread']:.2g}", str(e["n"]),
@@ -326,13 +328,17 @@ def show(boards: list[dict], top: int = 10) -> None:
 
 
 def _schedule(console, board: dict) -> None:
-    """The schedule of the board's winner (or its best entry) when it is a population-based-training lineage."""
+    """The schedule of a population-based-training lineage on the board: the winner's when it is one; with no
+    winner, the best re-run (gated) candidate's, else the best-ranked lineage's, whatever ranks above it."""
     from rich.table import Table
 
     from orchestrator.agent.schedule import SCHEDULE_KEY, table as schedule_rows
 
-    entry = next((e for e in board["entries"] if e.get("winner")), None) or (board["entries"] or [None])[0]
-    if not entry or SCHEDULE_KEY not in entry["params"]:
+    entries = board["entries"]
+    winner = next((e for e in entries if e.get("winner")), None)
+    lineages = [e for e in ([winner] if winner else entries) if SCHEDULE_KEY in e["params"]]
+    entry = next((e for e in lineages if e.get("gated")), None) or (lineages or [None])[0]
+    if entry is None:
         return
     rows = schedule_rows(entry["params"][SCHEDULE_KEY])
     out = Table(pad_edge=False)  # its title on a line of its own: a table of two columns would fold it
@@ -340,7 +346,8 @@ def _schedule(console, board: dict) -> None:
         out.add_column(name)
     for row in rows:
         out.add_row(*(_fmt(v) if isinstance(v, float) else str(v) for v in row.values()))
-    console.print(f"schedule of #{entry['rank']}{' (the winner)' if entry.get('winner') else ''}:")
+    role = " (the winner)" if entry.get("winner") else " (the re-run candidate)" if entry.get("gated") else ""
+    console.print(f"schedule of #{entry['rank']}{role}:")
     console.print(out)
 
 
