@@ -204,7 +204,7 @@ class Agent(Phases):
 
         trials = load(state["trials"])
         for t in trials:
-            if t.status is not S.PROPOSED:
+            if t.status is not S.PROPOSED or not self._ready(t):
                 continue
             job = self.store.find_by_key(t.key)
             if job is not None:  # submitted before a crash: adopt what really runs
@@ -257,6 +257,7 @@ class Agent(Phases):
                     changed = True
                     self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
                 changed = self._watch(t, job) or changed
+            changed = self._wakes(trials) or changed
             self._elapsed(state)
             if changed or self._time_up(state) or time.time() >= deadline:
                 break
@@ -277,6 +278,15 @@ class Agent(Phases):
         if rungs.keys() - t.rungs.keys():
             t.rungs = rungs
             return True
+        return False
+
+    def _ready(self, t: Trial) -> bool:
+        """Whether a proposed trial may be queued now (population-based training holds a child until its donor's
+        checkpoint is there); one held stays proposed, and the loop comes back to it."""
+        return True
+
+    def _wakes(self, trials: list[Trial]) -> bool:
+        """Whether something besides the jobs ends the monitor's wait (a held child that may now be queued)."""
         return False
 
     def _env(self, t: Trial) -> dict[str, str]:

@@ -80,6 +80,7 @@ class PBTAgent(Agent):
         from orchestrator.core.layout import Layout
 
         self.layout = Layout(self.settings.home) if self.settings is not None else None
+        self._held: dict[int, Trial] = {}  # children waiting for their donor's checkpoint -> the donor
 
     # -- propose ---------------------------------------------------------------------------------------------
 
@@ -122,12 +123,25 @@ class PBTAgent(Agent):
     # -- submit: the fork's copy first, once -----------------------------------------------------------------
 
     def submit(self, state: State) -> State:
-        """Copy each new child's donor checkpoint (once), then queue every proposed trial (the graph's submit)."""
+        """Copy each new child's donor checkpoint (once), then queue every proposed trial (the graph's submit). A
+        child whose donor is still writing the checkpoint of the judged interval (its report there can reach
+        MLflow first) is held, proposed, until it is there (`_ready`, `_wakes`)."""
         trials = load(state["trials"])
+        self._held = {}
         for t in trials:
             if t.status is S.PROPOSED and t.lineage.get("parent") is not None and t.lineage.get("fork_step") is None:
                 donor = next(d for d in trials if d.n == t.lineage["parent"])
-                step, copied = self._fork(t, donor)
+                try:
+                    forked = self._fork(t, donor)
+                except NothingToFork as e:  # the donor ended before it kept any checkpoint: no state to copy
+                    t.update(status=S.CANCELLED, error=str(e))
+                    self._event("fork_failed", {**state, "trials": trials}, trial=t.n, parent=donor.n,
+                                message=f"trial {t.n} cancelled: {e}")
+                    continue
+                if forked is None:
+                    self._held[t.n] = donor
+                    continue
+                step, copied = forked
                 t.lineage["fork_step"] = step
                 t.schedule = [*donor.schedule, [step, dict(t.lineage["after"])]]
                 self._event("forked", {**state, "trials": trials}, trial=t.n, parent=donor.n, step=step,
@@ -135,19 +149,46 @@ class PBTAgent(Agent):
                             f"{' (checkpoint copied)' if copied else ''}")
         return super().submit({**state, "trials": dump(trials)})
 
-    def _fork(self, child: Trial, donor: Trial) -> tuple[int, bool]:
-        """(step, copied now) of the donor checkpoint in the child's fork dir; a dir already there is the copy
-        made before a crash and is kept. Copied is the donor's committed checkpoint at the judged interval
-        (`_pick`); if the donor's retention deletes it mid-copy, the pick is made again."""
+    def _ready(self, t: Trial) -> bool:
+        return t.n not in self._held
+
+    def _wakes(self, trials: list[Trial]) -> bool:
+        """A held child's donor checkpoint is now there (or its donor ended): the loop comes back to submit it."""
+        live = {t.n: t for t in trials}
+        for n, donor in self._held.items():
+            child = live.get(n)
+            try:
+                if child is None or self._source(child, live.get(donor.n, donor)) is not None:
+                    return True
+            except NothingToFork:
+                return True
+        return False
+
+    def _source(self, child: Trial, donor: Trial) -> Path | None:
+        """The donor checkpoint the child copies (`_pick`), or None while the donor still runs and has not yet
+        committed one at the judged interval or later (the report of a step can be read before the save that
+        follows it is done). NothingToFork when the donor ended with no checkpoint at all."""
+        steps = [p for p in self.layout.checkpoint_dir(donor.job_id).glob("step_*") if (p / METADATA).exists()]
+        at = child.lineage.get("at")
+        running = donor.status not in FINAL and not donor.ended
+        if running and at is not None and not any(int(p.name.split("_")[1]) >= at for p in steps):
+            return None
+        pick = _pick(steps, at, donor.total)
+        if pick is None:
+            raise NothingToFork(f"trial {donor.n} (job {donor.job_id}) ended with no checkpoint to fork from")
+        return pick
+
+    def _fork(self, child: Trial, donor: Trial) -> tuple[int, bool] | None:
+        """(step, copied now) of the donor checkpoint in the child's fork dir, or None while it is not yet there
+        to copy (`_source`); a dir already there is the copy made before a crash and is kept. If the donor's
+        retention deletes the checkpoint mid-copy, the pick is made again."""
         target = self.layout.fork_dir(child.key)
         if target.exists():
             return _step_of(target), False
-        source = self.layout.checkpoint_dir(donor.job_id)
         for _ in range(5):
-            pick = _pick([p for p in source.glob("step_*") if (p / METADATA).exists()], child.lineage.get("at"),
-                         donor.total)
+            pick = self._source(child, donor)
             if pick is None:
-                break
+                return None
             tmp = target.with_name(f".{target.name}.{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
@@ -161,7 +202,7 @@ class PBTAgent(Agent):
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, target)
             return _step_of(target), True
-        raise RuntimeError(f"trial {donor.n} (job {donor.job_id}) has no complete checkpoint to fork from")
+        return None  # each pick vanished under the copy: the next pass picks again
 
     def _env(self, t: Trial) -> dict[str, str]:
         env = {CHECKPOINT_EVERY_ENV: str(self.interval)} if t.phase is P.SEARCH else {}
@@ -338,6 +379,10 @@ class PBTAgent(Agent):
             if v is not None and (best is None or self.spec.better(v, best["value"])):
                 best = {"n": t.n, "value": v, "params": t.params, "job_id": t.job_id, "at_step": step}
         return best
+
+
+class NothingToFork(Exception):
+    """A child's donor ended before it kept any checkpoint."""
 
 
 def _members(trials: list[Trial]) -> dict[int, Trial]:

@@ -241,3 +241,66 @@ def test_a_child_starts_from_the_donor_as_it_was_judged_never_from_its_end(tmp_p
     assert _pick([steps[48], steps[64]], 32, 64) == steps[48]
     assert _pick([steps[64]], 32, 64) == steps[64]
     assert _pick([], 32, 64) is None
+
+
+def test_a_child_waits_for_its_donors_checkpoint_at_the_interval_and_never_copies_an_older_one(home):
+    """The donor's report at the judged step can reach MLflow before the checkpoint that follows it is
+    committed (CI saw a session crash on it). The child stays proposed, no job, until the donor's checkpoint of
+    that step is there; then it is copied and the child queued from it. A child whose donor ended with no
+    checkpoint at all is cancelled, and says why; the session goes on."""
+    import dataclasses
+
+    from experiments.common import INIT_CHECKPOINT_ENV
+    from orchestrator.agent.pbt import METADATA, PBTAgent
+    from orchestrator.agent.trial import load
+    from orchestrator.core.config import Settings
+    from orchestrator.queue.store import JobStore
+    from orchestrator.tracking.client import Tracker
+    from tests.agent.synthetic import SPEC
+    from tests.agent.test_agent_trust import SID, config, state
+
+    settings = Settings.load()
+    store, tracker = JobStore(settings.db_url), Tracker.from_settings(settings)
+    spec = dataclasses.replace(SPEC, mutable=("x",))
+    a = PBTAgent(session_id=SID, config=config(proposer="pbt", population=2, perturbation_interval=4), spec=spec,
+                 store=store, tracker=tracker, parallel=2, settings=settings)
+    parent = tracker.session_run(SID, spec.name, {})
+
+    def child(n: int, donor) -> dict:
+        c = a._record(n, "search", spec.space.validate({"x": 0.5}), "pbt", "exploit")
+        c.update(member=1, lineage={"parent": donor.n, "parent_run": None, "fork_step": None, "replaced": 1, "at": 4,
+                                    "before": {"x": 0.4}, "after": {"x": 0.5}})
+        return c
+
+    donor = a._record(0, "search", spec.space.validate({"x": 0.4}), "pbt", "member 0")
+    donor.update(status="running", job_id=9001, member=0, total=9, schedule=[[0, {"x": 0.4}]])
+    kept = a.layout.checkpoint_dir(9001)
+
+    def commit(step: int) -> None:
+        (kept / f"step_{step:010d}").mkdir(parents=True)
+        (kept / f"step_{step:010d}" / "model.pt").write_text(f"state at {step}")
+        (kept / f"step_{step:010d}" / METADATA).write_text("{}")
+
+    commit(2)  # an older interval's checkpoint; the one at step 4 is still being written
+    (kept / "step_0000000004").mkdir()
+    s = state(parent, [donor, child(1, donor)])
+    out = a.submit(s)
+    assert out["trials"][1]["status"] == "proposed" and store.find_by_key(f"{SID}:1") is None
+    assert not a._wakes(load(out["trials"])) and not a.layout.fork_dir(f"{SID}:1").exists()
+    (kept / "step_0000000004" / "model.pt").write_text("state at 4")
+    (kept / "step_0000000004" / METADATA).write_text("{}")
+    assert a._wakes(load(out["trials"]))  # the monitor's wait ends: the copy can be made
+    out = a.submit({**s, "trials": out["trials"]})
+    queued = out["trials"][1]
+    job = store.find_by_key(f"{SID}:1")
+    assert queued["status"] == "queued" and queued["lineage"]["fork_step"] == 4 and job is not None
+    fork = Path(job.env[INIT_CHECKPOINT_ENV])
+    assert (fork / "step_0000000004" / "model.pt").read_text() == "state at 4"
+    assert queued["schedule"] == [[0, {"x": 0.4}], [4, {"x": 0.5}]]
+
+    gone = a._record(2, "search", spec.space.validate({"x": 0.3}), "pbt", "member 2")
+    gone.update(status="failed", ended=True, job_id=9002, member=2, total=9)  # died before any checkpoint
+    out = a.submit(state(parent, [gone, child(3, gone)]))
+    orphan = out["trials"][1]
+    assert orphan["status"] == "cancelled" and "no checkpoint" in orphan["error"]
+    assert store.find_by_key(f"{SID}:3") is None
