@@ -192,7 +192,8 @@ def test_pbt_on_digits_forks_the_top_member_and_gates_the_replayed_schedule(home
 @pytest.mark.timeout(1500)
 def test_pbt_on_charlm_killed_mid_exploit_resumes_without_losing_or_copying_twice(home):
     args = ("--experiment", "charlm", "--proposer", "pbt", "--population", "2", "--perturbation-interval", "30",
-            "--param", "max_steps=60", "--devices", "cpu:2", "--baseline-seeds", "1", "--confirm-seeds", "0")
+            "--param", "max_steps=60", "--param", "width=32", "--param", "layers=1",
+            "--param", "block_size=32", "--param", "batch_size=8", "--devices", "cpu:2", "--baseline-seeds", "1", "--confirm-seeds", "0")
     proc = subprocess.Popen(_cli("start", *args, "--json"), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     first = []
