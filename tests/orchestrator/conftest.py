@@ -25,3 +25,4 @@ def make_service(home):
         kill_leftovers(service.store)
         if service._home_lock.fh is not None:
             service.stop()
+        kill_leftovers(service.store)  # an attempt the running service started after the first pass (a retry)
