@@ -25,7 +25,7 @@ def test_a_finished_session_keeps_its_best_three_and_says_it_ended(home, monkeyp
     (home / "config.toml").write_text(f'[[notify]]\ncommand = "cat >> {got}; echo >> {got}"\n'
                                       'events = ["session.finished"]\n')
     summary = runner.start(SessionConfig(goal="minimise the synthetic loss", experiment=EXP, proposer="random",
-                                         trials=7, parallel=2, poll=0.2, baseline_seeds=2, confirm_seeds=0,
+                                         trials=4, parallel=2, poll=0.2, baseline_seeds=2, confirm_seeds=0,
                                          early_stopping=False),
                            devices="cpu:2")
     store = JobStore(Settings.load().db_url)
