@@ -161,6 +161,10 @@ class Job(SQLModel, table=True):
     project: Optional[str] = Field(default=DEFAULT_PROJECT, sa_column_kwargs={"server_default": DEFAULT_PROJECT})
     scavenger: Optional[bool] = Field(default=False, sa_column_kwargs={"server_default": "0"})
     deadline: Optional[float] = None  # UNIX seconds the job must finish by (not started when it cannot)
+    # Sharing one GPU (`--gpus 0.25`): the job's share of its one device (1/k, k from 2 to 16; None: whole
+    # devices, `gpus` of them) and the GPU memory it asked for, in bytes (None: its share of the device's).
+    gpu_share: Optional[float] = None
+    gpu_memory: Optional[int] = Field(default=None, sa_column=Column(BigInteger, nullable=True))
     # Checkpoint retention (orchestrator.service.retention): the submitter's wish (all | latest | none; None: the
     # policy's default), an agent trial's phase, and its score in its session's ranking (higher is better,
     # set by the session once the trial's value is known). What retention did: when, and `removed`/`trimmed`.

@@ -25,7 +25,8 @@ JOBS = Job.__table__
 # A pass's reads, built once: building a statement cost more than running it. The line (every project, through
 # ix_jobs_line), a declared project's line (ix_jobs_project_line), the scavengers' line, and the held jobs.
 _WAITING_COLUMNS = (JOBS.c.id, JOBS.c.priority, JOBS.c.submitted_at, JOBS.c.gpus, Job.needs_run_sql(),
-                    JOBS.c.project, JOBS.c.scavenger, JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible)
+                    JOBS.c.project, JOBS.c.scavenger, JOBS.c.deadline, JOBS.c.time_limit, JOBS.c.preemptible,
+                    JOBS.c.gpu_share, JOBS.c.gpu_memory)
 _LINE_ORDER = (JOBS.c.priority.desc(), JOBS.c.submitted_at, JOBS.c.id)
 _WAITING = (core_select(*_WAITING_COLUMNS)
             .where(JOBS.c.state == S.QUEUED.value, JOBS.c.gpus <= bindparam("capacity"),

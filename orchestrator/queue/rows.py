@@ -42,7 +42,7 @@ class Held(LightRow):
     Whoever signals the job loads the whole `Job` (`JobQueries.get`)."""
 
     COLUMNS = ("id", "state", "priority", "devices", "started_at", "preemptible", "pid", "stop_sent_at",
-               "time_limit", "attempts", "grace", "project", "scavenger")
+               "time_limit", "attempts", "grace", "project", "scavenger", "gpu_share", "gpu_memory")
     __slots__ = COLUMNS
 
 
@@ -51,7 +51,7 @@ class Queued(LightRow):
     service must make its MLflow run before it starts (`Job.needs_run`, computed in the read)."""
 
     COLUMNS = ("id", "priority", "submitted_at", "gpus", "needs_run", "project", "scavenger", "deadline",
-               "time_limit", "preemptible")
+               "time_limit", "preemptible", "gpu_share", "gpu_memory")
     __slots__ = COLUMNS
 
 
