@@ -19,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
 from orchestrator.core.errors import StoreUnavailable
+from orchestrator.core.schemalock import schema_lock
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -73,9 +74,10 @@ class Database:
             self._read_engine = self.engine.execution_options(read=True)  # same pool, see `read`
             self._open = threading.local()  # this thread's session while it holds `transaction()`
             if create:
-                SQLModel.metadata.create_all(self.engine)
-                add_missing_columns(self.engine)
-                add_missing_indexes(self.engine)
+                with schema_lock(url, "queue"):  # a fleet opening a fresh database at once: one creates it
+                    SQLModel.metadata.create_all(self.engine)
+                    add_missing_columns(self.engine)
+                    add_missing_indexes(self.engine)
             else:
                 with self.engine.connect():
                     pass
@@ -145,8 +147,8 @@ class Database:
 def add_missing_columns(engine: Engine) -> list[str]:
     """Bring a queue database made by an older release up to the current tables: columns added since then are
     nullable, so adding them is all an upgrade needs (`create_all` creates only missing tables). Returns the
-    `table.column` names added. A second process doing the same at once is harmless (its ALTER fails, the
-    column is there)."""
+    `table.column` names added. Run under the schema lock (`Database`); a process without it doing the same at
+    once is still harmless (its ALTER fails, the column is there)."""
     from sqlalchemy import inspect, text
 
     added = []

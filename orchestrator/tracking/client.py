@@ -22,7 +22,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
 from orchestrator.core.config import Settings
+from orchestrator.core.schemalock import schema_lock
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +70,6 @@ def import_mlflow():
         return mlflow
 
 
-def _store_lock(tracking_uri: str):
-    """A lock around opening a SQLite tracking store: MLflow creates and migrates a new store on first open, and
-    two processes doing that at once (`serve` and `start` on a new home) fail in its migrations."""
-    import contextlib
-
-    if not tracking_uri.startswith("sqlite:///"):
-        return contextlib.nullcontext()
-    from filelock import FileLock
-
-    return FileLock(tracking_uri[len("sqlite:///"):] + ".lock", timeout=120)
-
-
 class Tracker:
     """A thin, idempotent layer over `MlflowClient` for one tracking store."""
 
@@ -88,8 +78,10 @@ class Tracker:
 
         self.tracking_uri = tracking_uri
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
-        with _store_lock(tracking_uri):
-            self.client = MlflowClient(tracking_uri=tracking_uri)  # opens the store, migrating a new one
+        # Opening the store creates and migrates a new one: two processes doing that at once (`serve` and
+        # `start` on a new home, a fleet on one PostgreSQL store) fail in MLflow's migrations.
+        with schema_lock(tracking_uri, "mlflow"):
+            self.client = MlflowClient(tracking_uri=tracking_uri)
         self._experiments: dict[str, str] = {}
 
     @classmethod
