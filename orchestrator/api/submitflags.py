@@ -32,7 +32,10 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag("--name", "name", str, "", "A name for people."),
     Flag("--priority", "priority", int, 10, "Higher wins; agent trials use 0."),
-    Flag("--gpus", "gpus", int, 1, "Devices the job needs (all at once)."),
+    Flag("--gpus", "gpus", str, "1", "Devices the job needs (all at once), or a share of one GPU: 0.5, 0.25, "
+         "... (1/k, k up to 16)."),
+    Flag("--gpu-memory", "gpu_memory", str, None, "GPU memory a job on a share of a GPU needs (10GiB, 512MiB); "
+         "default: its share of the device's."),
     Flag("--max-attempts", "max_attempts", int, 1, "Attempts before the job stays FAILED."),
     Flag("--grace", "grace", float, None, "Seconds between SIGTERM and SIGKILL.", setting="stop_grace"),
     Flag("--no-preempt", "no_preempt", bool, False, "Never preempt this job."),
@@ -119,12 +122,17 @@ def spec_options(values: Mapping[str, Value]) -> dict[str, object]:
     from orchestrator.core.durations import parse_duration
     from orchestrator.core.errors import BadInput
 
+    from orchestrator.core.gpushare import parse_gpus, parse_size
+
     v = {**defaults(), **values}
+    gpus, share = parse_gpus(v["gpus"])
     if v["scavenger"] and v["no_preempt"]:
         raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
     return dict(project=v["project"] or "default", scavenger=bool(v["scavenger"]),
                 deadline=None if v["deadline"] is None else parse_deadline(v["deadline"]),
-                name=v["name"], priority=v["priority"], gpus=v["gpus"], max_attempts=v["max_attempts"],
+                name=v["name"], priority=v["priority"], gpus=gpus, gpu_share=share,
+                gpu_memory=None if v["gpu_memory"] is None else parse_size(v["gpu_memory"]),
+                max_attempts=v["max_attempts"],
                 grace=v["grace"], preemptible=not v["no_preempt"], env=parse_params(list(v["env"] or [])),
                 track=not v["no_track"], env_file=v["env_file"], cwd=v["workdir"], image=v["image"],
                 mounts=list(v["mount"] or []) or None, keep_checkpoint=v["keep_checkpoint"],

@@ -182,6 +182,14 @@ def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str
         env[protocol.RUN_ID] = job.mlflow_run_id
     else:
         env.pop(protocol.RUN_ID, None)
+    # A job on a share of a GPU: its neighbours see the same CUDA_VISIBLE_DEVICES; the runtime caps its CUDA
+    # memory to these (JobContext). Inherited values never leak into a job on whole devices.
+    env.pop(protocol.GPU_SHARE, None)
+    env.pop(protocol.GPU_MEMORY, None)
+    if job.shares_gpu:
+        env[protocol.GPU_SHARE] = repr(float(job.gpu_share))
+        if job.gpu_memory:
+            env[protocol.GPU_MEMORY] = str(int(job.gpu_memory))
     # An API key of the agent's LLM has no business inside a training job.
     env.pop("OPENAI_API_KEY", None)
     return env

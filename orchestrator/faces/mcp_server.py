@@ -183,7 +183,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def submit_job(ctx: Context, command: Optional[list[str]] = None, experiment: Optional[str] = None,
                    params: Optional[dict[str, Any]] = None, name: str = "", priority: int = DEFAULT_PRIORITY,
-                   gpus: int = 1, max_attempts: int = 1, grace: float = Settings.stop_grace, preemptible: bool = True,
+                   gpus: float = 1, gpu_memory: Optional[str] = None, max_attempts: int = 1, grace: float = Settings.stop_grace, preemptible: bool = True,
                    time_limit: Optional[str] = None, env: Optional[dict[str, str]] = None,
                    cwd: Optional[str] = None, project: Optional[str] = None, scavenger: bool = False,
                    deadline: Optional[str] = None) -> dict[str, Any]:
@@ -191,6 +191,8 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
 
         project: the project charged (see the usage tool); scavenger: only idle devices, preempted first, not
         charged; deadline: finish by then ("2026-12-03 18:00", ISO, or "2h"), else it is not started.
+        gpus: whole devices, or a share of one GPU (0.5, 0.25, ... down to 1/16) beside other jobs;
+        gpu_memory: the GPU memory such a job needs ("10GiB").
 
         priority: higher wins (people's jobs default to 10; this server caps what it accepts).
         time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory (default:
@@ -203,7 +205,12 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
             raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
         if cwd is not None and not os.path.isdir(cwd):
             raise BadInput(f"cwd {cwd!r} is not a directory")
-        options = dict(name=name, priority=capped(priority), gpus=gpus, max_attempts=max_attempts, grace=grace,
+        from orchestrator.core.gpushare import parse_gpus, parse_size
+
+        whole, share = parse_gpus(gpus)
+        options = dict(name=name, priority=capped(priority), gpus=whole, gpu_share=share,
+                       gpu_memory=None if gpu_memory is None else parse_size(gpu_memory),
+                       max_attempts=max_attempts, grace=grace,
                        preemptible=preemptible, env=dict(env or {}), owner=client_owner(ctx), cwd=cwd,
                        project=charged(project), scavenger=scavenger,
                        deadline=None if deadline is None else parse_deadline(deadline),
@@ -231,8 +238,11 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @server.tool()
     @_tool
     def get_job(job_id: int) -> dict[str, Any]:
-        """One job with its event log (every state transition with time and reason)."""
-        return store().record(job_id)
+        """One job with its event log (every state transition with time and reason) and, while it waits, `next`:
+        what the next plan does about it (as `queue` says)."""
+        from orchestrator.faces.views.snapshot import job_record
+
+        return job_record(settings, store(), job_id)
 
     @server.tool()
     @_tool

@@ -6,13 +6,14 @@ Times are UNIX seconds (floats): comparable across hosts, cheap to index, exact 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from sqlalchemy import JSON, BigInteger, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
+from orchestrator.core.gpushare import gpu_request, parse_gpus
 from orchestrator.queue.states import FINISHED, JobState, StopCause
 from orchestrator.queue.policy import DEFAULT_PROJECT
 from runtime import protocol
@@ -36,7 +37,11 @@ class JobSpec:
     argv: list[str]
     name: str = ""
     priority: int = 10
-    gpus: int = 1
+    # Whole devices, or a share of one as a float 1/k (0.25: a quarter of one GPU); a share is kept as
+    # `gpu_share` with `gpus` 1 once validated. `gpu_memory`: bytes of GPU memory a sharing job needs.
+    gpus: Union[int, float] = 1
+    gpu_share: Optional[float] = None
+    gpu_memory: Optional[int] = None
     max_attempts: int = 1
     grace: float = Settings.stop_grace
     preemptible: bool = True
@@ -70,8 +75,23 @@ class JobSpec:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
             raise BadInput("the command is empty: give it after `--`, e.g. autoresearch submit -- python train.py")
         check_priority(self.priority)
+        if self.gpu_share is None and isinstance(self.gpus, float):
+            gpus, share = parse_gpus(self.gpus)
+            object.__setattr__(self, "gpus", gpus)
+            object.__setattr__(self, "gpu_share", share)
+        elif self.gpu_share is not None:
+            if self.gpus != 1:
+                raise BadInput("a share of one GPU needs gpus 1 (pass --gpus 0.25 alone)")
+            object.__setattr__(self, "gpu_share", parse_gpus(self.gpu_share)[1])
         if not _int_in(self.gpus, 1, MAX_GPUS):
-            raise BadInput(f"--gpus must be an integer from 1 to {MAX_GPUS}, got {self.gpus!r}")
+            raise BadInput(f"--gpus must be an integer from 1 to {MAX_GPUS} or a share of one GPU "
+                           f"(0.5, 0.25, ...), got {self.gpus!r}")
+        if self.gpu_memory is not None:
+            if self.gpu_share is None:
+                raise BadInput("--gpu-memory goes with a share of one GPU (--gpus 0.5 --gpu-memory 20GiB): a "
+                               "job on whole GPUs has all of their memory")
+            if not _int_in(self.gpu_memory, 1, 2**62):
+                raise BadInput(f"--gpu-memory must be a positive number of bytes, got {self.gpu_memory!r}")
         if not _int_in(self.max_attempts, 1, MAX_ATTEMPTS):
             raise BadInput(f"--max-attempts must be an integer from 1 to {MAX_ATTEMPTS}, got {self.max_attempts!r}")
         if not (isinstance(self.grace, (int, float)) and 0 <= self.grace <= 86400):
@@ -200,6 +220,16 @@ class Job(SQLModel, table=True):
     def job_state(self) -> JobState:
         return JobState(self.state)
 
+    @property
+    def shares_gpu(self) -> bool:
+        """Whether the job runs on a share of one GPU (`--gpus 0.25`) beside other jobs."""
+        return self.gpu_share is not None and self.gpu_share < 1
+
+    @property
+    def gpu_request(self) -> Union[int, float]:
+        """Whole devices, or the share of one (what projects, quotas and the usage ledger count)."""
+        return gpu_request(self.gpus, self.gpu_share)
+
     # ---- the job's rules: the one place that decides whether a job is final or will be retried ----------
 
     @property
@@ -253,7 +283,8 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
     an ORM object, or even attribute access on a Core row, per job cost more than the query)."""
     return {
         "id": job["id"], "name": job["name"], "state": job["state"], "priority": job["priority"],
-        "gpus": job["gpus"], "devices": list(job["devices"] or []), "attempts": job["attempts"],
+        "gpus": gpu_request(job["gpus"], job.get("gpu_share")), "gpu_memory": job.get("gpu_memory"),
+        "devices": list(job["devices"] or []), "attempts": job["attempts"],
         "preemptions": job["preemptions"], "exit_code": job["exit_code"], "mlflow_run_id": job["mlflow_run_id"],
         "owner": job["owner"], "experiment": job["experiment"], "params": job["params"],
         "argv": list(job["argv"] or []), "cwd": job["cwd"], "max_attempts": job["max_attempts"],

@@ -60,7 +60,7 @@ class Moving(LightRow):
     are the job's own: `Job`'s properties, shared."""
 
     COLUMNS = ("id", "state", "reason", "host", "attempts", "failures", "max_attempts", "preemptions",
-               "checkpoint_dir", "stop_cause")
+               "checkpoint_dir", "stop_cause", "gpu_share")
     __slots__ = COLUMNS
     final = Job.__dict__["final"]
     timed_out = Job.__dict__["timed_out"]

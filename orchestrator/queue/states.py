@@ -58,6 +58,9 @@ ACTIVE = frozenset(set(JobState) - FINISHED)
 
 
 TIME_LIMIT = "time limit exceeded"  # the reason text of a job stopped at its time limit (for people)
+# How the reason of a job requeued to run alone after running out of GPU memory on a shared GPU starts (the
+# agent does not count such a requeue as a failed trial).
+OUT_OF_SHARED_MEMORY = "out of GPU memory on a shared GPU"
 
 
 class StopCause(str, Enum):

@@ -25,8 +25,9 @@ from orchestrator.queue.db import Database
 from orchestrator.queue.models import Device, Job, JobSpec, check_priority
 from orchestrator.queue.queries import JobQueries
 from orchestrator.queue.rows import INSERT_EVENT, Moving, Writes, detached_job, detached_jobs, new_job_values
-from orchestrator.queue.states import FINISHED, HOLDING, TIME_LIMIT, JobState, StopCause, allowed
-from runtime.protocol import EX_TEMPFAIL, completed_attempt
+from orchestrator.queue.states import (FINISHED, HOLDING, OUT_OF_SHARED_MEMORY, TIME_LIMIT, JobState, StopCause,
+                                       allowed)
+from runtime.protocol import EX_TEMPFAIL, completed_attempt, oom_attempt
 
 S = JobState
 # The settings' own defaults (declared once, in Settings): the first retry after 5 s, doubling (Kueue-style) up
@@ -128,6 +129,7 @@ class Transitions:
                       mounts=list(spec.mounts) if spec.mounts else None, env_file=spec.env_file,
                       project=spec.project, scavenger=spec.scavenger, deadline=spec.deadline,
                       keep_checkpoint=spec.keep_checkpoint, phase=spec.phase,
+                      gpu_share=spec.gpu_share, gpu_memory=spec.gpu_memory,
                       state=S.QUEUED.value, reason="submitted", submitted_at=now, devices=[])
         try:
             with self.db.tx() as session:
@@ -252,6 +254,11 @@ class Transitions:
             return job  # already finished (e.g. reconciled twice): nothing to change
         if code == 0:
             return self._move(writes, job, S.SUCCEEDED, how, host, now, exit_code=code)
+        if job.gpu_share and job.checkpoint_dir and oom_attempt(job.checkpoint_dir) == job.attempts:
+            # Its neighbours' memory, not the job, is what ran out: run it alone, at no cost to its attempts.
+            return self._move(writes, job, S.QUEUED, f"{OUT_OF_SHARED_MEMORY} ({how}): requeued to run alone on a "
+                              "whole GPU without spending an attempt", host, now, exit_code=code, devices=[],
+                              gpu_share=None, gpu_memory=None)
         if code == EX_TEMPFAIL:
             # An executor's own reason (Slurm requeued it, a node failed) is kept; a plain exit 75 needs none.
             why = f" ({detail})" if detail and not detail.startswith("exit code") else ""

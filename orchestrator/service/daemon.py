@@ -299,7 +299,7 @@ class Service:
         self.supervisor.enforce_stops(mine)
         for job in preempted:
             self.supervisor.send_stop(job)
-        self._start_claimed(claimed)
+        self._start_claimed(claimed, busy={d for held in mine for d in held.devices or ()})
         self.passes += 1
 
     def _plan_and_claim(self) -> tuple[list, list[Job], list[Job]]:
@@ -340,13 +340,20 @@ class Service:
         return self.store.claim(starts, self.host, checkpoint_root=str(self.layout.checkpoints_dir),
                                 log_root=str(self.layout.logs_dir))
 
-    def _start_claimed(self, claimed: list[Job]) -> None:
+    def _start_claimed(self, claimed: list[Job], busy: set[str] = frozenset()) -> None:
         """Check the claimed attempts' devices and start them (the spawns waited for: several at once). The
-        outcomes are recorded by the next pass, in its transaction (within RECORD_STARTS_WITHIN)."""
+        outcomes are recorded by the next pass, in its transaction (within RECORD_STARTS_WITHIN). `busy`: the
+        devices jobs already held before this pass (a job joining its sharers there is not preflighted)."""
         batch = []
+        shared = set(busy)
         for job in claimed:
             try:
-                if self.guard.preflight_ok(job):
+                # A share of a device that already runs jobs: their processes would fail the quick checks as
+                # foreign, and the run-time monitor already watches it. The first sharer was checked.
+                joins = job.shares_gpu and set(job.devices or ()) <= shared
+                if joins or self.guard.preflight_ok(job):
+                    if job.shares_gpu:
+                        shared.update(job.devices or ())
                     batch.append((job, job_env(job, base=self._base_env, layout=self.layout,
                                                tracking_uri=self.settings.tracking_uri)))
             except Exception as exc:

@@ -47,6 +47,7 @@ class DeviceGuard:
         self._checking: set[str] = set()
         self._hits: dict[str, int] = {}
         self._nvml = None  # the monitor's long-lived NVML session, opened on first use
+        self._totals: dict[str, int | None] = {}  # memory of each GPU (`memory_totals`), read once
         self.open_nvml: Callable[[], object] = self._open_nvml  # the NVML edge (tests give a fake)
         self.on_quarantine: Callable[[str, str], None] = lambda device, why: None  # the service's notifications
 
@@ -137,6 +138,20 @@ class DeviceGuard:
         if self._nvml is None:
             self._nvml = self.open_nvml()
         return self._nvml
+
+    def memory_totals(self, devices: list[str]) -> dict[str, int]:
+        """Total memory in bytes of each GPU among `devices` (none for cpu slots, or where NVML cannot say):
+        what the policy packs shares of a GPU against. Read once per device, through the monitor's session."""
+        gpus = [d for d in devices if not d.startswith("cpu:") and d not in self._totals]
+        if gpus:
+            try:
+                nvml = self._session()
+                for device in gpus:
+                    self._totals[device] = nvml.usage(device)[2] if nvml.available else None
+            except Exception as exc:  # noqa: BLE001 - no memory figure: shares alone bound the packing
+                log.warning("GPU memory totals unknown (%s): packing by shares alone", exc)
+                self._totals.update(dict.fromkeys(gpus))
+        return {d: self._totals[d] for d in devices if self._totals.get(d)}
 
     def monitor(self) -> None:
         """Run-time health: a device fault under a running job, or a job without progress, stops the job

@@ -43,7 +43,8 @@ def submit(
     argv: Optional[List[str]] = typer.Argument(None, help="The command to run, after `--`."),
     name: str = _flag("--name"),
     priority: int = _flag("--priority"),
-    gpus: int = _flag("--gpus"),
+    gpus: str = _flag("--gpus"),
+    gpu_memory: Optional[str] = _flag("--gpu-memory"),
     max_attempts: int = _flag("--max-attempts"),
     grace: float = _flag("--grace"),
     no_preempt: bool = _flag("--no-preempt"),
@@ -131,13 +132,12 @@ def print_listing(listed: Listing, plans: Optional[dict] = None) -> None:
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    store = api.open_store(settings())
-    job = store.record(job_id)
+    from orchestrator.faces.views.snapshot import job_record  # `next`: what the plan does, as `queue` says
+
+    job = job_record(settings(), api.open_store(settings()), job_id)
     if as_json:
         print_json(job)
         return
-    if job["state"] == "QUEUED" and job_id in (plans := _plans(store)):
-        job["next"] = plans[job_id]  # what the next plan does about it, as `queue` and `top` say
     events = job.pop("events")
     for key, value in job.items():
         if value not in (None, "", [], {}):

@@ -189,6 +189,18 @@ def line_plans(settings: Settings, store: Optional[JobStore] = None) -> dict[int
     return {row.job.id: row.plan for row in rows}
 
 
+def job_record(settings: Settings, store: JobStore, job_id: int) -> dict[str, Any]:
+    """One job with its events (`show --json`, MCP's get_job) and, while it waits, `next`: what the next plan
+    does about it (will start, will preempt #N, waits for a quota, for backfill, for a healthy device, for
+    disk), in the words `queue` and `top` use."""
+    record = store.record(job_id)
+    if record["state"] == "QUEUED":
+        plans = line_plans(settings, store)
+        if job_id in plans:
+            record["next"] = plans[job_id]
+    return record
+
+
 def reserved(queue: list[QueueRow]) -> bool:
     """Whether idle devices are being held: a job that could run here waits, and the plan starts nothing on them
     (the policy keeps free devices for the head of the line rather than let jobs behind it pass)."""
