@@ -233,6 +233,28 @@ def preload(names=PRELOAD) -> list[str]:
     return sorted(files)
 
 
+def cuda_driver() -> dict[str, Optional[bool]]:
+    """Whether this process has the CUDA driver library loaded, and whether the driver was initialised in it
+    (`cuInit`: what opens /dev/nvidia* and makes a fork unsafe for CUDA). A CUDA build of torch may map
+    libcuda.so at import without initialising it; that is safe to fork, since each child initialises the driver
+    itself. Asked of the copy already loaded (RTLD_NOLOAD: never loads one): `cuDeviceGetCount` answers
+    CUDA_ERROR_NOT_INITIALIZED (3) until `cuInit` has run, and initialises nothing. None: loaded, state unknown."""
+    try:
+        with open("/proc/self/maps") as fh:
+            if "libcuda.so" not in fh.read():
+                return {"loaded": False, "initialised": False}
+    except OSError:
+        return {"loaded": None, "initialised": None}
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        count = ctypes.c_int(0)
+        return {"loaded": True, "initialised": lib.cuDeviceGetCount(ctypes.byref(count)) != 3}
+    except (OSError, AttributeError):
+        return {"loaded": True, "initialised": None}
+
+
 def imported() -> dict[str, Optional[str]]:
     """The top-level modules imported here beyond the interpreter's own start-up, with their files."""
     return {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())
@@ -254,6 +276,7 @@ def main(ready_file: Optional[str] = None) -> None:
     files = preload([n for n in names.split(",") if n] if names is not None else PRELOAD)
     if ready_file:
         _write_json(ready_file, {"pid": os.getpid(), "files": files, "modules": imported(), "threads": threads(),
+                                 "cuda": cuda_driver(),
                                  "dirs": [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]})
     serveloop.serve(_spawn)
 

@@ -133,6 +133,8 @@ class WarmPool:
         if self._stale():
             self.start()
             return "the environment changed since the warm pool started"
+        if (self._ready.get("cuda") or {}).get("initialised"):
+            return "the CUDA driver is initialised in the warm pool (a fork of it could not use CUDA)"
         return ""
 
     def _stale(self) -> bool:
