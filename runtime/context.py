@@ -367,7 +367,7 @@ class JobContext:
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Report GPU memory (see the module docstring), restore signal handlers and leave the process group.
+        """Report GPU memory (see the class docstring), restore signal handlers and leave the process group.
         Safe to call twice."""
         self._report_gpu_memory()
         for sig, handler in self._old_handlers.items():
