@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime import protocol
+from runtime import gpushare, protocol
 from runtime.errors import RuntimeJobError
 
 
@@ -98,7 +98,21 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 class JobContext:
-    """One training process's view of its job: identity, params, devices, stop flag, logging, heartbeat."""
+    """One training process's view of its job: identity, params, devices, stop flag, logging, heartbeat.
+
+    Sharing a GPU (``AUTORESEARCH_GPU_SHARE``, maybe ``AUTORESEARCH_GPU_MEMORY``; `gpu_share`/`gpu_memory`):
+    - Memory cap: the process's CUDA caching allocator is capped at ``min(share, memory / device total)`` of its
+      device (`torch.cuda.set_per_process_memory_fraction`), set up by `from_env`/``__enter__`` (on a GPU,
+      picking the device has imported torch by then; else at the first `heartbeat`/`should_stop` after the job
+      imported it). It never initialises CUDA: the cap is queued to run inside CUDA's lazy initialisation,
+      before the first allocation (`runtime.gpushare.apply_cap`). A job on a CPU slot is never capped.
+    - Out of memory: a CUDA out-of-memory error that leaves the ``with`` block of a job with a share below 1
+      writes `protocol.OOM_FILE` into the checkpoint dir, prints one line, and exits 75, so the service requeues
+      the job to run alone without spending an attempt. Without a share the error propagates as any other.
+    - Peak memory: when the context closes (or on `complete()`), rank 0 logs `protocol.PEAK_MEMORY_METRIC` (the
+      most memory its allocator reserved) and `protocol.DEVICE_MEMORY_METRIC` (the device's total), in MLflow's
+      megabytes (10**6 bytes), at the last heartbeat step; only when CUDA was initialised in this process.
+    """
 
     def __init__(
         self,
@@ -114,6 +128,8 @@ class JobContext:
         heartbeat_file: Path | None = None,
         tracking_uri: str | None = None,
         run_id: str | None = None,
+        gpu_share: float | None = None,
+        gpu_memory: int | None = None,
         config: ContextConfig = ContextConfig(),
     ) -> None:
         self.job_id = job_id
@@ -125,6 +141,11 @@ class JobContext:
         self.heartbeat_file = Path(heartbeat_file) if heartbeat_file else self.checkpoint_dir / "heartbeat.json"
         self.tracking_uri, self.run_id = tracking_uri, run_id
         self.config = config
+        self.gpu_share, self.gpu_memory = gpu_share, gpu_memory  # None: the job has its devices to itself
+        limited = gpu_share is not None or gpu_memory is not None
+        self._cap_pending = limited and gpushare.cuda_index(device) is not None  # no cap to set on a CPU
+        self._last_step = 0
+        self._gpu_reported = False
         self._stop = threading.Event()
         self._sigint_seen = False
         self._old_handlers: dict[int, Any] = {}
@@ -150,7 +171,8 @@ class JobContext:
         ckpt = os.environ.get(protocol.CHECKPOINT_DIR)
         local_rank = _int_env("LOCAL_RANK", 0)
         hb = os.environ.get(protocol.HEARTBEAT_FILE)
-        return cls(
+        gpu_share, gpu_memory = gpushare.read_env()
+        ctx = cls(
             job_id=job_id,
             attempt=_int_env(protocol.ATTEMPT, 0),
             params=params,
@@ -162,8 +184,17 @@ class JobContext:
             heartbeat_file=Path(hb) if hb else None,
             tracking_uri=os.environ.get(protocol.TRACKING_URI) or None,
             run_id=os.environ.get(protocol.RUN_ID) or None,
+            gpu_share=gpu_share,
+            gpu_memory=gpu_memory,
             config=config,
         )
+        ctx._cap_memory()
+        return ctx
+
+    @property
+    def sharing(self) -> bool:
+        """Whether this job shares its GPU with others (a share below 1)."""
+        return self.gpu_share is not None and self.gpu_share < 1
 
     @property
     def is_main(self) -> bool:
@@ -212,6 +243,8 @@ class JobContext:
     def should_stop(self) -> bool:
         """Whether any rank was asked to stop. Collective when world_size > 1: call it at the same steps on
         every rank (every step, or every n steps), and all ranks get the same answer at the same step."""
+        if self._cap_pending:
+            self._cap_memory()
         local = self._stop.is_set()
         if self.world_size <= 1 or self._group is None:
             return local
@@ -226,6 +259,7 @@ class JobContext:
         """Tell the queue this attempt has done its last step: if a preemption arrives now, the job still
         ends SUCCEEDED instead of running again. Rank 0 writes the marker (atomically) into the checkpoint
         dir; call it on every rank after training. Idempotent. Outside a queued job it does nothing."""
+        self._report_gpu_memory()
         if self.job_id is None or not self.is_main or self._completed:
             return
         write_json_atomic(self.checkpoint_dir / protocol.COMPLETE_FILE, {"attempt": self.attempt, "at": time.time()})
@@ -241,6 +275,9 @@ class JobContext:
     def heartbeat(self, step: int, *, force: bool = False) -> bool:
         """Record progress for the service's hang detector; throttled to one write per
         `config.heartbeat_interval_s` unless `force`. Rank 0 only. Returns whether it wrote."""
+        if self._cap_pending:
+            self._cap_memory()
+        self._last_step = int(step)
         now = time.monotonic()
         if not self.is_main or (not force and now - self._last_beat < self.config.heartbeat_interval_s):
             return False
@@ -292,10 +329,47 @@ class JobContext:
         if fresh:
             client.log_batch(self.run_id, params=fresh)
 
+    # -- sharing a GPU ----------------------------------------------------------------------------------
+
+    def _cap_memory(self) -> None:
+        # Called on entry and from heartbeat/should_stop until it succeeds: a job that imports torch after
+        # entering the context is capped at its next step (a sys.modules look-up per call until then).
+        if not self._cap_pending:
+            return
+        cuda = gpushare.loaded_cuda()
+        if cuda is not None and gpushare.apply_cap(cuda, gpushare.cuda_index(self.device), self.gpu_share,
+                                                   self.gpu_memory):
+            self._cap_pending = False
+
+    def _report_gpu_memory(self) -> None:
+        """Log this process's peak CUDA memory and its device's total to MLflow (rank 0, once, and only if CUDA
+        was initialised here: asking an uninitialised CUDA would initialise it)."""
+        index = gpushare.cuda_index(self.device)
+        if self._gpu_reported or not self.is_main or index is None:
+            return
+        cuda = gpushare.loaded_cuda()
+        figures = gpushare.peak_memory(cuda, index) if cuda is not None else None
+        if figures is None:
+            return
+        self._gpu_reported = True
+        try:
+            self.log_metrics(figures, step=self._last_step)
+        except Exception as exc:  # the job's own work is done; a tracking hiccup must not fail it now
+            print(f"autoresearch: could not log GPU memory to MLflow: {exc}", file=sys.stderr)
+
+    def _exit_out_of_memory(self, exc: BaseException) -> None:
+        write_json_atomic(self.checkpoint_dir / protocol.OOM_FILE, gpushare.oom_record(self.attempt, exc))
+        print(f"autoresearch: out of GPU memory on a shared GPU (share {self.gpu_share:g}); asking to run alone",
+              file=sys.stderr, flush=True)
+        self.close()
+        sys.exit(protocol.EX_TEMPFAIL)
+
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Restore signal handlers and leave the process group. Safe to call twice."""
+        """Report GPU memory (see the class docstring), restore signal handlers and leave the process group.
+        Safe to call twice."""
+        self._report_gpu_memory()
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
@@ -307,10 +381,14 @@ class JobContext:
         self._group = None
 
     def __enter__(self) -> "JobContext":
+        self._cap_memory()
         self.init_distributed()
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        # Out of memory on a shared GPU: not the job's fault, most likely its neighbours'. Ask to run alone.
+        if exc is not None and self.sharing and gpushare.is_oom(exc):
+            self._exit_out_of_memory(exc)
         # Finished the block normally and never asked to stop: the job did its last step.
         if exc_type is None and not self._stop.is_set():
             self.complete()

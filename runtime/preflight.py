@@ -10,8 +10,12 @@ numbers them), GPU-/MIG- UUIDs, or virtual CPU slots "cpu:0". Checks, per device
   (device copy), ``allreduce`` across all the devices (one real process each: NCCL on GPUs, gloo on CPU).
 
 On a cpu slot the GPU-only checks are "skipped", never "pass"; ``visible``/``alloc``/``matmul`` and the
-all-reduce run for real on the CPU. Faults from AUTORESEARCH_FAULTS (see `runtime.faults`) replace a check's
-result with "fail" on the named device only. `healthy()` and `reason()` summarise for the service;
+all-reduce run for real on the CPU. On a GPU shared with running jobs (AUTORESEARCH_GPU_SHARE and/or
+AUTORESEARCH_GPU_MEMORY in the checking process's environment, as a sharing job gets them) the checks stay
+within that share: the process's CUDA allocator is capped at it and the test tensors shrink to fit (the
+bf16 throughput check keeps its size: an overrun fails that check, it never takes a neighbour's memory).
+Faults from AUTORESEARCH_FAULTS (see `runtime.faults`) replace a check's result with "fail" on the named
+device only. `healthy()` and `reason()` summarise for the service;
 `run_isolated()` runs the checks in a child process (so the service never holds a CUDA context on a GPU it
 hands out); `monitor_sample()` is the cheap NVML-only sample it takes while a job runs.
 """
@@ -23,10 +27,11 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from runtime import gpushare
 from runtime.checks import STATUSES, CheckResult, healthy, outcome, reason
 from runtime.devices import DeviceSpecError, cuda_index, is_cpu, parse_devices
 from runtime.nvml import Nvml
@@ -56,6 +61,7 @@ class PreflightConfig:
 
     min_free_gb: float = 5.0
     alloc_mb: int = 256
+    copy_mb: int = 1024
     matmul_n: int = 512
     matmul_rtol: float = 1e-3
     expect_fraction: float = 0.6
@@ -63,10 +69,25 @@ class PreflightConfig:
     allowed_pids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.min_free_gb < 0 or self.alloc_mb <= 0 or self.matmul_n <= 0:
-            raise ValueError("min_free_gb must be >= 0, alloc_mb and matmul_n > 0")
+        if self.min_free_gb < 0 or self.alloc_mb <= 0 or self.copy_mb <= 0 or self.matmul_n <= 0:
+            raise ValueError("min_free_gb must be >= 0, alloc_mb, copy_mb and matmul_n > 0")
         if not 0 < self.expect_fraction <= 1:
             raise ValueError("expect_fraction must be in (0, 1]")
+
+
+def shared_budget(total: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """The bytes a check may use on a GPU of `total` bytes that it shares with running jobs, per GPU_SHARE and
+    GPU_MEMORY in `environ` (default: this process's), or None on a GPU of its own."""
+    share, memory = gpushare.read_env(environ)
+    fraction = gpushare.memory_fraction(share, memory, total)
+    return None if fraction is None else int(fraction * total)
+
+
+def within_budget(cfg: PreflightConfig, budget: int) -> PreflightConfig:
+    """`cfg` with its test tensors (alloc, and the device copy's two buffers) cut to half of `budget` bytes at
+    most: the allocator rounds blocks up and the CUDA context is not counted in the cap."""
+    half_mb = max(1, budget // 2 >> 20)
+    return replace(cfg, alloc_mb=min(cfg.alloc_mb, half_mb), copy_mb=min(cfg.copy_mb, max(1, half_mb // 2)))
 
 
 def _matmul_check(dev: str, cfg: PreflightConfig) -> tuple:
@@ -174,7 +195,7 @@ def _throughput(dev: str, name: str, cfg: PreflightConfig) -> tuple:
 def _bandwidth(dev: str, name: str, cfg: PreflightConfig) -> tuple:
     import torch
 
-    src = torch.empty(1 << 28, device=dev)  # 1 GiB of fp32
+    src = torch.empty(cfg.copy_mb << 18, device=dev)  # copy_mb MiB of fp32 (1 GiB by default)
     dst = torch.empty_like(src)
     gbs = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src), dev, 10) / 1e9  # read + write
     exp = _expectation(name)
@@ -206,6 +227,12 @@ def _device_checks(device: str, level: str, cfg: PreflightConfig, nv: Nvml) -> l
         torch.cuda.set_device(dev)  # later CUDA calls (and their context) land on this card, never on cuda:0
     out.append(outcome("cuda_init", device, lambda: _cuda_init(dev), down))
     down = down or (None if out[-1].status == "pass" else "CUDA did not initialise")
+    if not down:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = shared_budget(total)
+        if budget is not None:  # neighbours run on this GPU: stay inside the share a job would get
+            torch.cuda.set_per_process_memory_fraction(budget / total, idx)
+            cfg = within_budget(cfg, budget)
     gpu_name = torch.cuda.get_device_name(dev) if not down else ""
     nvml_skip = None if nv.available else f"NVML unavailable: {nv.error}"
     phys = device

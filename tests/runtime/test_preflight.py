@@ -138,6 +138,19 @@ def test_results_and_config_validate():
     assert faults.parse("cpu:1:ecc,*:matmul") == (faults.Fault("cpu:1", "ecc"), faults.Fault("*", "matmul"))
 
 
+def test_checks_on_a_shared_gpu_stay_inside_the_share():
+    gib = 1 << 30
+    assert pf.shared_budget(80 * gib, {}) is None  # a GPU of its own: the usual sizes
+    assert pf.shared_budget(80 * gib, {"AUTORESEARCH_GPU_SHARE": "0.25"}) == 20 * gib
+    assert pf.shared_budget(80 * gib, {"AUTORESEARCH_GPU_SHARE": "0.5", "AUTORESEARCH_GPU_MEMORY": str(gib)}) == gib
+    roomy = pf.within_budget(PreflightConfig(), 20 * gib)
+    assert (roomy.alloc_mb, roomy.copy_mb) == (256, 1024)
+    tight = pf.within_budget(PreflightConfig(), 200 << 20)  # a 200 MiB job: half of it for the test tensors
+    assert (tight.alloc_mb, tight.copy_mb) == (100, 50)
+    with pytest.raises(ValueError):
+        PreflightConfig(copy_mb=0)
+
+
 def _cli(args, home, faults_spec=""):
     env = dict(os.environ, AUTORESEARCH_HOME=str(home), AUTORESEARCH_FAULTS=faults_spec, PYTHONPATH=str(ROOT))
     env.pop("AUTORESEARCH_DEVICES", None)
