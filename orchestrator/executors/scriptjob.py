@@ -20,6 +20,10 @@ no MLflow import for its metric.
 Population-based training: with a `steps` parameter and a resume flag in the plan, a PBT member or a replayed
 schedule runs as a chain of resumed segments, each reported once, at its end (`orchestrator.executors.segments`).
 
+Sharing a GPU: a script that runs out of GPU memory (torch's "CUDA out of memory" line in its output) while the
+job holds a share of a GPU gets what the runtime gives its own jobs: the out-of-memory marker and exit 75, so the
+service runs it again alone on a whole GPU without spending an attempt.
+
 The wrapper shares the job's process group: the queue's SIGTERM reaches the script, and the wrapper waits for
 it and exits with its code.
 
@@ -33,7 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import time
 import signal
 import sqlite3
 import subprocess
@@ -48,11 +54,14 @@ from orchestrator.executors.local import warmpool
 from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
+from runtime import protocol
 
 STATE = ".autoresearch-attempts.json"  # attempts started and reports read, kept in the checkpoint dir
 NO_RESULT_EXIT = 1
 TEMPFAIL_EXIT = 75  # a segment cut short by SIGTERM although its script exited 0: not finished
 TERMINATED: list[bool] = []  # SIGTERM reached the wrapper of a run in segments
+OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")  # how torch says a CUDA allocation failed
+OOM_SEEN: list[str] = []  # the script's first line saying it ran out of GPU memory
 
 
 def say(message: str) -> None:
@@ -91,11 +100,32 @@ def main(argv: list[str] | None = None) -> int:
     reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
     code = _run(command, values, reader, checkpoint_dir)
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
+    if code != 0 and OOM_SEEN and _sharing():
+        return _out_of_shared_memory(checkpoint_dir)
     if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
         say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
             "to MLflow")
         return NO_RESULT_EXIT
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _sharing() -> bool:
+    share = os.environ.get(protocol.GPU_SHARE)
+    try:
+        return share is not None and float(share) < 1
+    except ValueError:
+        return False
+
+
+def _out_of_shared_memory(checkpoint_dir: Path) -> int:
+    """A script that knows nothing of the runtime ran out of GPU memory beside other jobs: what the runtime's
+    `JobContext` does for its own jobs (the marker, then exit 75), so the service runs it again alone."""
+    attempt = int(os.environ.get(protocol.ATTEMPT) or 0)
+    tmp = checkpoint_dir / f".{protocol.OOM_FILE}.tmp"
+    tmp.write_text(json.dumps({"attempt": attempt, "at": time.time(), "error": OOM_SEEN[0][:500]}))
+    os.replace(tmp, checkpoint_dir / protocol.OOM_FILE)
+    say(f"out of GPU memory on a shared GPU (share {os.environ.get(protocol.GPU_SHARE)}); asking to run alone")
+    return protocol.EX_TEMPFAIL
 
 
 def _command(plan: dict, values: dict, checkpoint_dir: Path) -> str:
@@ -120,7 +150,10 @@ def _run(command: str, values: dict, reader: LineReader, checkpoint_dir: Path, r
     for raw in iter(proc.stdout.readline, b""):
         out.write(raw)
         out.flush()
-        report = reader.feed(raw.decode("utf-8", errors="replace"))
+        line = raw.decode("utf-8", errors="replace")
+        if not OOM_SEEN and OOM.search(line):
+            OOM_SEEN.append(line.strip())
+        report = reader.feed(line)
         if report is not None and record:
             outputmetrics.append(checkpoint_dir, *report)
     return proc.wait()

@@ -123,3 +123,40 @@ def test_a_whole_gpu_job_out_of_memory_fails_as_any_job_does(make_service):
     wait_for(lambda: service.store.get(job_id).state == "FAILED", timeout=60, what="the job to fail")
     job = service.store.get(job_id)
     assert job.failures == 1 and job.attempts == 1 and "no attempts left" in job.reason
+
+
+OOM_SCRIPT = '''
+import os, sys
+if os.environ.get("AUTORESEARCH_GPU_SHARE"):
+    print("Traceback (most recent call last):", flush=True)
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+    sys.exit(1)
+print("val_loss: 0.5", flush=True)
+'''
+
+OOM_TOML = '''
+[experiment]
+name = "oomer"
+run = "python train.py {args}"
+metric = "val_loss"
+direction = "minimize"
+
+[space]
+lr = { type = "float", low = 1e-4, high = 1.0, log = true, default = 1e-3 }
+'''
+
+
+def test_a_config_file_script_out_of_gpu_memory_on_a_share_runs_again_alone(make_service, tmp_path):
+    """A script that knows nothing of autoresearch: its wrapper reads torch's out-of-memory line, and the job is
+    run again alone instead of failing (no attempt spent, one MLflow run, its metric found)."""
+    from tests.support.own import folder
+
+    service = make_service("cpu:1")
+    root = folder(tmp_path, OOM_TOML, OOM_SCRIPT, name="oomer")
+    spec = api.experiment_spec(str(root), {}, gpus=0.5, max_attempts=1)
+    job_id = api.submit(spec)[0].id
+    wait_for(lambda: service.store.get(job_id).state in ("SUCCEEDED", "FAILED"), timeout=90, what="the job")
+    job = service.store.get(job_id)
+    assert job.state == "SUCCEEDED" and job.failures == 0 and job.attempts == 2 and job.gpu_share is None
+    log = open(job.log_path).read()
+    assert "out of GPU memory on a shared GPU (share 0.5); asking to run alone" in log
