@@ -46,7 +46,8 @@ class DeviceGuard:
         self._placement = threading.RLock()
         self._checking: set[str] = set()
         self._hits: dict[str, int] = {}
-        self._nvml = None  # the monitor's long-lived NVML session, opened on first use
+        self._nvml = None  # the monitor's long-lived NVML session, opened on first use (shared with gpuwatch)
+        self._nvml_lock = threading.Lock()
         self.open_nvml: Callable[[], object] = self._open_nvml  # the NVML edge (tests give a fake)
         self.on_quarantine: Callable[[str, str], None] = lambda device, why: None  # the service's notifications
 
@@ -134,9 +135,14 @@ class DeviceGuard:
         return Nvml(timeout_s=self.health.config.nvml_timeout).open()
 
     def _session(self):
-        if self._nvml is None:
-            self._nvml = self.open_nvml()
-        return self._nvml
+        with self._nvml_lock:  # the monitor and the GPU sampler run on different scheduler threads
+            if self._nvml is None:
+                self._nvml = self.open_nvml()
+            return self._nvml
+
+    def nvml_session(self):
+        """The service's long-lived NVML session (opened on first use), for the GPU sampler too."""
+        return self._session()
 
     def monitor(self) -> None:
         """Run-time health: a device fault under a running job, or a job without progress, stops the job
