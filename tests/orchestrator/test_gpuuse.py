@@ -154,3 +154,20 @@ def test_the_sampler_leaves_cpu_slots_and_a_host_without_nvml_alone(home):
     nv = Nvml(FakeNvml([]), timeout_s=1)  # never opened: not available, as on a host without a driver
     assert GpuWatch(store, "h", interval=2.0, session=lambda: nv).sample_once() == 0
     assert GpuUse(store.db).devices() == []
+
+
+def test_the_ledger_charges_a_job_sharing_a_gpu_its_share_of_the_time(home):
+    import time
+
+    from orchestrator.agent.history import device_seconds
+    from orchestrator.queue import usage as ledger
+
+    store = JobStore(f"sqlite:///{home / 'queue.db'}")
+    quarter, whole = _holding(store, "0", share=0.25), _holding(store, "1")
+    time.sleep(0.05)
+    store.finish(quarter, 0, "h")
+    store.finish(whole, 0, "h")
+    held = {a.job_id: a for a in ledger.attempts(store)}
+    assert held[quarter].gpus == 0.25 and held[whole].gpus == 1
+    assert held[quarter].device_seconds() == pytest.approx(0.25 * (held[quarter].end - held[quarter].start))
+    assert device_seconds(store, store.get(quarter)) == pytest.approx(held[quarter].device_seconds())
