@@ -207,6 +207,7 @@ class Service:
         for listener in self._listeners:
             listener.close()
         self._launchers.shutdown(wait=True)
+        self.gpuwatch.close()  # a sample under way must not start a tracking worker once it is closed
         self.runs.close()
         if self.executor is not None:
             self.executor.close()

@@ -41,8 +41,13 @@ class GpuWatch:
         self.max_gap = max(5 * interval, 10.0)
         self._prev: dict[str, Sample] = {}
         self._log_after = 0.0
+        self._closed = False
         self.samples = 0  # samples recorded (tests wait on it)
         self.logged = 0  # jobs whose figures were logged to MLflow
+
+    def close(self) -> None:
+        """Log nothing more (the service is stopping: its tracking worker is going)."""
+        self._closed = True
 
     def tick(self) -> None:
         """The scheduler's job: one sample, then the figures of jobs that ended since."""
@@ -92,7 +97,7 @@ class GpuWatch:
     def log_ended(self) -> int:
         """Log the figures of jobs that held a GPU and ended for good to their MLflow runs (jobs without a run:
         nothing to log); returns how many were settled. A failing tracking store is asked again later."""
-        if time.monotonic() < self._log_after:
+        if self._closed or time.monotonic() < self._log_after:
             return 0
         rows = self.records.to_log()
         if not rows:
