@@ -50,6 +50,8 @@ _DESCRIBED = {
     "retry_backoff_cap": "The most seconds a retry waits.",
     "monitor_hits": "Throttle samples (or failing NVML calls) in a row before a device counts as faulty.",
     "nvml_timeout": "Seconds one NVML call may take.",
+    "gpu_sample_interval": "Seconds between the service's samples of its GPUs' utilisation and memory (what "
+                           "`top`, `usage` and a job's `system/gpu_utilization_percentage` show); `0`: none.",
     "container_engine": "For `--image` jobs: `podman`, `docker`, or `auto` (podman when installed).",
 }
 

@@ -25,7 +25,8 @@ S = JobState
 
 
 def device_seconds(store: JobStore, job: Job, now: float | None = None) -> float:
-    """Device-seconds a job has held (every attempt; STARTING through CANCELLING), times its device count."""
+    """Device-seconds a job has held (every attempt; STARTING through CANCELLING), times its device count (its
+    share of one device for a job sharing a GPU)."""
     import time
 
     held, since = 0.0, None
@@ -38,7 +39,7 @@ def device_seconds(store: JobStore, job: Job, now: float | None = None) -> float
             since = None
     if since is not None:
         held += (now or time.time()) - since
-    return held * max(1, job.gpus)
+    return held * (getattr(job, "gpu_share", None) or max(1, job.gpus))
 
 
 def held_intervals(store: JobStore, job: Job) -> list[tuple[float, float | None]]:

@@ -11,6 +11,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from orchestrator.agent import tally
+from orchestrator.queue.gpuuse import busy_share, share_text
 from orchestrator.tracking.client import leaderboard
 
 REPORT = "report.md"
@@ -52,6 +53,13 @@ def summarise(session_id: str, config: Any, state: Mapping[str, Any], spec: Any,
     }
 
 
+def gpu_use(store: Any, trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How busy the GPUs were while the session's trials held them (`orchestrator.queue.gpuuse.busy_share`):
+    held and busy device-seconds and the report's line ("no GPU held" on cpu slots)."""
+    held, busy = busy_share(store, [t["job_id"] for t in trials if t.get("job_id") is not None])
+    return {"held_s": round(held, 1), "busy_s": round(busy, 1), "text": share_text(held, busy)}
+
+
 def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
     """The session report: the verdict, the baseline, the ranking (params as changes from the baseline)."""
     metric = summary["metric"]
@@ -59,6 +67,7 @@ def markdown(summary: Mapping[str, Any], top: int = 15) -> str:
              f"**Goal:** {summary['goal']}  ", f"**Proposer:** {summary['proposer']}  ",
              f"**Ended:** {summary['stop_reason'] or 'done'} after {summary.get('tally') or summary['trials']}, "
              f"{summary['elapsed_s']} s, {summary['device_seconds']} device-seconds", "",
+             *([f"**GPU:** {summary['gpu']['text']}", ""] if (summary.get("gpu") or {}).get("held_s") else []),
              "## Verdict", "", f"**{summary['headline']}**", ""]
     base = summary.get("baseline")
     if base:

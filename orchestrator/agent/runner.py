@@ -204,6 +204,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             final = graph.invoke(first, run_cfg, durability="sync")
         summary = report.summarise(session_id, config, final, spec, parallel=agent.parallel,
                                    defaults=agent.baseline)
+        summary["gpu"] = report.gpu_use(store, final["trials"])  # "GPU busy N% of the device time it held"
         usage_tags = {f"autoresearch.llm_{k}": f"{final.get('usage', {}).get(k, 0):g}"
                       for k in ("calls", "prompt_tokens", "completion_tokens", "cost_usd")}
         if final.get("paused"):

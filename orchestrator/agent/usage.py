@@ -1,6 +1,7 @@
 """`autoresearch usage` (and MCP `usage`): device-seconds per project, owner or session from the queue's event
 log (`orchestrator.queue.usage`), and by session the agent's LLM calls, tokens and cost from the sessions'
-records. Here, above the API, because the LLM side is the agent's."""
+records; and the GPUs' busy share: device-hours held and busy, as the service sampled them
+(`orchestrator.queue.gpuuse`). Here, above the API, because the LLM side is the agent's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 from orchestrator.api.sharing import parse_since
 from orchestrator.core.config import Settings
 from orchestrator.queue import usage as ledger_rules
+from orchestrator.queue.gpuuse import GpuUse
 from orchestrator.queue.store import JobStore
 
 
@@ -21,13 +23,25 @@ def usage(settings: Settings, *, by: str = "project", since: Optional[str] = Non
     now = time.time() if now is None else now
     start = parse_since(since, now)
     rows = ledger_rules.ledger(ledger_rules.attempts(store, since=start, now=now), by=by, since=start)
+    _busy_share(rows, GpuUse(store.db).totals(by, since=start), by)
     if by == "session":
         llm = _llm_usage(settings)
         for row in rows:
             row.update(llm.pop(row["session"], {}))
         rows += [{"session": sid, "device_seconds": 0.0, "scavenger_device_seconds": 0.0, "attempts": 0,
-                  "jobs": 0, "running": 0, "device_hours": 0.0, **u} for sid, u in sorted(llm.items())]
+                  "jobs": 0, "running": 0, "device_hours": 0.0, "held_hours": 0.0, "busy_hours": 0.0,
+                  "busy_share": None, **u} for sid, u in sorted(llm.items())]
     return rows
+
+
+def _busy_share(rows: list[dict], figures: dict, by: str) -> None:
+    """Each row's GPU device-hours held and busy (sampled; 0 on cpu slots) and busy / held (None: none held).
+    With --since, a job's figures count whole when it ran at all since then (they are kept per job)."""
+    for row in rows:
+        fig = figures.get(row[by])
+        held, busy = (fig.held, fig.busy) if fig is not None else (0.0, 0.0)
+        row.update(held_hours=round(held / 3600, 4), busy_hours=round(busy / 3600, 4),
+                   busy_share=round(busy / held, 4) if held > 0 else None)
 
 
 def _llm_usage(settings: Settings) -> dict[str, dict]:

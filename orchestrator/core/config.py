@@ -114,6 +114,7 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "hang_timeout": ("AUTORESEARCH_HANG_TIMEOUT", _number),
     "monitor_hits": ("AUTORESEARCH_MONITOR_HITS", _integer),
     "nvml_timeout": ("AUTORESEARCH_NVML_TIMEOUT", _number),
+    "gpu_sample_interval": ("AUTORESEARCH_GPU_SAMPLE_INTERVAL", _number),
     "llm_model": ("AUTORESEARCH_LLM_MODEL", _text),
     "llm_base_url": ("OPENAI_BASE_URL", _text),
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
@@ -196,6 +197,9 @@ class Settings:
     hang_timeout: float = 1800.0
     monitor_hits: int = 3  # consecutive throttle samples before a device counts as faulty
     nvml_timeout: float = 5.0  # seconds an NVML call may take
+    # Seconds between the service's samples of its GPUs' utilisation and memory (`top`, `usage`, the busy share
+    # on a job's MLflow run and in a session's report); 0: no sampling.
+    gpu_sample_interval: float = 2.0
     # The agent's LLM (OPENAI_API_KEY stays in the environment only: never in a file we write or read).
     llm_model: Optional[str] = None
     llm_base_url: Optional[str] = None
@@ -237,8 +241,8 @@ class Settings:
             raise BadInput(f"retention must be ranked or off, got {self.retention!r}")
         if self.keep_people not in ("all", "latest", "none"):
             raise BadInput(f"keep_people must be all, latest or none, got {self.keep_people!r}")
-        for name in ("keep_best", "gc_every", "log_max_bytes", "log_compress_days", "log_delete_days",
-                     "events_compact_days", "disk_min_free_mb"):
+        for name in ("keep_best", "gc_every", "gpu_sample_interval", "log_max_bytes", "log_compress_days",
+                     "log_delete_days", "events_compact_days", "disk_min_free_mb"):
             if getattr(self, name) < 0:
                 raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.executor not in ("local", "ray", "slurm"):

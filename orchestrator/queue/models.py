@@ -372,3 +372,8 @@ class ServiceRecord(SQLModel, table=True):
     # The service's --preempt-after: what `top` and `queue` plan with for its devices (None: an older release).
     preempt_after: Optional[float] = Field(default=None, nullable=True)
     disk: Optional[str] = None  # why no job starts for want of disk space (orchestrator.service.diskspace), else None
+
+
+# The GPU busy share's tables live in their own module; importing it here registers them on SQLModel.metadata
+# wherever the job tables are (so `Database` creates them).
+from orchestrator.queue import gpumodels as _gpumodels  # noqa: E402,F401

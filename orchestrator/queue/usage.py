@@ -2,9 +2,10 @@
 
 An attempt holds its devices from the event that placed it (-> STARTING) to the event that gave them back
 (-> QUEUED, SUCCEEDED, FAILED or CANCELLED); its device-seconds are its devices x that time (an attempt still
-holding counts up to now). The ledger sums attempts by project, owner (the agent session for trial jobs) or
-session, scavengers apart (they are never charged); the scheduler weighs each project's *decayed* usage, every
-second of use counting 2^(-age / half-life) (Slurm's PriorityDecayHalfLife, Kueue's usage half-life).
+holding counts up to now; a job sharing one GPU, `--gpus 0.25`, counts its share of it: 0.25 x that time). The
+ledger sums attempts by project, owner (the agent session for trial jobs) or session, scavengers apart (they
+are never charged); the scheduler weighs each project's *decayed* usage, every second of use counting
+2^(-age / half-life) (Slurm's PriorityDecayHalfLife, Kueue's usage half-life).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Attempt:
     project: str
     owner: str
     scavenger: bool
-    gpus: int
+    gpus: float  # devices held: a share of one (`gpu_share`) for a job sharing a GPU
     start: float
     end: float
     open: bool  # still holding its devices (end is the time of the read)
@@ -57,7 +58,7 @@ def attempts(store: Any, *, since: Optional[float] = None, now: Optional[float] 
     """Every attempt that held devices at some time from `since` (None: ever) to `now`, from the event log."""
     now = time.time() if now is None else now
     stmt = (select(EVENTS.c.job_id, EVENTS.c.at, EVENTS.c.dst, JOBS.c.project, JOBS.c.owner, JOBS.c.scavenger,
-                   JOBS.c.gpus)
+                   JOBS.c.gpus, JOBS.c.gpu_share)
             .join(JOBS, JOBS.c.id == EVENTS.c.job_id)
             .order_by(EVENTS.c.job_id, EVENTS.c.id))
     if since is not None:  # a job finished before `since` held nothing since
@@ -66,12 +67,12 @@ def attempts(store: Any, *, since: Optional[float] = None, now: Optional[float] 
     current, start = None, None
     last: Any = None
     with store.db.reading() as conn:
-        for job_id, at, dst, project, owner, scavenger, gpus in conn.execute(stmt):
+        for job_id, at, dst, project, owner, scavenger, gpus, share in conn.execute(stmt):
             if job_id != current:
                 if start is not None:
                     out.append(Attempt(current, *last, start, now, True))
                 current, start = job_id, None
-            last = (project or DEFAULT_PROJECT, owner or "", bool(scavenger), int(gpus or 1))
+            last = (project or DEFAULT_PROJECT, owner or "", bool(scavenger), float(share or gpus or 1))
             if dst == S.STARTING.value and start is None:
                 start = at
             elif dst in _RELEASED and start is not None:

@@ -7,7 +7,8 @@ Threads:
   (SIGTERM, then SIGKILL after the grace) and has the executor start the claimed attempts (the local
   executor's spawner processes start them, `orchestrator.executors.local.spawner`);
 - APScheduler jobs: the tick (a fallback wake-up), housekeeping (retry backoffs, heartbeat, reaping), and the
-  device guard's run-time monitor and periodic re-check of idle devices (`orchestrator.service.guard`);
+  device guard's run-time monitor and periodic re-check of idle devices (`orchestrator.service.guard`), and the
+  GPU sampler (`orchestrator.service.gpuwatch`: utilisation and memory into the busy-share records);
 - the executor's watcher, which reports exits.
 
 Restart semantics (documented choice): stopping the service (SIGINT/SIGTERM) or losing it (`kill -9`) leaves
@@ -37,6 +38,7 @@ from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, StartLost, job_env
 from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.diskspace import DiskWatch
+from orchestrator.service.gpuwatch import GpuWatch, is_gpu
 from orchestrator.service.guard import DeviceGuard
 from orchestrator.service.notices import ServiceNotices
 from orchestrator.service.health import Health, HealthConfig
@@ -114,6 +116,9 @@ class Service:
         # MLflow runs are made by a child process started when tracked jobs wait: the service never imports it.
         self.tracking = TrackingWorker(settings.tracking_uri, settings.artifacts_dir)
         self.runs = RunGate(self.store, self.tracking)  # tracked jobs are claimed once their MLflow run exists
+        # The GPUs' busy share: sampled through the guard's NVML session, on its own scheduler thread.
+        self.gpuwatch = GpuWatch(self.store, self.host, interval=settings.gpu_sample_interval,
+                                 session=self.guard.nvml_session, log_runs=self.tracking.log_metrics)
         self._launched: list = []  # (job, its start's outcome) of the last pass, for the next to record
         self._capacity = 0  # usable devices at the last dispatch pass (what the run preparer looks ahead for)
         self.projects = ProjectBook(self.store, settings.extra, self.host, settings.usage_half_life)
@@ -186,6 +191,8 @@ class Service:
             sched.add_job(self.guard.recheck_idle, "interval", seconds=self.recheck_every, id="recheck")
         if self.health.config.monitor_every:  # its own thread: a slow NVML must not delay the heartbeat
             sched.add_job(self.guard.monitor, "interval", seconds=self.health.config.monitor_every, id="monitor")
+        if self.settings.gpu_sample_interval and self._local_devices and any(map(is_gpu, self.device_names)):
+            sched.add_job(self.gpuwatch.tick, "interval", seconds=self.settings.gpu_sample_interval, id="gpuwatch")
         sched.start()
         self._scheduler = sched
 
@@ -200,6 +207,7 @@ class Service:
         for listener in self._listeners:
             listener.close()
         self._launchers.shutdown(wait=True)
+        self.gpuwatch.close()  # a sample under way must not start a tracking worker once it is closed
         self.runs.close()
         if self.executor is not None:
             self.executor.close()

@@ -46,7 +46,8 @@ class DeviceGuard:
         self._placement = threading.RLock()
         self._checking: set[str] = set()
         self._hits: dict[str, int] = {}
-        self._nvml = None  # the monitor's long-lived NVML session, opened on first use
+        self._nvml = None  # the monitor's long-lived NVML session, opened on first use (shared with gpuwatch)
+        self._nvml_lock = threading.Lock()
         self._totals: dict[str, int | None] = {}  # memory of each GPU (`memory_totals`), read once
         self.open_nvml: Callable[[], object] = self._open_nvml  # the NVML edge (tests give a fake)
         self.on_quarantine: Callable[[str, str], None] = lambda device, why: None  # the service's notifications
@@ -135,9 +136,14 @@ class DeviceGuard:
         return Nvml(timeout_s=self.health.config.nvml_timeout).open()
 
     def _session(self):
-        if self._nvml is None:
-            self._nvml = self.open_nvml()
-        return self._nvml
+        with self._nvml_lock:  # the monitor and the GPU sampler run on different scheduler threads
+            if self._nvml is None:
+                self._nvml = self.open_nvml()
+            return self._nvml
+
+    def nvml_session(self):
+        """The service's long-lived NVML session (opened on first use), for the GPU sampler too."""
+        return self._session()
 
     def memory_totals(self, devices: list[str]) -> dict[str, int]:
         """Total memory in bytes of each GPU among `devices` (none for cpu slots, or where NVML cannot say):

@@ -226,6 +226,18 @@ def end_runs(tracker: Tracker, ends: Sequence[dict[str, Any]]) -> None:
             log.debug("run %s not ended: it does not exist", end["run"])  # deleted: nothing to end
 
 
+def log_run_metrics(tracker: Tracker, runs: Sequence[dict[str, Any]]) -> None:
+    """Log `{"run": run id, "metrics": {name: value}}` on each run (a finished run takes metrics too). A run
+    that was deleted is skipped; a store that is down raises (the service asks again later)."""
+    for item in runs:
+        try:
+            tracker.log_metrics(item["run"], item["metrics"])
+        except Exception as exc:
+            if getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
+            log.debug("metrics not logged on run %s (deleted): %s", item["run"], exc)
+
+
 def _update_runs(store: Any, ends: Sequence[dict[str, Any]]) -> None:
     from mlflow.entities import RunStatus
     from mlflow.store.tracking.dbmodels.models import SqlRun

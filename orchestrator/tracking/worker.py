@@ -10,10 +10,11 @@ exits when the service goes (its stdin closes).
 Protocol: one JSON object per line. Requests `{"op": "runs", "jobs": [request, ...], "adopt": bool}` (adopt:
 answer runs already made for these jobs first, after a worker or the service was lost mid-batch),
 `{"op": "end", "runs": [{"run": run_id, "status": "FINISHED", "end": ms}, ...]}`,
-`{"op": "discard", "runs": [run_id, ...]}` and `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`
-(retention's record of a removed checkpoint). `runs` answers `{"id": job_id, "run": run_id}` per run made,
+`{"op": "discard", "runs": [run_id, ...]}`, `{"op": "tags", "runs": [{"run": run_id, "tags": {...}}, ...]}`
+(retention's record of a removed checkpoint) and `{"op": "metrics", "runs": [{"run": run_id, "metrics": {...}}]}`
+(the GPU figures the service logs when a job ends, `orchestrator.service.gpuwatch`). `runs` answers `{"id": job_id, "run": run_id}` per run made,
 then `{"done": true}`, or `{"id": job_id, "error": "first line"}` at the first failure (later jobs are not
-tried: a store that is down fails them all); `end` and `tags` answer `{"done": true}` or `{"error": "first
+tried: a store that is down fails them all); `end`, `tags` and `metrics` answer `{"done": true}` or `{"error": "first
 line"}`. The
 protocol has a descriptor of its own (the worker's original stdout); library chatter on stdout goes to stderr.
 """
@@ -110,6 +111,16 @@ class TrackingWorker:
             return
         with self._lock:
             answer = self._read(self._talk({"op": "tags", "runs": list(runs)}))
+            if "error" in answer:
+                raise TrackingUnavailable(answer["error"])
+
+    def log_metrics(self, runs: Sequence[dict[str, Any]]) -> None:
+        """Log metrics on runs (`[{"run": run_id, "metrics": {name: value}}]`: a job's GPU figures once it
+        ended); a run that is gone is skipped. Raises TrackingUnavailable."""
+        if not runs:
+            return
+        with self._lock:
+            answer = self._read(self._talk({"op": "metrics", "runs": list(runs)}))
             if "error" in answer:
                 raise TrackingUnavailable(answer["error"])
 
@@ -244,7 +255,7 @@ def tune_sqlite_tracking(tracking_uri: str) -> None:
 
 
 def _answer(out, request: dict, tracker) -> None:
-    from orchestrator.tracking.jobruns import create_runs, discard_run, end_runs
+    from orchestrator.tracking.jobruns import create_runs, discard_run, end_runs, log_run_metrics
 
     if request.get("op") == "discard":
         for run_id in request.get("runs", []):
@@ -253,6 +264,12 @@ def _answer(out, request: dict, tracker) -> None:
         try:
             for item in request.get("runs", []):
                 tracker.set_tags(item["run"], item["tags"])
+        except Exception as exc:
+            out.write(json.dumps({"error": first_line(exc)}) + "\n")
+            return
+    elif request.get("op") == "metrics":
+        try:
+            log_run_metrics(tracker, request.get("runs", []))
         except Exception as exc:
             out.write(json.dumps({"error": first_line(exc)}) + "\n")
             return

@@ -2,7 +2,8 @@
 
 Only what `runtime.nvml.Nvml` calls is here. Knobs: the GPUs' UUIDs (and MIG instances), which
 clock-reason calls exist (newer drivers: both; older: only the throttle call; a new binding on an old driver:
-the new call raises FunctionNotFound), a throttle mask per sample, and a call that hangs.
+the new call raises FunctionNotFound), a throttle mask per sample, a call that hangs, and each GPU's utilisation
+and memory (set `util[i]` and `used[i]` between samples, as a load would change them).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class NVMLError_FunctionNotFound(NVMLError):  # noqa: N801
 class FakeNvml:
     """GPUs with the given UUIDs. `clock_events`: "new" (both calls), "old" (only the throttle call),
     "missing-symbol" (the new call exists but raises FunctionNotFound). `masks`: throttle masks returned in
-    turn (the last repeats). `hang`: an Event; while it is not set, GetTotalEccErrors blocks."""
+    turn (the last repeats). `hang`: an Event; while it is not set, GetTotalEccErrors blocks. `util`/`used`:
+    utilisation (percent) and memory used (bytes) by GPU index (0 when unset), of `total` bytes each."""
 
     NVMLError = NVMLError
     NVMLError_NotSupported = NVMLError_NotSupported
@@ -35,11 +37,15 @@ class FakeNvml:
     NVML_VOLATILE_ECC = 0
 
     def __init__(self, uuids: list[str], *, migs: dict[int, list[str]] | None = None, clock_events: str = "new",
-                 masks: list[int] | None = None, hang: threading.Event | None = None, pids: list[int] | None = None):
+                 masks: list[int] | None = None, hang: threading.Event | None = None, pids: list[int] | None = None,
+                 total: int = 80 * 2**30):
         self.uuids, self.migs = list(uuids), dict(migs or {})
         self.masks = list(masks or [0])
         self.hang = hang
         self.pids = list(pids or [])
+        self.util: dict[int, int] = {}
+        self.used: dict[int, int] = {}
+        self.total = total
         self.inits = self.shutdowns = 0
         self.calls: list[str] = []
         if clock_events in ("new", "missing-symbol"):
@@ -90,6 +96,14 @@ class FakeNvml:
 
     def nvmlDeviceGetRemappedRows(self, h):
         return 0, 0, 0, 0
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        self.calls.append("util")
+        return SimpleNamespace(gpu=self.util.get(h.index, 0), memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        used = self.used.get(h.index, 0)
+        return SimpleNamespace(used=used, total=self.total, free=self.total - used)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [SimpleNamespace(pid=p, usedGpuMemory=0) for p in self.pids]

@@ -96,6 +96,8 @@ def _print_summary(summary: dict) -> None:
     if held:
         print(f"holdout ({held['metric']}): baseline {_fmt(held['baseline_mean'])}, winner "
               f"{_fmt(held['winner_mean'])} over {held['n_winner']} fresh re-runs")
+    if (summary.get("gpu") or {}).get("held_s"):  # sampled GPUs only: nothing to say on cpu slots
+        print(summary["gpu"]["text"])
     _print_usage(summary)
 
 

@@ -59,8 +59,8 @@ def set_(name: str = typer.Argument(..., metavar="NAME"),
 def usage(by: str = typer.Option("project", "--by", help="project, owner or session."),
           since: Optional[str] = typer.Option(None, "--since", help="Only use from then on: 7d, 12h, an ISO time."),
           as_json: bool = typer.Option(False, "--json")) -> None:
-    """Device-hours per project, owner or session from the event log (scavengers apart); LLM tokens and cost
-    per session."""
+    """Device-hours per project, owner or session from the event log (scavengers apart); GPU device-hours held
+    and busy, as the service sampled them; LLM tokens and cost per session."""
     from orchestrator.agent.usage import usage as usage_rows
 
     rows = usage_rows(settings(), by=by, since=since)
@@ -68,12 +68,17 @@ def usage(by: str = typer.Option("project", "--by", help="project, owner or sess
         print_json(rows)
         return
     columns = [by, "device-hours", "scavenger dev-h", "attempts", "jobs", "running"]
+    gpu = any(r.get("held_hours") for r in rows)  # sampled GPUs: held and busy device-hours, busy share
+    if gpu:
+        columns += ["gpu held-h", "busy-h", "busy"]
     extra = by == "session" and any("llm_calls" in r for r in rows)
     if extra:
         columns += ["llm calls", "tokens", "cost $"]
     print_table("usage", columns,
                 [(r[by], f"{r['device_seconds'] / 3600:.3f}", f"{r['scavenger_device_seconds'] / 3600:.3f}",
                   r["attempts"], r["jobs"], r["running"],
+                  *((f"{r['held_hours']:.3f}", f"{r['busy_hours']:.3f}",
+                     "-" if r["busy_share"] is None else f"{100 * r['busy_share']:.0f}%") if gpu else ()),
                   *((r.get("llm_calls", ""), (r.get("prompt_tokens", 0) + r.get("completion_tokens", 0)) or "",
                      r.get("cost_usd", "")) if extra else ()))
                  for r in rows])

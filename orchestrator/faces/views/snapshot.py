@@ -1,6 +1,7 @@
 """What `autoresearch top` shows, read once: devices and their jobs, the queue with the next plan, events, sessions.
 
-`take()` reads the queue (one home's database), the agent registry and, where devices are GPUs, NVML. The
+`take()` reads the queue (one home's database), the agent registry and, where devices are GPUs, the service's
+last NVML sample of each (`orchestrator.queue.gpuuse`; NVML itself where no fresh sample is there). The
 "next plan" column comes from the service's own policy, `orchestrator.queue.policy.plan`, run on this snapshot
 per live service (its devices and the jobs it holds), so what `top` says will happen is what the service will
 decide on its next pass (short of devices under an idle check, which the service alone knows about).
@@ -28,7 +29,8 @@ QUEUE_ROWS = 200  # the queue is planned and shown up to this many waiting jobs 
 
 @dataclass
 class DeviceRow:
-    """One device: its state, the job on it (if any) and, on GPUs, utilisation and memory."""
+    """One device: its state, the job on it (if any; the first of `jobs` when jobs share it) and, on GPUs,
+    utilisation (the busy %) and memory."""
 
     host: str
     name: str
@@ -40,6 +42,11 @@ class DeviceRow:
     util: Optional[int] = None
     mem_used: Optional[int] = None
     mem_total: Optional[int] = None
+    jobs: list = field(default_factory=list)  # every job holding it, by id (several when they share it)
+
+    def __post_init__(self) -> None:
+        if self.job is not None and not self.jobs:
+            self.jobs = [self.job]
 
 
 @dataclass
@@ -78,9 +85,24 @@ def _heartbeat(layout: Layout, job_id: int) -> tuple[Optional[float], Optional[i
     return beat.get("time"), beat.get("step")
 
 
+def _sampled_usage(rows: list[DeviceRow], store: Any, now: float, interval: float) -> None:
+    """Fill utilisation and memory of GPU devices from the service's samples that are fresh (a few intervals)."""
+    from orchestrator.queue.gpuuse import GpuUse
+
+    if not any(not r.name.startswith("cpu:") for r in rows):
+        return
+    fresh = now - max(3 * interval, 10.0)
+    samples = {(u.host, u.device): u for u in GpuUse(store.db).devices() if u.sampled_at >= fresh}
+    for row in rows:
+        u = samples.get((row.host, row.name))
+        if u is not None:
+            row.util, row.mem_used, row.mem_total = round(u.util), u.mem_used, u.mem_total
+
+
 def _gpu_usage(rows: list[DeviceRow], timeout: float) -> None:
-    """Fill utilisation and memory of GPU devices from NVML (nothing on cpu slots or hosts without NVML)."""
-    gpus = [r for r in rows if not r.name.startswith("cpu:")]
+    """Fill utilisation and memory of GPU devices without a sample from NVML (nothing on cpu slots or hosts
+    without NVML)."""
+    gpus = [r for r in rows if not r.name.startswith("cpu:") and r.util is None]
     if not gpus:
         return
     from runtime.nvml import Nvml
@@ -235,15 +257,17 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
                                 plan_projects(shared))
 
     layout = Layout(settings.home)
-    on: dict[tuple[str, str], Job] = {}
-    for job in holding:
+    on: dict[tuple[str, str], list[Job]] = {}
+    for job in sorted(holding, key=lambda j: j.id):
         for dev in job.devices or ():
-            on[(job.host or "", dev)] = job
+            on.setdefault((job.host or "", dev), []).append(job)
     rows = []
     for dev in devices:
-        job = on.get((dev.host, dev.name))
+        jobs = on.get((dev.host, dev.name), [])
+        job = jobs[0] if jobs else None
         beat, step = _heartbeat(layout, job.id) if job else (None, None)
-        rows.append(DeviceRow(dev.host, dev.name, dev.state, dev.reason, job, beat, step))
+        rows.append(DeviceRow(dev.host, dev.name, dev.state, dev.reason, job, beat, step, jobs=jobs))
+    _sampled_usage(rows, store, now, settings.gpu_sample_interval or 2.0)
     if with_gpus:
         _gpu_usage(rows, settings.nvml_timeout)
 

@@ -74,8 +74,29 @@ def _empty(title: str, note: str) -> Group:
     return Group(Text(title, style="bold"), Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
 
 
+def _holders(snap: Snapshot, jobs: list) -> Text:
+    """The jobs on one device: `#12 0.25` for each (a job sharing the GPU shows its share), and when one job
+    holds it, what is about to happen to it and its name."""
+    desc = Text()
+    for job in jobs:
+        # What is about to happen to a job comes before its name, which is what a narrow column cuts.
+        share = getattr(job, "gpu_share", None)
+        desc.append(f"#{job.id} " + (f"{share:g} " if share else ""),
+                    style="yellow" if len(jobs) > 1 and job.id in snap.victims else "")
+    if len(jobs) == 1:
+        job = jobs[0]
+        if job.id in snap.victims:
+            desc.append(f"yields to #{snap.victims[job.id]} ", style="yellow")
+        if job.state != "RUNNING":
+            desc.append(f"{job.state.lower()} ", style=STATE_STYLE.get(job.state, ""))
+        desc.append(job.name)
+    desc.rstrip()
+    return desc
+
+
 def devices_table(snap: Snapshot, limit: Optional[int]) -> Any:
-    """Devices: state, the job on it with its priority, runtime and last heartbeat; GPU use where known."""
+    """Devices: state, the jobs on it (with their share when they share a GPU), priority, runtime and last
+    heartbeat of the first; GPU busy % and memory used/total where known."""
     if not snap.devices:
         return _empty("devices", "no devices known yet: start `autoresearch serve`")
     table = _table("devices", ("device", {"min_width": 6, "max_width": 24}), ("state", {"min_width": 5}),
@@ -91,13 +112,7 @@ def devices_table(snap: Snapshot, limit: Optional[int]) -> Any:
             idle = "idle, reserved for the line" if held and d.state == "available" else "idle"
             desc, prio, run, beat = Text(d.reason or idle, style="dim"), "", "", ""
         else:
-            # What is about to happen to the job comes before its name, which is what a narrow column cuts.
-            desc = Text(f"#{job.id} ")
-            if job.id in snap.victims:
-                desc.append(f"yields to #{snap.victims[job.id]} ", style="yellow")
-            if job.state != "RUNNING":
-                desc.append(f"{job.state.lower()} ", style=STATE_STYLE.get(job.state, ""))
-            desc.append(job.name)
+            desc = _holders(snap, d.jobs or [job])
             prio, run = str(job.priority), _age(snap.at - job.started_at) if job.started_at else "-"
             beat = _age(snap.at - d.heartbeat_at) if d.heartbeat_at else "-"
         gpu = "" if d.util is None else f"{d.util}% {d.mem_used / 2**30:.0f}/{d.mem_total / 2**30:.0f}G"
