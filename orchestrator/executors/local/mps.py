@@ -21,15 +21,16 @@ Life cycle (what was seen on driver 580, an H200): `nvidia-cuda-mps-control -d` 
 second one on the same pipe folder exits 1 ("An instance of this daemon is already running");
 `echo get_server_list | nvidia-cuda-mps-control` exits 0 when a daemon answers on the pipe folder and 1 at
 once when none does ("Cannot find MPS control daemon process"), also when its files outlived a `kill -9`;
-`echo quit | ...` ends it (it removes its pid file); a daemon killed with -9 can be started again on the
-same folder.
+`echo quit | ...` ends it (it removes its pid file), once its clients have ended; a daemon killed with -9
+can be started again on the same folder.
 - Start: a daemon that answers on the GPU's pipe folder is adopted (a service that was `kill -9`ed, or
   stopped while clients ran, left it). Asking the daemon is the check, not its pid file: after a reboot the
   pid in a stale file may be another process's, and what a client needs is a daemon that answers on that
   folder. One started for another GPU (its recorded `CUDA_VISIBLE_DEVICES` differs) is stopped and replaced.
 - Stop: `echo quit`, unless processes still run as its clients (their environment names its pipe folder: the
-  jobs a stopped service leaves running): the daemon then stays, and the next service adopts it, since a
-  daemon told to quit serves no new clients while it waits for the old ones.
+  jobs a stopped service leaves running): the daemon then stays, and the next service adopts it. A daemon
+  told to quit waits for its clients but no longer answers, so the next service would start a second one on
+  the folder, and the old clients and the new would sit in two server contexts on one GPU, time-sliced again.
 - No `nvidia-cuda-mps-control` on PATH: one warning line, and the service runs without MPS.
 
 Jobs on whole GPUs are not clients: they hold their GPUs alone, and a job on several GPUs could not be the
@@ -239,7 +240,8 @@ class MpsControl:
 
     def clients(self, daemon: Daemon) -> list[int]:
         """Pids of processes that run as clients of `daemon` (their environment names its pipe folder), other
-        than the daemon and the servers it started."""
+        than MPS's own: the daemon, and the servers it starts, which inherit its environment and stay up after
+        their clients have gone."""
         own = set()
         pid = daemon.pid()
         if pid is not None:
@@ -249,8 +251,8 @@ class MpsControl:
             except psutil.Error:
                 pass
         found = []
-        for proc in psutil.process_iter():
-            if proc.pid in own:
+        for proc in psutil.process_iter(["name"]):
+            if proc.pid in own or (proc.info["name"] or "").startswith("nvidia-cuda-mps"):
                 continue
             env = procs.environ_of(proc)
             if env and env.get(PIPE_VAR) == str(daemon.pipe_dir) and procs.alive(proc):
