@@ -281,7 +281,8 @@ def test_the_local_executor_makes_sharing_jobs_clients_and_stops_the_daemon_on_c
     [daemon] = fake.daemons().values()
     try:
         for job_id, share in ((1, 0.25), (2, None)):
-            dump = f"import json, os; json.dump(dict(os.environ), open({str(short_home / f'env-{job_id}.json')!r}, 'w'))"
+            dump = ("import json, os; "
+                    f"json.dump(dict(os.environ), open({str(short_home / f'env-{job_id}.json')!r}, 'w'))")
             job = Job(id=job_id, attempts=1, gpus=1, devices=[UUID_B], gpu_share=share, gpu_memory=2 * 2**30,
                       argv=[sys.executable, "-c", dump],
                       cwd=str(short_home), grace=2.0, log_path=str(short_home / f"{job_id}.log"), track=False)
