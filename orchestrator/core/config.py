@@ -133,6 +133,7 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "events_compact_days": ("AUTORESEARCH_EVENTS_COMPACT_DAYS", _number),
     "disk_min_free_mb": ("AUTORESEARCH_DISK_MIN_FREE_MB", _number),
     "warm": ("AUTORESEARCH_WARM", _switch),
+    "mps": ("AUTORESEARCH_MPS", _switch),
 }
 
 
@@ -227,6 +228,7 @@ class Settings:
     # The local executor forks Python attempts from a pool with torch and the runtime imported
     # (orchestrator.executors.local.warmstart); off: every attempt starts a fresh interpreter.
     warm: bool = True
+    mps: bool = False  # one NVIDIA MPS control daemon per GPU; jobs sharing a GPU run as its clients
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

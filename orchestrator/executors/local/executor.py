@@ -30,6 +30,7 @@ from orchestrator.executors import container
 from orchestrator.executors.local import procs
 from orchestrator.executors.base import (Executor, Launched, Liveness, OnExit, Probe, StartLost, describe,
                                          job_argv)
+from orchestrator.executors.local.mps import MpsControl
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
 from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
 from orchestrator.executors.local.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
@@ -52,7 +53,7 @@ class LocalExecutor(Executor):
     name = "local"
 
     def __init__(self, layout: Layout, on_exit: OnExit, *, cgroup: str = "auto",
-                 container_engine: Optional[str] = None, warm: bool = True):
+                 container_engine: Optional[str] = None, warm: bool = True, mps: Optional[MpsControl] = None):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.container_engine = container_engine  # for --image jobs (executors.container), resolved per use
         self.layout.ensure()
@@ -64,11 +65,18 @@ class LocalExecutor(Executor):
         self._spawner = Spawner()
         self._spawner.start()  # the first one: its start-up (an interpreter and psutil) overlaps the service's
         self.warm_pool = WarmPool(self.layout.run_dir, enabled=warm)  # (executors.local.warmstart)
+        self.mps = mps  # `serve --mps`: the GPUs' MPS daemons, started; stopped by close() (executors.local.mps)
 
     @classmethod
     def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
         mode = os.environ.get("AUTORESEARCH_CGROUP") or str(settings.extra.get("cgroup", "auto"))
-        return cls(layout, on_exit, cgroup=mode, container_engine=settings.container_engine, warm=settings.warm)
+        mps = None
+        if settings.mps:
+            from orchestrator.core.devices import parse
+
+            mps = MpsControl(layout.home, parse(settings.devices)).start()
+        return cls(layout, on_exit, cgroup=mode, container_engine=settings.container_engine, warm=settings.warm,
+                   mps=mps)
 
     @property
     def tracking(self) -> str:
@@ -140,6 +148,7 @@ class LocalExecutor(Executor):
         exit_file.unlink(missing_ok=True)
         cgroup = self.cgroups.create(job.id, job.attempts) if self.cgroups is not None else None
         env = dict(env)
+        env.update(self._mps_env(job))
         env[EXIT_FILE_VAR] = str(exit_file)
         env[CGROUP_VAR] = str(cgroup or "")
         log_path = Path(job.log_path or self.layout.log_path(job.id))
@@ -162,6 +171,13 @@ class LocalExecutor(Executor):
         if target is None:
             return request, cgroup, f"{COLD}: {why}"
         return {"warm": target, "cwd": cwd, "env": env, "log": str(log_path), "header": header}, cgroup, WARM
+
+    def _mps_env(self, job: Job) -> dict[str, str]:
+        """Under `serve --mps`, what makes a job sharing one GPU a client of that GPU's MPS daemon with its
+        share (and memory limit); nothing for other jobs (whole GPUs, containers, no MPS)."""
+        if self.mps is None or job.image or len(job.devices or []) != 1:
+            return {}
+        return self.mps.client_env(job.devices[0], job.gpu_share, job.gpu_memory)
 
     def _found_after_loss(self, job: Job) -> Optional[Launched]:
         """The attempt's handle when it started before the spawner stopped without answering (it is then
@@ -272,6 +288,8 @@ class LocalExecutor(Executor):
         self._spawner.close()  # first: the answers still due are watched
         self.warm_pool.close()
         self._watcher.close()
+        if self.mps is not None:  # after the watcher: a daemon whose clients still run is left for the next service
+            self.mps.stop()
 
 def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
     deadline = time.monotonic() + grace

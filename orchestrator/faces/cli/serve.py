@@ -28,6 +28,8 @@ def serve(
                                      "(default 1800; 0: never)."),
     recheck_every: Optional[float] = typer.Option(None, "--recheck-every",
                                                   help="Seconds between checks of idle devices (default 600)."),
+    mps: Optional[bool] = typer.Option(None, "--mps", help="One NVIDIA MPS control daemon per GPU: jobs sharing "
+                                                          "a GPU run side by side with their share."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the queue service (stops on SIGINT/SIGTERM; running jobs keep running and are adopted on restart)."""
@@ -42,7 +44,9 @@ def serve(
         raise BadInput("--preempt-after must be >= 0")
     chosen = settings(devices=devices, executor=executor, preempt_after=preempt_after, ray_address=ray_address,
                       slurm_partition=partition, slurm_account=account, slurm_qos=qos, preflight=preflight,
-                      hang_timeout=hang_timeout, recheck_every=recheck_every)
+                      hang_timeout=hang_timeout, recheck_every=recheck_every, mps=mps)
+    if chosen.mps and chosen.executor != "local":
+        raise BadInput(f"--mps runs MPS daemons on this host: it needs --executor local, not {chosen.executor}")
     if chosen.executor == "local":
         devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
     if chosen.executor == "slurm":
@@ -52,5 +56,5 @@ def serve(
     HealthConfig.from_settings(chosen)  # bad health settings: exit 2 before anything is touched
     service = Service(chosen)
     service.serve_forever(on_started=lambda: info(
-        f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}); "
-        "Ctrl-C stops (running jobs keep running)"))
+        f"autoresearch: serving {chosen.home} (executor {chosen.executor}, devices {chosen.devices}"
+        f"{', MPS' if chosen.mps else ''}); Ctrl-C stops (running jobs keep running)"))
