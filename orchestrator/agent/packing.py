@@ -164,7 +164,8 @@ class Controller:
         below `k_at` and hold; None when k is already below it (an older round's trial)."""
         if k_at <= 1 or self.k < k_at:
             return None
-        below = self.prev_k if self.prev_k is not None and self.prev_k < k_at else k_at // 2
+        # Half of k_at, or the last kept k when that is between (4 after 8 kept 6: 6 is known to pay).
+        below = max(k_at // 2, self.prev_k if self.prev_k is not None and self.prev_k < k_at else 1)
         old, self.k, self.held = self.k, max(1, below), True
         self.fit = min(self.fit, k_at - 1)
         return Decision(self.k, f"k {old} -> {self.k} ({what} ran out of GPU memory at k={k_at}); "

@@ -189,6 +189,14 @@ def test_an_oom_at_k_steps_back_to_the_previous_k_and_holds():
     assert c.observe(1000.0) is None  # held
 
 
+def test_an_oom_steps_back_to_half_when_the_previous_k_is_further_below():
+    c = Controller(k=4, fit=16, prev_k=1, prev_tph=20.0)  # the first packed round: 1 is the baseline alone
+    d = c.oom(4)
+    assert d.k == 2 and c.fit == 3
+    c = Controller(k=6, fit=6, prev_k=4, prev_tph=20.0)  # 4 was kept, 6 (the fit) ran out: back to 4, not 3
+    assert c.oom(6).k == 4
+
+
 def test_an_oom_without_a_smaller_previous_k_halves():
     c = Controller(k=8, fit=16)
     d = c.oom(8)
