@@ -6,8 +6,8 @@ state under `packing`, so a resumed session continues with the k it had:
 - `N` (an integer): k = N from the first trial on, whatever the devices (on `cpu:N` slots too: the CPU tests
   pack that way). `auto` on cpu slots: k = 1 (there is no GPU to measure).
 - `auto` on GPUs: the baseline runs alone (k = 1); once every baseline run has ended, their MLflow runs'
-  `system/gpu_*` metrics give the first k (`packing.initial_k`), then each round of k x devices finished trials
-  gives its trials per hour to the `packing.Controller`, which raises k while that pays and steps back when it
+  `system/gpu_*` metrics give the first k (`packing.initial_k`), then each round of k finished trials gives
+  its trials per hour to the `packing.Controller`, which raises k while that pays and steps back when it
   does not, or when a packed trial ran out of GPU memory (the service requeued it; it stays one trial, in
   flight, never a failure).
 
@@ -178,17 +178,18 @@ class Packer:
         return lines
 
     def _round(self, trials: list[Trial]) -> list[str]:
-        """A round at k: the first k x devices trials submitted at k that succeeded. Their median time held
-        gives the trials per hour of k of them side by side on each device."""
+        """A round at k: the first k trials submitted at k that succeeded (at least 2, at most what is in
+        flight). Their median time held gives the trials per hour of k of them side by side on each device."""
         ctl = Controller.from_dict(self.pack["controller"])
         if ctl.held:
             return []
         in_flight = min(self.k * self.n_devices, self.parallel)
+        need = min(in_flight, max(2, self.k))
         done = sorted((t for t in trials if t.n >= self.pack["round_from"] and t.status is S.SUCCEEDED
                        and self._k_of(t.n) == self.k and t.finished_at), key=lambda t: t.finished_at)
-        if len(done) < in_flight:
+        if len(done) < need:
             return []
-        tph = packing.trials_per_hour([self._held_s(t) for t in done[:in_flight]], in_flight)
+        tph = packing.trials_per_hour([self._held_s(t) for t in done[:need]], in_flight)
         decision = ctl.observe(tph) if tph else None
         self.pack["controller"] = ctl.to_dict()
         if decision is None:
