@@ -229,7 +229,7 @@ def test_submit_asks_for_the_share(world):
     assert all(j.gpus == 1 and j.gpu_share == 0.25 for j in jobs)
 
 
-# -- config, CLI, MCP ----------------------------------------------------------------------------------------------------
+# -- config, CLI, MCP --------------------------------------------------------------------------------------------------
 
 def test_session_config_keeps_trials_per_gpu_and_reads_older_configs():
     c = SessionConfig(goal="g", experiment=EXP)

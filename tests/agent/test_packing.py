@@ -48,7 +48,7 @@ def test_power_below_and_oom_reason():
     assert is_oom("Out of GPU memory") and not is_oom("exit code 1") and not is_oom("") and not is_oom(None)
 
 
-# -- initial_k -----------------------------------------------------------------------------------------------------------
+# -- initial_k ---------------------------------------------------------------------------------------------------------
 
 def test_small_trials_on_a_big_gpu_pack_by_how_busy_they_keep_it():
     d = initial_k(DIGITS_ON_H200)
@@ -120,7 +120,7 @@ def test_k_is_always_a_power_of_two_that_fits(runs, target, headroom):
         assert d.k <= d.fit
 
 
-# -- Controller ----------------------------------------------------------------------------------------------------------
+# -- Controller --------------------------------------------------------------------------------------------------------
 
 def test_raises_while_throughput_pays_then_steps_back_and_holds():
     c = Controller(k=4, fit=16, prev_k=1, prev_tph=20.0)  # the baseline alone ran 20 trials/hour
@@ -241,7 +241,7 @@ def test_k_stays_within_1_and_the_fit_and_ends_held(k, fit, rates, ooms):
         assert c.held
 
 
-# -- trials_per_hour -----------------------------------------------------------------------------------------------------
+# -- trials_per_hour ---------------------------------------------------------------------------------------------------
 
 def test_trials_per_hour_is_in_flight_over_the_median_time():
     assert trials_per_hour([60.0, 60.0, 60.0], 1) == 60.0
