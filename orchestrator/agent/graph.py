@@ -35,6 +35,7 @@ from orchestrator.agent import budget, search
 from orchestrator.agent.history import Results, device_seconds
 from orchestrator.agent.holdout import search_view
 from orchestrator.agent.outcome import Outcomes, reports
+from orchestrator.agent.packer import Packer
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
 from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
@@ -53,13 +54,14 @@ S, P = TrialStatus, Phase
 HEARTBEAT = 15.0
 
 
-class Agent(Phases):
+class Agent(Phases, Packer):
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
                  tracker: Tracker, parallel: int, proposer: Proposer | None = None,
                  notify: Callable[[], None] = lambda: None, on_event: Callable[[dict], None] = lambda e: None,
-                 settings: Settings | None = None, on_usage: Callable[[dict], None] = lambda u: None):
+                 settings: Settings | None = None, on_usage: Callable[[dict], None] = lambda u: None,
+                 devices: list[str] | None = None):
         self.session_id = session_id
         self.on_usage = on_usage  # told the session's LLM spend in all after each proposal round
         self.settings = settings
@@ -69,10 +71,8 @@ class Agent(Phases):
         # Every metric the search reads (proposers' history, ASHA, the best so far) goes through this view,
         # which refuses the holdout; the holdout is read after the graph ends (orchestrator.agent.holdout).
         self.tracker = search_view(tracker, spec)
-        self.parallel = parallel
-        # One proposal more than there are devices waits in the queue: a freed device starts the next trial at
-        # once (no round trip through the agent), and a demoted trial (lower priority) never slips into it.
-        self.capacity = parallel + 1
+        # k trials per device (`orchestrator.agent.packer`): `parallel` and `capacity` follow from it.
+        self._init_packing(parallel, devices, settings.pack_target_busy if settings is not None else 0.8)
         self.notify = notify
         self.on_event = on_event
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
@@ -222,7 +222,7 @@ class Agent(Phases):
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
-                                    priority=self.cfg.priority, gpus=1, max_attempts=self.cfg.max_attempts,
+                                    priority=self.cfg.priority, gpus=self.gpus(), max_attempts=self.cfg.max_attempts,
                                     grace=Settings.stop_grace, preemptible=True, owner=self.session_id,
                                     env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
@@ -420,7 +420,7 @@ def build(agent: Agent, checkpointer: Any) -> Any:
 
     graph = StateGraph(State)
     for name in ("propose", "submit", "monitor", "analyse", "decide", "pause", "finish"):
-        graph.add_node(name, getattr(agent, name))
+        graph.add_node(name, agent.packed(name, getattr(agent, name)))
     graph.add_edge(START, "propose")
     graph.add_edge("propose", "submit")
     graph.add_edge("submit", "monitor")

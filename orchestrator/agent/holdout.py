@@ -63,6 +63,16 @@ class SearchTracker:
         self._check(metric)
         return self._tracker.history(run_id, metric)
 
+    def system_metrics(self, run_id: str, names: Iterable[str]) -> dict[str, float | None]:
+        """A run's resource metrics (`system/...`: memory, utilisation; never a result), for packing trials
+        (HoldoutLeak for a name outside `system/`)."""
+        out = {}
+        for name in names:
+            if not name.startswith("system/"):
+                self._check(name)
+            out[name] = self._tracker.final(run_id, name)
+        return out
+
     def __getattr__(self, name: str) -> Any:
         if name in SearchTracker._PASS:
             return getattr(self._tracker, name)

@@ -161,6 +161,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
 
     from orchestrator.agent import holdout, report
     from orchestrator.agent.graph import Agent, build
+    from orchestrator.agent.packer import session_devices, summary as packing_summary
     from orchestrator.queue.store import JobStore
     from orchestrator.service.daemon import embedded
     from orchestrator.tracking.client import Tracker
@@ -170,6 +171,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     store = JobStore(settings.db_url)
     tracker = Tracker.from_settings(settings)
     service, slots = embedded(settings, store, devices)
+    names = session_devices(service, store)  # cpu slots or GPUs: how `--trials-per-gpu auto` packs
     from orchestrator.service.notify import Notifier
 
     notifier = Notifier.from_settings(settings)
@@ -177,7 +179,8 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         parent = tracker.session_run(session_id, spec.name, {
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
-            "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed})
+            "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed,
+            "trials_per_gpu": config.trials_per_gpu})
         registry.update(session_id, mlflow_run_id=parent)
         if config.proposer == "pbt":
             from orchestrator.agent.pbt import PBTAgent as agent_class  # a subclass: its own nodes
@@ -186,7 +189,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         agent = agent_class(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
                       parallel=config.parallel or slots, proposer=proposer,
                       notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),
-                      settings=settings, on_usage=lambda u: registry.spent(session_id, u))
+                      settings=settings, on_usage=lambda u: registry.spent(session_id, u), devices=names)
         saver = SqliteSaver(connect(settings.home))
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}
@@ -205,6 +208,8 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
         summary = report.summarise(session_id, config, final, spec, parallel=agent.parallel,
                                    defaults=agent.baseline)
         summary["gpu"] = report.gpu_use(store, final["trials"])  # "GPU busy N% of the device time it held"
+        if packing_summary(final):
+            summary["packing"] = packing_summary(final)
         usage_tags = {f"autoresearch.llm_{k}": f"{final.get('usage', {}).get(k, 0):g}"
                       for k in ("calls", "prompt_tokens", "completion_tokens", "cost_usd")}
         if final.get("paused"):

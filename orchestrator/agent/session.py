@@ -62,6 +62,9 @@ class SessionConfig:
     # experiment's progress steps) at which the bottom quantile copies a top member and perturbs its params.
     population: int | None = None
     perturbation_interval: int | None = None
+    # Trials sharing one GPU (orchestrator.agent.packer): "auto" measures the baseline and packs by its use
+    # (1 on cpu slots); an integer 1..16 packs that many on every device, cpu slots included.
+    trials_per_gpu: str | int = "auto"
 
     def __post_init__(self) -> None:
         if not self.goal.strip():
@@ -88,6 +91,9 @@ class SessionConfig:
                                "progress steps)")
         elif self.population is not None or self.perturbation_interval is not None:
             raise BadInput("--population and --perturbation-interval go with --proposer pbt")
+        from orchestrator.agent.packing import parse
+
+        object.__setattr__(self, "trials_per_gpu", parse(self.trials_per_gpu))
         from orchestrator.agent.budget import LLMBudget
 
         LLMBudget(self.llm_budget_usd, self.llm_budget_tokens)  # BadInput for a cap that is not > 0

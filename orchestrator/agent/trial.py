@@ -121,3 +121,4 @@ class State(TypedDict, total=False):
     budget_stop: str  # why the LLM budget stopped the proposing ("" while there is room)
     paused: str  # set when the session ended paused at its LLM budget (resume with a higher cap clears it)
     pbt: dict  # population-based training: the intervals judged so far
+    packing: dict  # trials per GPU: k, how it was decided, its controller (orchestrator.agent.packer)

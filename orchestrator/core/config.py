@@ -120,6 +120,7 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "llm_price": ("AUTORESEARCH_LLM_PRICE", _text),
     "llm_budget_usd": ("AUTORESEARCH_LLM_BUDGET_USD", _number),
     "llm_budget_tokens": ("AUTORESEARCH_LLM_BUDGET_TOKENS", _integer),
+    "pack_target_busy": ("AUTORESEARCH_PACK_TARGET_BUSY", _number),
     "container_engine": ("AUTORESEARCH_CONTAINER_ENGINE", _text),
     "usage_half_life": ("AUTORESEARCH_USAGE_HALF_LIFE", _number),
     "backfill": ("AUTORESEARCH_BACKFILL", _text),
@@ -208,6 +209,8 @@ class Settings:
     # Default caps on an agent session's LLM spend (`start --llm-budget-usd/--llm-budget-tokens` override).
     llm_budget_usd: Optional[float] = None
     llm_budget_tokens: Optional[int] = None
+    # `start --trials-per-gpu auto`: pack trials until the device is about this busy (a share of 1).
+    pack_target_busy: float = 0.8
     container_engine: str = "auto"  # for --image jobs: podman, docker, or auto (podman when installed)
     # Projects sharing the devices (orchestrator.queue.projects): the half-life (s) of the usage fair sharing
     # weighs, and whether jobs with a time limit may backfill behind a blocked job ("on" | "off").
@@ -247,6 +250,8 @@ class Settings:
                      "log_delete_days", "events_compact_days", "disk_min_free_mb"):
             if getattr(self, name) < 0:
                 raise BadInput(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.pack_target_busy <= 1:
+            raise BadInput(f"pack_target_busy must be in (0, 1], got {self.pack_target_busy!r}")
         if self.executor not in ("local", "ray", "slurm"):
             raise BadInput(f"unknown executor {self.executor!r}; expected local, ray or slurm")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -296,13 +296,14 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
                       proposer: Optional[str] = None, budget_minutes: Optional[float] = None,
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
                       baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None,
-                      llm_budget_usd: Optional[float] = None, llm_budget_tokens: Optional[int] = None
-                      ) -> dict[str, Any]:
+                      llm_budget_usd: Optional[float] = None, llm_budget_tokens: Optional[int] = None,
+                      trials_per_gpu: Union[str, int] = "auto") -> dict[str, Any]:
         """Start a research-agent session in the background (it proposes, runs and ranks trials through the
         queue; every result is judged against a baseline run on several seeds first). params: values held
         fixed; baseline: overrides of the experiment's defaults for the baseline; llm_budget_usd /
         llm_budget_tokens: caps on its LLM spend (at one it pauses; `autoresearch resume` with a higher cap
-        continues it). Watch it with session_status; stop it with stop_session."""
+        continues it); trials_per_gpu: "auto" (pack trials on a GPU by the baseline's measured use; 1 on cpu
+        slots) or an integer 1..16. Watch it with session_status; stop it with stop_session."""
         from orchestrator.agent import background as sessions
         from orchestrator.agent.proposers import default_name
         from orchestrator.agent.session import SessionConfig
@@ -311,6 +312,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
                                trials=trials, budget_minutes=budget_minutes, parallel=parallel,
                                priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
                                baseline=dict(baseline or {}), project=charged(project),
+                               trials_per_gpu=trials_per_gpu,
                                llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
                                llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
                                                   else llm_budget_tokens))

@@ -152,6 +152,8 @@ def start(
     baseline_seeds: int = typer.Option(3, "--baseline-seeds", help="Seeds the baseline runs on, first of all."),
     no_early_stop: bool = typer.Option(False, "--no-early-stop", help="Let every trial run its full budget."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
+    trials_per_gpu: str = typer.Option("auto", "--trials-per-gpu", help="Trials sharing one GPU: auto (packs by "
+                                       "the baseline's measured use; 1 on cpu slots) or N in 1..16."),
     project: Optional[str] = typer.Option(None, "--project", help="The project the trials are charged to "
                                           "(`autoresearch projects`; default: the default project)."),
     llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="Pause the session once its "
@@ -184,6 +186,7 @@ def start(
                            baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
                            early_stopping=not no_early_stop, project=_project(project),
                            population=population, perturbation_interval=perturbation_interval,
+                           trials_per_gpu=trials_per_gpu,
                            llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
                            llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
                                               else llm_budget_tokens))
