@@ -215,7 +215,7 @@ def test_unknown_devices_pack_nothing_and_say_nothing(world):
 
 
 def test_submit_asks_for_the_share(world):
-    a = make(world, devices=("cpu:0",), trials_per_gpu=4)
+    a = make(world, devices=("cpu:0",), trials_per_gpu=4, baseline_seeds=16)  # all in flight: the baseline
     parent = world.tracker.session_run(SID, SPEC.name, {})
     s = {"session": SID, "parent_run": parent, "phase": "search", "trials": [], "elapsed": 0.0, "best": None,
          "usage": {}}
