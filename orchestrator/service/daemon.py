@@ -33,6 +33,7 @@ from orchestrator.core import devices as devspec, wakeup
 from orchestrator.service import homelock
 from orchestrator.queue import policy as scheduling
 from orchestrator.api.jobs import SERVICE_STALE_AFTER, live_services, note_unplaceable
+from orchestrator.core.gpushare import MAX_SHARERS
 from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, StartLost, job_env
@@ -323,7 +324,8 @@ class Service:
         capacity = self._capacity = len(set(usable))
         projects = self.projects.projects()
         # Backfill looks past the first blocked job: a few more rows than the devices.
-        window = capacity + 1 + (BACKFILL_WINDOW if self._backfill else 0)
+        # Shares of a GPU pack up to MAX_SHARERS jobs onto one device: so many starts per device, at most.
+        window = capacity * MAX_SHARERS + 1 + (BACKFILL_WINDOW if self._backfill else 0)
         queued, mine = self.store.snapshot(self.host, capacity=capacity, limit=window,
                                            skip=self.runs.skipped(), projects=self.projects.names)
         queued = self.disk.gate(queued, self.store.note)  # none start while disk space is short
@@ -332,7 +334,8 @@ class Service:
         now = time.time()
         waiting = [scheduling.Waiting.of(row) for row in queued]
         running = [scheduling.Running.of(j, now) for j in mine]
-        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill)
+        plan = scheduling.plan(waiting, running, usable, now, self.preempt_after, projects, backfill=self._backfill,
+                               device_memory=self.guard.memory_totals(usable))
         # Each victim's event says why and names the job it yields to (what `show` on the victim says).
         reasons = preemption_reasons(plan, waiting)
         preempted = self.store.preempt(plan.preempt, reasons, self.host) if plan.preempt else []

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 from orchestrator.api import jobs as api
 from orchestrator.queue import policy as scheduling
 from orchestrator.core.config import Settings
+from orchestrator.core.gpushare import format_gpus
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Device, Job, JobEvent, ServiceRecord
 from orchestrator.queue.states import HOLDING, JobState
@@ -128,7 +129,8 @@ def plan_projects(rows: list[dict]) -> tuple[scheduling.Project, ...]:
 
 
 def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], services: list[ServiceRecord],
-               now: float, preempt_after: float, projects: tuple = ()) -> tuple[list[QueueRow], dict[int, int]]:
+               now: float, preempt_after: float, projects: tuple = (),
+               device_memory: Optional[dict[tuple[str, str], int]] = None) -> tuple[list[QueueRow], dict[int, int]]:
     """Each waiting job's fate in the next plan of the live services, and who is preempted for whom.
 
     The policy says which victim is preempted for which job (`Plan.preempt_for`). A job that waits only because
@@ -143,7 +145,8 @@ def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], se
         usable = [d.name for d in devices if d.host == svc.host and d.state == "available"]
         running = [scheduling.Running.of(j, now) for j in holding if j.host == svc.host]
         after = preempt_after if svc.preempt_after is None else svc.preempt_after  # the service's own setting
-        full = scheduling.plan(line, running, usable, now, after, projects)
+        memory = {d: total for (host, d), total in (device_memory or {}).items() if host == svc.host}
+        full = scheduling.plan(line, running, usable, now, after, projects, device_memory=memory)
         starting.update({job_id: devs for job_id, devs in full.starts if job_id not in starting})
         for victim, job_id in full.preempt_for:
             victims.setdefault(victim, job_id)
@@ -174,7 +177,7 @@ def plan_queue(waiting: list[Any], holding: list[Job], devices: list[Device], se
                 text = (f"will preempt {' '.join(f'#{v}' for v in ids)} in {math.ceil(seconds)} s "
                         f"({'its' if len(ids) == 1 else 'their'} minimum runtime, --preempt-after {after:g})")
             else:
-                text = f"next, needs {job.gpus}"
+                text = f"next, needs {format_gpus(job.gpus, getattr(job, 'gpu_share', None))}"
             starts = False
         else:
             text, starts = f"waits behind #{blocker.id}", False
@@ -203,12 +206,31 @@ def line_plans(settings: Settings, store: Optional[JobStore] = None) -> dict[int
     """What the next plan does about each of the first waiting jobs (`QUEUE_ROWS`), by id: the reason `queue`
     and `show` give a QUEUED job, the same words `top` shows."""
     store = store or api.open_store(settings)
+    now = time.time()
     holding = store.list(HOLDING)
     held = {j.id for j in holding}
     waiting = [row for row in store.line(QUEUE_ROWS) if row.id not in held]
-    rows, _ = plan_queue(waiting, holding, store.hosts.devices(), api.live_services(store), time.time(),
-                         settings.preempt_after)
+    rows, _ = plan_queue(waiting, holding, store.hosts.devices(), api.live_services(store), now,
+                         settings.preempt_after, *plan_inputs(settings, store, now)[1:])
     return {row.job.id: row.plan for row in rows}
+
+
+def plan_inputs(settings: Settings, store: JobStore, now: float) -> tuple[list[dict], tuple, dict]:
+    """What the services plan with besides the queue, for `queue`, `show` and `top` alike: the projects' table
+    (its rows, and the policy's `Project`s: none when only the default project exists) and each GPU's memory
+    (by host and device, from the service's last samples), so the three say what the next plan does."""
+    from orchestrator.queue.gpuuse import GpuUse
+
+    try:
+        from orchestrator.api.sharing import projects_table
+
+        shared = projects_table(settings, store, now)
+    except Exception:  # a view: a bad [projects] table is `projects`' to report, not a reason to go blank
+        shared = []
+    if len(shared) <= 1:
+        shared = []  # only the default project: nothing to say
+    memory = {(u.host, u.device): u.mem_total for u in GpuUse(store.db).devices() if u.mem_total}
+    return shared, plan_projects(shared), memory
 
 
 def job_record(settings: Settings, store: JobStore, job_id: int) -> dict[str, Any]:
@@ -245,16 +267,8 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
     held = {j.id for j in holding}
     waiting = [row for row in waiting if row.id not in held]
     counts = store.state_counts()
-    try:
-        from orchestrator.api.sharing import projects_table
-
-        shared = projects_table(settings, store, now)
-    except Exception:  # a view: a bad [projects] table is `projects`' to report, not a reason to go blank
-        shared = []
-    if len(shared) <= 1:
-        shared = []  # only the default project: nothing to say
-    queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after,
-                                plan_projects(shared))
+    shared, projects, memory = plan_inputs(settings, store, now)
+    queue, victims = plan_queue(waiting, holding, devices, services, now, settings.preempt_after, projects, memory)
 
     layout = Layout(settings.home)
     on: dict[tuple[str, str], list[Job]] = {}
