@@ -8,35 +8,59 @@ Rules (after Slurm, Kueue and Determined; the policy table in docs/guides/projec
 
 - Line order within a project: priority (higher first), then deadline (earlier first; none last), then submit
   time, then id. A job needing more devices than exist here is skipped entirely: it neither starts, reserves
-  nor preempts.
+  nor preempts; so is a sharing job asking more GPU memory than any usable device has (when all are known).
 - Between projects (`Project`; with none declared every job is in one default project and the order is the
   line order above): the next job is the head of the project that, with that job, stays within its quota
   (guaranteed devices); among those, and among the projects above their quota, the lowest decayed usage
   (device-seconds) per unit of share; then the head's line order. A start adds its devices x (time limit, or
-  ``charge``) to its project's usage for the rest of the pass, so one pass spreads its starts.
+  ``charge``) to its project's usage for the rest of the pass, so one pass spreads its starts. A job sharing
+  a device counts its share: a 0.25 job holds 0.25 devices of its project's quota and adds 0.25 x time.
 - Borrowing: a project may run beyond its quota on devices others do not use, up to its ``borrow_limit``
   beyond the quota (None: no cap); a project whose head would exceed the cap takes no more this pass. A
   non-preemptible job never borrows while any project declares a quota: borrowed devices must be reclaimable.
 - All or nothing: a job with ``gpus=N`` starts on the first N free devices in preference order, or not
   at all. A device held by any running job is not free, usable or not.
+- Sharing a device: a job with ``share`` < 1 (and ``gpus=1``) runs beside others on one device. A device held
+  by sharers (running jobs with ``share`` < 1) is partly used: its remaining share is 1 minus their shares,
+  its remaining memory (when ``device_memory`` names its total) the total minus the memory they asked (a
+  sharer that asked none counts its share of the total). A sharing job starts on the partly used device with
+  the least remaining share that still fits its share and memory (ties: preference order), else on the first
+  free device that has the memory, which is then partly used for the rest of the pass so the next sharing
+  jobs pack onto it. Neither share (within a float epsilon: four 0.25 fill a device) nor memory is ever
+  over-committed. A whole-device job never gets a partly used device. A device whose sharers are all
+  releasing is coming (freeing up), once; one with only some of them releasing is not free, and the room
+  they give back may be reserved by a sharing job that waits for it. GPU memory only matters for sharing
+  jobs: a whole-device job has the whole device.
 - Reservations (no starvation): a job that cannot start now claims, in order, the capacity that will reach
   it: first devices that are already being released (jobs PREEMPTING or CANCELLING, and victims preempted
   for jobs ahead of it that free more than those jobs need), then devices of victims it preempts itself, and
-  only for the rest does it hold free devices. Jobs behind it may start on the free devices left over.
+  only for the rest does it hold free devices. Jobs behind it may start on the free devices left over. A
+  sharing job that cannot start claims, in order, room that releasing sharers give back on a partly used
+  device, room left on a device a sharing job ahead of it claimed this pass, and else one whole device like
+  a one-device job (so several sharing jobs behind each other claim, and preempt for, one device together).
 - A blocked job that cannot be served even after preempting every eligible victim holds everything that is or
   will be free, and nothing behind it starts or preempts, except by EASY backfill: with the running jobs'
   time limits known, the blocked job's start time (the shadow time) is when enough of them will have ended;
   a job behind it may start on free devices if its time limit ends by then, or if it needs no more than the
   devices left over at that time (each such start uses up that surplus). Without a time limit on every job it
-  waits on, nothing is backfilled: the start could be delayed forever.
+  waits on, nothing is backfilled: the start could be delayed forever. A partly used device frees up when
+  the last of its sharers ends; a sharing job may backfill onto it without using any surplus when it ends by
+  the shadow time or when the device is not counted as free by then, else it uses one device of surplus (as
+  on a free device). A blocked sharing job counts as needing one whole device (conservative: room on a
+  partly used device may reach it earlier).
 - Preemption: only running jobs that are preemptible, not already releasing, and running for at least
   ``preempt_after`` seconds, and that are either of strictly lower priority in the same project, or (reclaim)
   of a project above its quota when the job is within its own quota, whatever their priority. Scavenger jobs
   are victims of any job, before any other, at once (no ``preempt_after``). Nothing is preempted when the
   releases under way cover the shortfall. Victims: scavengers first; then the fewest; among equally few, the
-  earliest set in the order reclaimable borrowers first, lowest priority, youngest (latest start), id.
-- Scavengers start last, only on free devices no other waiting job could use in this pass (nothing blocked,
-  nothing reserved), and count towards no project's quota or usage.
+  earliest set in the order reclaimable borrowers first, lowest priority, youngest (latest start), id. The
+  sharers of one device are victims together, as one candidate of one device: eligible only when every one
+  of them not already releasing is; a scavenger candidate when all are scavengers, a borrower one when all
+  the others are borrowers; ordered by their highest priority, their latest start, their lowest id. Once
+  chosen, each of them is preempted. A device someone starts on (or claims room on) in this pass is no
+  victim in it.
+- Scavengers start last, only on free devices (or room on partly used ones) no other waiting job could use in
+  this pass (nothing blocked, nothing reserved), and count towards no project's quota or usage.
 - Deadlines: a waiting job whose deadline is before now plus its time limit (now, without one) is not started:
   it is listed in ``Plan.expired`` (the service ends it with the reason ``deadline``).
 
@@ -50,7 +74,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from orchestrator.queue.backfill import shadow
 from orchestrator.queue.states import JobState
@@ -58,12 +82,14 @@ from orchestrator.queue.states import JobState
 _RELEASING = (JobState.PREEMPTING.value, JobState.CANCELLING.value)  # being stopped: devices free soon
 
 __all__ = ["Waiting", "Running", "Project", "Plan", "plan", "fits", "unplaceable_reason", "misses_deadline",
-           "UNPLACEABLE", "DEFAULT_PROJECT", "DEADLINE"]
+           "UNPLACEABLE", "DEFAULT_PROJECT", "DEADLINE", "SHARE_EPSILON"]
 
 UNPLACEABLE = "no live service has"  # how the reason of a job that nothing can place starts
 DEFAULT_PROJECT = "default"  # the project of a job submitted without one
 DEADLINE = "deadline"  # the reason of a job ended because it can no longer meet its deadline
 CHARGE = 3600.0  # seconds of use a start without a time limit adds to its project's usage within one pass
+SHARE_EPSILON = 1e-9  # float slack when adding shares of a device: four 0.25 (or three 1/3) exactly fill one
+_MEMORY_SLACK = 1.0  # bytes of float slack when adding shares of a device's memory (share x total)
 
 
 def fits(gpus: int, capacity: int) -> bool:
@@ -85,12 +111,28 @@ def misses_deadline(deadline: Optional[float], time_limit: Optional[float], now:
     return deadline is not None and now + (time_limit or 0.0) > deadline
 
 
+def _check_sharing(job_id: int, share: float, memory: Optional[int], single: bool) -> None:
+    if not 0.0 < share <= 1.0:  # also refuses NaN
+        raise ValueError(f"job {job_id}: share must be more than 0 and at most 1, got {share}")
+    if share < 1.0 and not single:
+        raise ValueError(f"job {job_id}: a job sharing a device (share {share}) has exactly one device")
+    if memory is not None and memory < 0:
+        raise ValueError(f"job {job_id}: GPU memory must be at least 0 bytes, got {memory}")
+
+
+def _share_of(job: Any) -> float:
+    share = getattr(job, "gpu_share", None)  # rows read before sharing existed have no such column
+    return 1.0 if share is None else float(share)
+
+
 @dataclass(frozen=True)
 class Waiting:
     """A QUEUED job that may start now (its retry backoff, if any, has elapsed).
 
     ``submitted_at`` is the original submit time: a preempted job keeps its place in line. ``time_limit``
     (seconds) lets it backfill; ``deadline`` (a time) expires it; a ``scavenger`` uses only idle devices.
+    ``share`` (below 1 only with ``gpus=1``) is its share of the one device it runs on beside others, and
+    ``memory`` the GPU memory it asked for, in bytes (None: its share of the device's).
     """
 
     id: int
@@ -102,17 +144,22 @@ class Waiting:
     deadline: Optional[float] = None
     time_limit: Optional[float] = None
     preemptible: bool = True
+    share: float = 1.0
+    memory: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"job {self.id}: gpus must be at least 1, got {self.gpus}")
+        if self.share != 1.0 or self.memory is not None:
+            _check_sharing(self.id, self.share, self.memory, self.gpus == 1)
 
     @classmethod
     def of(cls, job: Any) -> "Waiting":
         """The policy's view of a QUEUED job (a `Job`, a listing row or a dispatch pass's light row): the one
         adapter the service and `top` both plan with."""
         return cls(job.id, job.priority, job.submitted_at, job.gpus, job.project or DEFAULT_PROJECT,
-                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible))
+                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible), _share_of(job),
+                   getattr(job, "gpu_memory", None))
 
 
 @dataclass(frozen=True)
@@ -121,7 +168,8 @@ class Running:
 
     ``started_at`` is when the current attempt started. ``releasing`` marks a job already being
     stopped (PREEMPTING or CANCELLING): its devices free up soon and it cannot be preempted again.
-    ``ends_at``: when its time limit stops it at the latest (None: unknown).
+    ``ends_at``: when its time limit stops it at the latest (None: unknown). ``share`` (below 1 only on one
+    device) and ``memory`` (bytes asked for; None: its share of the device's): as in `Waiting`.
     """
 
     id: int
@@ -133,6 +181,12 @@ class Running:
     project: str = DEFAULT_PROJECT
     scavenger: bool = False
     ends_at: Optional[float] = None
+    share: float = 1.0
+    memory: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.share != 1.0 or self.memory is not None:
+            _check_sharing(self.id, self.share, self.memory, len(set(self.devices)) <= 1)
 
     @classmethod
     def of(cls, job: Any, now: float) -> "Running":
@@ -142,20 +196,22 @@ class Running:
         return cls(job.id, job.priority, tuple(job.devices or ()), started,
                    bool(job.preemptible) or bool(job.scavenger), job.state in _RELEASING,
                    job.project or DEFAULT_PROJECT, bool(job.scavenger),
-                   started + job.time_limit if job.time_limit else None)
+                   started + job.time_limit if job.time_limit else None, _share_of(job),
+                   getattr(job, "gpu_memory", None))
 
 
 @dataclass(frozen=True)
 class Project:
     """A project sharing the devices: its weight in fair sharing, its guaranteed devices, its borrowing cap,
-    its decayed usage (device-seconds) and the devices its jobs hold on other hosts of a shared queue."""
+    its decayed usage (device-seconds) and the devices its jobs hold on other hosts of a shared queue (shares
+    of devices count as fractions)."""
 
     name: str
     share: float = 1.0
     quota: int = 0
     borrow_limit: Optional[int] = None
     usage: float = 0.0
-    held_elsewhere: int = 0
+    held_elsewhere: float = 0
 
     def __post_init__(self) -> None:
         if not self.share > 0:
@@ -187,17 +243,22 @@ def _plain_key(job: Waiting) -> tuple[int, float, int]:
     return (-job.priority, job.submitted_at, job.id)  # `_line_key` when no job has a deadline: the same order
 
 
-def _victim_key(job: Running) -> tuple[int, float, int]:
+def _victim_key(job: Union[Running, "_Group"]) -> tuple[int, float, int]:
     # Cheapest to lose first: lowest priority, then youngest (least work lost), then id for determinism.
     return (job.priority, -job.started_at, job.id)
 
 
+def _why(victim: Running, job: Waiting) -> str:
+    return "scavenger" if victim.scavenger else "reclaim" if victim.project != job.project else "priority"
+
+
 class _Books:
-    """What one pass knows of each project: devices held (usable or elsewhere), usage, quota, share, cap."""
+    """What one pass knows of each project: devices held (usable or elsewhere; shares count as fractions),
+    usage, quota, share, cap."""
 
     def __init__(self, projects: Mapping[str, Project]):
         self.projects = dict(projects)
-        self.held: dict[str, int] = {name: p.held_elsewhere for name, p in self.projects.items()}
+        self.held: dict[str, float] = {name: p.held_elsewhere for name, p in self.projects.items()}
         self.usage: dict[str, float] = {name: p.usage for name, p in self.projects.items()}
         self.quotas = any(p.quota for p in self.projects.values())
 
@@ -207,7 +268,7 @@ class _Books:
             self.held[name], self.usage[name] = 0, 0.0
         return self.projects[name]
 
-    def within_quota(self, name: str, gpus: int) -> bool:
+    def within_quota(self, name: str, gpus: float) -> bool:
         return self.held[name] + gpus <= self.project(name).quota
 
     def borrowing(self, name: str) -> bool:
@@ -216,7 +277,7 @@ class _Books:
     def may_start(self, job: Waiting) -> bool:
         """The borrowing rules: the cap, and no non-preemptible borrower while quotas exist."""
         p = self.project(job.project)
-        over = self.held[job.project] + job.gpus - p.quota
+        over = self.held[job.project] + job.gpus * job.share - p.quota
         if over <= 0:
             return True
         if p.borrow_limit is not None and over > p.borrow_limit:
@@ -225,11 +286,177 @@ class _Books:
 
     def order(self, name: str, head: Waiting) -> tuple:
         p = self.project(name)
-        return (0 if self.within_quota(name, head.gpus) else 1, self.usage[name] / p.share, _line_key(head), name)
+        return (0 if self.within_quota(name, head.gpus * head.share) else 1, self.usage[name] / p.share,
+                _line_key(head), name)
 
     def started(self, job: Waiting) -> None:
-        self.held[job.project] += job.gpus
-        self.usage[job.project] += job.gpus * (job.time_limit or CHARGE)
+        self.held[job.project] += job.gpus * job.share
+        self.usage[job.project] += job.gpus * job.share * (job.time_limit or CHARGE)
+
+
+class _Group:
+    """The sharers of one partly used device as one victim candidate of one device (see the rules)."""
+
+    __slots__ = ("devices", "members", "priority", "started_at", "id", "scavenger")
+
+    def __init__(self, device: str, members: Sequence[Running]):
+        self.devices = (device,)
+        self.members = tuple(members)  # those not already releasing, by id
+        self.priority = max(m.priority for m in members)
+        self.started_at = max(m.started_at for m in members)
+        self.id = min(m.id for m in members)
+        self.scavenger = all(m.scavenger for m in members)
+
+
+def _demand(share: float, memory: Optional[int], total: Optional[int]) -> float:
+    """The memory a sharer holds on a device of `total` bytes: what it asked for, else its share of it."""
+    if memory is not None:
+        return memory
+    return share * total if total is not None else 0.0
+
+
+class _Room:
+    """Room for sharing jobs on one device: a partly used device (named), or one a sharing job claimed this
+    pass (unnamed). ``memory`` is None when the device's total is unknown; ``back_*`` is what its releasing
+    sharers give back; ``end`` is when its sharers end at the latest (inf: unknown)."""
+
+    __slots__ = ("name", "rank", "total", "share", "memory", "back_share", "back_memory", "end")
+
+    def __init__(self, name: Optional[str], rank: int, total: Optional[int]):
+        self.name, self.rank, self.total = name, rank, total
+        self.share, self.memory = 1.0, (None if total is None else float(total))
+        self.back_share, self.back_memory = 0.0, 0.0
+        self.end = -math.inf
+
+    def fits(self, job: Waiting, back: bool = False) -> bool:
+        share = self.share + (self.back_share if back else 0.0)
+        if share + SHARE_EPSILON < job.share:
+            return False
+        if self.memory is None:
+            return True
+        memory = self.memory + (self.back_memory if back else 0.0)
+        return _demand(job.share, job.memory, self.total) <= memory + _MEMORY_SLACK
+
+    def take(self, job: Waiting, end: float) -> None:
+        """`job` starts here now (`end`: when it ends at the latest)."""
+        self.share -= job.share
+        if self.memory is not None:
+            self.memory -= _demand(job.share, job.memory, self.total)
+        self.end = max(self.end, end)
+
+    def claim_back(self, job: Waiting) -> None:
+        """`job` waits for room here: first what releasing sharers give back, the rest from the room now."""
+        given = min(self.back_share, job.share)
+        self.back_share -= given
+        self.share -= job.share - given
+        if self.memory is not None:
+            need = _demand(job.share, job.memory, self.total)
+            given_memory = min(self.back_memory, need)
+            self.back_memory -= given_memory
+            self.memory -= need - given_memory
+        self.end = math.inf  # it starts here later, for as long as it runs: the device frees at no known time
+
+
+class _Packing:
+    """Where sharing jobs go in one pass: the partly used devices, the rooms claimed on devices that free up,
+    and each partly used device's victim candidate. Empty (and free) when nothing shares a device."""
+
+    def __init__(self, usable: Sequence[str], usable_set: frozenset[str], totals: Mapping[str, int]):
+        self.usable, self.usable_set = usable, usable_set
+        self.totals = totals
+        self.rooms: dict[str, _Room] = {}  # partly used devices jobs may start on now
+        self.claimed: list[_Room] = []  # room left on devices sharing jobs claimed in this pass (not named)
+        self.groups: dict[str, _Group] = {}  # victim candidate per partly used device
+        self._rank: Optional[dict[str, int]] = None
+
+    def rank(self, device: str) -> int:
+        if self._rank is None:
+            self._rank = {d: i for i, d in enumerate(self.usable)}
+        return self._rank[device]
+
+    def load(self, sharers: Sequence[Running], taken: set[str], now: float, preempt_after: float) -> int:
+        """Read the running sharers (not on a device in `taken`, held whole); the devices coming (all of
+        their sharers releasing)."""
+        on: dict[str, list[Running]] = {}
+        for job in sharers:
+            for device in set(job.devices):
+                if device not in taken and device in self.usable_set:
+                    on.setdefault(device, []).append(job)
+        coming = 0
+        for device, members in on.items():
+            members.sort(key=lambda m: m.id)  # the same float sums whatever the input order
+            live = [m for m in members if not m.releasing]
+            if not live:
+                coming += 1  # a device frees up once, however many sharers leave it
+                continue
+            room = _Room(device, self.rank(device), self.totals.get(device))
+            for m in members:
+                room.share -= m.share
+                held = _demand(m.share, m.memory, room.total)
+                if room.memory is not None:
+                    room.memory -= held
+                if m.releasing:
+                    room.back_share += m.share
+                    room.back_memory += held
+                else:
+                    room.end = max(room.end, math.inf if m.ends_at is None else m.ends_at)
+            self.rooms[device] = room
+            if all(m.preemptible and (m.scavenger or now - m.started_at >= preempt_after) for m in live):
+                self.groups[device] = _Group(device, live)
+        return coming
+
+    def best(self, job: Waiting, ok: Optional[Callable[[_Room], bool]] = None, back: bool = False
+             ) -> Optional[_Room]:
+        """The partly used device with the least room that fits `job` (and `ok`), first in preference order
+        among equals; with `back`, counting the room releasing sharers give back."""
+        best, best_key = None, None
+        for room in self.rooms.values():
+            if room.fits(job, back) and (ok is None or ok(room)):
+                key = (round(room.share + (room.back_share if back else 0.0), 9), room.rank)
+                if best_key is None or key < best_key:
+                    best, best_key = room, key
+        return best
+
+    def open(self, job: Waiting, free: list[str]) -> Optional[_Room]:
+        """The first free device with the memory `job` asks for, taken out of `free` and now partly used."""
+        for i, device in enumerate(free):
+            total = self.totals.get(device)
+            if job.memory is None or total is None or job.memory <= total:
+                del free[i]
+                room = self.rooms[device] = _Room(device, self.rank(device), total)
+                return room
+        return None
+
+    def claim(self, job: Waiting) -> Optional[_Room]:
+        """Room `job` may wait for: given back by releasing sharers, else left on a device claimed this pass."""
+        room = self.best(job, ok=lambda r: r.back_share > 0, back=True)
+        if room is not None:
+            room.claim_back(job)
+            return room
+        fitting = [r for r in self.claimed if r.fits(job)]
+        if not fitting:
+            return None
+        room = min(fitting, key=lambda r: (round(r.share, 9), r.rank))
+        room.take(job, math.inf)
+        return room
+
+    def claim_device(self, job: Waiting) -> None:
+        """`job` claimed a whole device that frees up: the room it leaves is for the sharing jobs behind. Which
+        device is not known, so its memory is the smallest known total (none known: only shares count)."""
+        known = [self.totals[d] for d in self.usable if d in self.totals]
+        room = _Room(None, len(self.claimed), min(known) if known else None)
+        room.take(job, math.inf)
+        self.claimed.append(room)
+
+    def room_left(self) -> bool:
+        return any(room.share > SHARE_EPSILON for room in self.rooms.values())
+
+    def useful(self, job: Waiting, candidates: list) -> list:
+        """The candidates whose usable devices include one with the memory `job` asks for."""
+        if job.memory is None or not self.totals:
+            return candidates
+        return [c for c in candidates
+                if any(d in self.usable_set and self.totals.get(d, job.memory) >= job.memory for d in c.devices)]
 
 
 def plan(
@@ -240,6 +467,7 @@ def plan(
     preempt_after: float,
     projects: Sequence[Project] = (),
     backfill: bool = True,
+    device_memory: Mapping[str, int] = {},  # noqa: B006 (read only)
 ) -> Plan:
     """Decide which waiting jobs start now, which running jobs to preempt and which waiting jobs expire.
 
@@ -251,15 +479,17 @@ def plan(
         preempt_after: minimum seconds a job must have run before it may be preempted.
         projects: the declared projects (a job of a project not listed is in one of share 1, no quota).
         backfill: whether jobs may start behind a blocked job by EASY backfill.
+        device_memory: each device's total GPU memory in bytes; on a device not listed only shares count.
 
     Returns:
-        The `Plan`. Starts use only devices that are free now; preempted jobs' devices are counted
-        towards the jobs they were preempted for, which start once the victims have released them.
+        The `Plan`. Starts use only devices that are free now (or room on partly used ones); preempted
+        jobs' devices are counted towards the jobs they were preempted for, which start once the victims
+        have released them.
     """
     usable = tuple(dict.fromkeys(devices))  # drop duplicates, keep preference order
     usable_set = frozenset(usable)
 
-    def usable_count(job: Running) -> int:
+    def usable_count(job: Union[Running, _Group]) -> int:
         # A device outside `devices` (disabled or quarantined) is no use to anyone when it frees up.
         return sum(1 for d in set(job.devices) if d in usable_set)
 
@@ -267,25 +497,43 @@ def plan(
     for job in running:
         books.project(job.project)
         if not job.scavenger:
-            books.held[job.project] += usable_count(job)
+            books.held[job.project] += usable_count(job) * job.share
     held = {d for job in running for d in job.devices}
     free = [d for d in usable if d not in held]
+    totals = {d: device_memory[d] for d in usable if device_memory.get(d) is not None} if device_memory else {}
+    packing = _Packing(usable, usable_set, totals)
+    sharers = [job for job in running if job.share < 1.0]
     # Devices that will free up without anyone deciding anything more: unclaimed, counted, not named.
-    coming = sum(usable_count(job) for job in running if job.releasing)
-    candidates = sorted((job for job in running if job.preemptible and not job.releasing and usable_count(job) > 0
-                         and (job.scavenger or now - job.started_at >= preempt_after)), key=_victim_key)
+    coming = sum(usable_count(job) for job in running if job.releasing and job.share == 1.0)
+    candidates: list[Union[Running, _Group]] = [
+        job for job in running if job.preemptible and not job.releasing and job.share == 1.0
+        and usable_count(job) > 0 and (job.scavenger or now - job.started_at >= preempt_after)]
+    if sharers:
+        coming += packing.load(sharers, {d for job in running if job.share == 1.0 for d in job.devices}, now,
+                               preempt_after)
+        candidates += packing.groups.values()
+    candidates.sort(key=_victim_key)
+
+    def settle(room: _Room) -> None:
+        # Someone starts on (or waits for room on) this device in this pass: its sharers are no victims in it.
+        group = packing.groups.pop(room.name, None) if room.name is not None else None
+        if group is not None and group in candidates:
+            candidates.remove(group)
 
     expired = tuple(sorted(job.id for job in waiting
                            if job.deadline is not None and misses_deadline(job.deadline, job.time_limit, now)))
     gone = set(expired)
     capacity = len(usable)
+    # The most memory a sharing job may ask for here (inf: some device's total is unknown).
+    largest = max((totals.get(d, math.inf) for d in usable), default=0) if totals else math.inf
     # Jobs that can never run on this host (the capacity rule, `fits`, inline) or cannot be started must not
     # block the line. Grouped in one loop, then each project's line sorted (cheaper than sorting them all).
     lines: dict[str, list[Waiting]] = {}
     scavengers: list[Waiting] = []
     dated = False
     for job in waiting:
-        if job.gpus > capacity or (gone and job.id in gone):
+        if job.gpus > capacity or (gone and job.id in gone) or (job.memory is not None and job.share < 1.0
+                                                               and job.memory > largest):
             continue
         if job.deadline is not None:
             dated = True
@@ -317,33 +565,56 @@ def plan(
         if not books.may_start(job):
             pos[name] = len(lines[name])  # its project takes no more this pass (the borrowing rules)
             continue
-        if job.gpus <= len(free):
+        if job.share < 1.0:
+            room = packing.best(job) or packing.open(job, free)
+            if room is not None:
+                settle(room)
+                room.take(job, math.inf if job.time_limit is None else now + job.time_limit)
+                starts.append((job.id, (room.name,)))
+                books.started(job)
+                continue
+            room = packing.claim(job)
+            if room is not None:
+                settle(room)
+                books.held[job.project] += job.share  # reserved: counts against its quota from now on
+                continue
+            have = 0  # no free device has its memory: it needs one freed, like a one-device job
+        elif job.gpus <= len(free):
             starts.append((job.id, tuple(free[: job.gpus])))
             del free[: job.gpus]
             books.started(job)
             continue
-        shortfall = job.gpus - len(free) - coming
-        victims: Optional[list[Running]] = []
+        else:
+            have = len(free)
+        shortfall = job.gpus - have - coming
+        victims: Optional[list[Union[Running, _Group]]] = []
         if shortfall > 0:
-            victims = _victims_for(job, candidates, books, usable_count, shortfall)
+            pool = candidates if job.share == 1.0 else packing.useful(job, candidates)
+            victims = _victims_for(job, pool, books, usable_count, shortfall)
         if victims is None:
             blocked = job  # cannot be served yet: it holds everything that is or will be free
             break
         for victim in victims:
             candidates.remove(victim)
-            preempt.append(victim.id)
-            preempt_for.append((victim.id, job.id))
-            why.append("scavenger" if victim.scavenger else "reclaim" if victim.project != job.project
-                       else "priority")
+            members = victim.members if isinstance(victim, _Group) else (victim,)
+            for member in members:
+                preempt.append(member.id)
+                preempt_for.append((member.id, job.id))
+                why.append(_why(member, job))
+                if not member.scavenger:
+                    books.held[member.project] -= usable_count(member) * member.share
             coming += usable_count(victim)
-            if not victim.scavenger:
-                books.held[victim.project] -= usable_count(victim)
+            if isinstance(victim, _Group):
+                del packing.rooms[victim.devices[0]]  # it frees up: no room to start on in this pass
+                packing.groups.pop(victim.devices[0], None)
         # Reserve: take what is coming first, so that as many free devices as possible stay usable
         # by the jobs behind; hold free devices only for the rest.
         from_coming = min(coming, job.gpus)
         coming -= from_coming
         del free[: job.gpus - from_coming]
-        books.held[job.project] += job.gpus  # reserved: counts against its quota from now on
+        books.held[job.project] += job.gpus * job.share  # reserved: counts against its quota from now on
+        if job.share < 1.0:
+            packing.claim_device(job)
 
     if blocked is not None:
         if backfill:
@@ -352,49 +623,81 @@ def plan(
                                key=_line_key)
             gone_now = set(preempt)
             ends = [(job.ends_at, usable_count(job)) for job in running
-                    if not job.releasing and job.id not in gone_now and usable_count(job)]
-            starts += _backfill(blocked, rest, ends, free, coming, books, now)
+                    if not job.releasing and job.share == 1.0 and job.id not in gone_now and usable_count(job)]
+            # A partly used device frees up when the last of its sharers ends.
+            ends += [(None if room.end == math.inf else room.end, 1) for room in packing.rooms.values()]
+            starts += _backfill(blocked, rest, ends, free, coming, books, now, packing)
     else:
         for job in scavengers:
-            if job.gpus <= len(free):
+            if job.share < 1.0:
+                room = packing.best(job) or packing.open(job, free)
+                if room is not None:
+                    room.take(job, math.inf if job.time_limit is None else now + job.time_limit)
+                    starts.append((job.id, (room.name,)))
+            elif job.gpus <= len(free):
                 starts.append((job.id, tuple(free[: job.gpus])))
                 del free[: job.gpus]
     return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired, why=tuple(why),
                 preempt_for=tuple(preempt_for))
 
 
-def _victims_for(job: Waiting, candidates: list[Running], books: _Books, usable_count, shortfall: int
-                 ) -> Optional[list[Running]]:
+def _victim_kind(c: Union[Running, _Group], job: Waiting, reclaim: bool, books: _Books) -> int:
+    """What a candidate that is no scavenger is to `job`: 1 a reclaimable borrower, 2 a lower-priority job of
+    its project, 0 no victim of it. The sharers of a device: 0 if any is none, 1 if all the non-scavengers
+    among them are borrowers, else 2."""
+    if isinstance(c, _Group):
+        kinds = {_victim_kind(m, job, reclaim, books) for m in c.members if not m.scavenger}
+        return 0 if 0 in kinds else max(kinds)
+    if c.project == job.project:
+        return 2 if c.priority < job.priority else 0
+    return 1 if reclaim and books.borrowing(c.project) else 0
+
+
+def _victims_for(job: Waiting, candidates: list, books: _Books, usable_count, shortfall: int
+                 ) -> Optional[list]:
     """The victims to preempt for `job` (None: it cannot be served): scavengers first, then the fewest of the
     reclaimable borrowers (when `job` is within its quota) and the lower-priority jobs of its own project."""
     scav = [c for c in candidates if c.scavenger]
     if sum(usable_count(c) for c in scav) >= shortfall:
         return _choose_victims(scav, [usable_count(c) for c in scav], shortfall)
-    reclaim = books.quotas and books.within_quota(job.project, job.gpus)
-    borrowers = [c for c in candidates if reclaim and not c.scavenger and c.project != job.project
-                 and books.borrowing(c.project)]
-    lower = [c for c in candidates if not c.scavenger and c.project == job.project and c.priority < job.priority]
-    others = borrowers + lower
+    reclaim = books.quotas and books.within_quota(job.project, job.gpus * job.share)
+    kinds = [(c, _victim_kind(c, job, reclaim, books)) for c in candidates if not c.scavenger]
+    others = [c for c, kind in kinds if kind == 1] + [c for c, kind in kinds if kind == 2]
     rest = _choose_victims(others, [usable_count(c) for c in others],
                            shortfall - sum(usable_count(c) for c in scav))
     return None if rest is None else scav + rest
 
 
 def _backfill(blocked: Waiting, rest: Iterable[Waiting], ends: list[tuple[Optional[float], int]], free: list[str],
-              coming: int, books: _Books, now: float) -> list[tuple[int, tuple[str, ...]]]:
-    """EASY backfill behind `blocked`: the starts on `free` that cannot delay its start (the module's rules).
-    `ends`: (latest end or None, usable devices) of the running jobs not already being released."""
-    at = shadow(blocked.gpus, len(free) + coming, ends)
+              coming: int, books: _Books, now: float, packing: _Packing) -> list[tuple[int, tuple[str, ...]]]:
+    """EASY backfill behind `blocked`: the starts that cannot delay its start (the module's rules). `ends`:
+    (latest end or None, usable devices) of the running jobs not already being released, and of the partly
+    used devices."""
+    # A blocked sharing job found no free device with its memory: none of them counts for it.
+    at = shadow(blocked.gpus, (len(free) if blocked.share == 1.0 else 0) + coming, ends)
     if at is None:
         return []
     when, surplus = at
     starts = []
     for job in rest:
-        if not free:
+        if not free and not packing.room_left():
             break
-        if job.gpus > len(free) or not books.may_start(job):
+        if job.share == 1.0 and job.gpus > len(free) or not books.may_start(job):
             continue
         ends_first = job.time_limit is not None and now + job.time_limit <= when
+        if job.share < 1.0:
+            # Room on a device not counted as free by the shadow time costs nothing; else one device of surplus.
+            room = packing.best(job, ok=None if ends_first else lambda r: r.end > when)
+            if room is None and (ends_first or surplus >= 1):
+                room = packing.best(job) or packing.open(job, free)
+                if room is not None and not ends_first:
+                    surplus -= 1
+            if room is None:
+                continue
+            room.take(job, math.inf if job.time_limit is None else now + job.time_limit)
+            starts.append((job.id, (room.name,)))
+            books.started(job)
+            continue
         if not ends_first:
             if job.gpus > surplus:
                 continue
@@ -406,8 +709,8 @@ def _backfill(blocked: Waiting, rest: Iterable[Waiting], ends: list[tuple[Option
 
 
 def _choose_victims(
-    candidates: Sequence[Running], sizes: Sequence[int], shortfall: int
-) -> list[Running] | None:
+    candidates: Sequence[Any], sizes: Sequence[int], shortfall: int
+) -> list[Any] | None:
     """Pick the fewest candidates whose sizes add up to at least ``shortfall``, or None if none do.
 
     ``candidates`` are in preference order (cheapest to lose first), ``sizes`` their usable device
