@@ -160,3 +160,33 @@ def test_a_config_file_script_out_of_gpu_memory_on_a_share_runs_again_alone(make
     assert job.state == "SUCCEEDED" and job.failures == 0 and job.attempts == 2 and job.gpu_share is None
     log = open(job.log_path).read()
     assert "out of GPU memory on a shared GPU (share 0.5); asking to run alone" in log
+
+
+def test_four_quarter_jobs_share_one_slot_a_fifth_waits_and_a_whole_job_preempts_all_four(make_service):
+    """Four `--gpus 0.25` jobs run at once on one device while a fifth waits; a priority-50 job on the whole
+    device preempts all four together; they go back in line, resume from their checkpoints and finish."""
+    from tests.orchestrator.helpers import ckpt_job
+
+    service = make_service("cpu:1", preempt_after=0.0)
+    store = service.store
+    quarters = [api.submit(ckpt_job(200 if i < 4 else 10, gpus=0.25, name=f"q{i}"))[0].id for i in range(5)]
+    running = lambda: [j for j in quarters if store.get(j).state == "RUNNING"]  # noqa: E731
+    wait_for(lambda: len(running()) == 4, timeout=60, what="four sharers running at once")
+    assert {tuple(store.get(j).devices) for j in running()} == {("cpu:0",)}
+    fifth = next(j for j in quarters if j not in running())
+    assert store.get(fifth).state == "QUEUED"
+
+    whole = api.submit(ckpt_job(20, priority=50, name="whole"))[0].id
+    wait_for(lambda: store.get(whole).state == "SUCCEEDED", timeout=90, what="the whole-device job")
+    preempted = [j for j in quarters if store.get(j).preemptions == 1]
+    assert len(preempted) == 4, [store.get(j).reason for j in quarters]
+    for j in preempted:  # all four yielded to the whole job together, each naming it
+        reasons = [e.reason for e in store.events(j) if e.dst == "PREEMPTING"]
+        assert len(reasons) == 1 and f"#{whole}" in reasons[0]
+    wait_for(lambda: all(store.get(j).state == "SUCCEEDED" for j in quarters), timeout=120, what="all five")
+    import re
+
+    for j in preempted:  # each attempt 2 resumed where attempt 1 checkpointed
+        log = open(store.get(j).log_path).read()
+        saved = re.search(r"checkpointed at step (\d+)", log).group(1)
+        assert re.search(r"attempt 2 starts at step (\d+)", log).group(1) == saved
