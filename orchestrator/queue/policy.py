@@ -38,6 +38,8 @@ Rules (after Slurm, Kueue and Determined; the policy table in docs/guides/projec
   sharing job that cannot start claims, in order, room that releasing sharers give back on a partly used
   device, room left on a device a sharing job ahead of it claimed this pass, and else one whole device like
   a one-device job (so several sharing jobs behind each other claim, and preempt for, one device together).
+  It preempts only on devices with the memory it asks for; devices already being released are counted, not
+  named, so their memory is not checked (nor, for the room on a claimed device, more than the smallest total).
 - A blocked job that cannot be served even after preempting every eligible victim holds everything that is or
   will be free, and nothing behind it starts or preempts, except by EASY backfill: with the running jobs'
   time limits known, the blocked job's start time (the shadow time) is when enough of them will have ended;
