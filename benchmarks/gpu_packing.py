@@ -81,6 +81,17 @@ def _env(home: Path, mps: bool) -> dict[str, str]:
     return env
 
 
+# The model's size and the tokens per step are held fixed, so every trial costs about the same: the search is
+# over optimisation and architecture choices that do not change the work (lr, schedule, betas, norm, ...).
+FIXED = {"layers": 2, "heads": 4, "width": 128, "mlp_ratio": 4, "block_size": 64, "batch_size": 16}
+
+
+def fixed(a) -> list[str]:
+    """`--param` flags of the fixed settings, the scale and the step budget."""
+    values = {**FIXED, "scale": a.scale, "max_steps": a.steps}
+    return [arg for k, v in values.items() for arg in ("--param", f"{k}={v}")]
+
+
 def session(name: str, a, work: Path) -> dict:
     """One agent session in a fresh home; its summary and the measurements around it."""
     mode = {"off": "1", "auto": "auto", "mps": "auto"}[name]
@@ -88,15 +99,18 @@ def session(name: str, a, work: Path) -> dict:
         mode = str(a.pack)  # no GPU to measure: pack as told
     home = work / name
     cmd = [sys.executable, "-m", "orchestrator.faces.cli", "start", "--goal", "lower val_loss",
-           "--experiment", "charlm", "--param", f"scale={a.scale}", "--param", f"max_steps={a.steps}",
+           "--experiment", "charlm", *fixed(a),
            "--proposer", "random", "--trials", str(a.trials), "--baseline-seeds", "2", "--confirm-top", "1",
            "--confirm-seeds", "2", "--no-early-stop", "--devices", a.devices, "--trials-per-gpu", mode, "--json"]
     t0 = time.time()
-    with Sampler() as sampler:
-        proc = subprocess.run(cmd, env=_env(home, name == "mps"), capture_output=True, text=True,
-                              timeout=a.session_timeout)
+    with Sampler() as sampler, open(work / f"{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, env=_env(home, name == "mps"), stdout=subprocess.PIPE, stderr=log, text=True,
+                                  timeout=a.session_timeout)
+        except subprocess.TimeoutExpired:
+            return {"mode": name, "error": f"no end within {a.session_timeout:g} s (log: {work / name}.log)"}
     wall = time.time() - t0
-    (work / f"{name}.log").write_text(proc.stderr)
+    proc.stderr = (work / f"{name}.log").read_text()
     if proc.returncode != 0:
         return {"mode": name, "error": proc.stderr.strip().splitlines()[-3:], "wall_s": round(wall, 1)}
     summary = json.loads(proc.stdout)
@@ -123,9 +137,8 @@ def same_trial(a, work: Path) -> dict:
     try:
         def submit(gpus: str) -> int:
             out = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--experiment", "charlm",
-                                  "--param", f"scale={a.scale}", "--param", f"max_steps={a.steps}", "--param",
-                                  "seed=0", "--gpus", gpus, "--json"], env=env, capture_output=True, text=True,
-                                 check=True)
+                                  *fixed(a), "--param", "seed=0", "--gpus", gpus, "--json"], env=env,
+                                 capture_output=True, text=True, check=True)
             return json.loads(out.stdout)["id"]
 
         def wait(ids: list[int]) -> list[dict]:
@@ -175,10 +188,12 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - reported, the sessions still run
         out["same_trial"] = {"error": str(exc)}
     print("same trial:", json.dumps(out["same_trial"]), flush=True)
+    save(out)
     for name in a.modes.split(","):
         result = session(name, a, work)
         out["sessions"].append(result)
         print(json.dumps(result), flush=True)
+        save(out)
     base = next((s for s in out["sessions"] if s["mode"] == "off" and "error" not in s), None)
     print(f"\n{'mode':6} {'k':>3} {'wall s':>7} {'trials':>6} {'/dev-h':>7} {'ratio':>6} {'busy':>5}  verdict")
     for s in out["sessions"]:
@@ -189,9 +204,13 @@ def main() -> int:
         busy = f"{s['busy']:.0%}" if s["busy"] is not None else "-"
         print(f"{s['mode']:6} {str(s['k'] or '-'):>3} {s['wall_s']:7.1f} {s['trials']:6d} "
               f"{s['trials_per_device_hour']:7.1f} {ratio:6.2f} {busy:>5}  {s['headline'] or s['verdict']}")
+    return 0
+
+
+def save(out: dict) -> None:
+    """The figures so far into $OUT/gpu_packing.json (a run cut short still leaves what it measured)."""
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_packing.json").write_text(json.dumps(out, indent=1, default=str))
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 An embedded service on GPU 0 runs the same CUDA training job twice, started cold (a fresh interpreter) and
 warm (forked from the local executor's pool, which has torch imported). It passes when:
-- the pool holds no CUDA context: no /dev/nvidia* descriptor open, the driver library not even loaded, and
-  `nvidia-smi --query-compute-apps` does not list it;
+- the pool holds no CUDA context: no /dev/nvidia* descriptor open, `nvidia-smi --query-compute-apps` does not
+  list it, and the driver is not initialised in it (a CUDA build of torch may map libcuda.so at import: that
+  is safe to fork; the pool asks the loaded library whether `cuInit` ran, and the check names the import that
+  mapped it);
 - each job found CUDA uninitialised at its start and initialised it itself, on the device it was given;
 - the warm job says so in its RUNNING event, and trains at the speed of the cold one (0.9x-1.1x steps/s).
 
@@ -70,6 +72,17 @@ def _pool_holds_cuda(pid: int) -> list[str]:
     return found
 
 
+def _first_mapping_import() -> str | None:
+    """The first of the pool's preloads after which libcuda.so is mapped (in a fresh interpreter), or None."""
+    code = ("import importlib, sys\nfrom orchestrator.executors.local.warmpool import PRELOAD\n"
+            "for n in PRELOAD:\n    try:\n        importlib.import_module(n)\n    except Exception:\n        pass\n"
+            "    if 'libcuda.so' in open('/proc/self/maps').read():\n        print(n); break\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT),
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                        os.environ.get("PYTHONPATH")]))})
+    return out.stdout.strip() or None
+
+
 def check_warm_start(a) -> tuple:
     """The check (see the module's docstring): (ok, detail, data)."""
     import gpu_probes
@@ -109,12 +122,19 @@ def check_warm_start(a) -> tuple:
             how = next(e.reason for e in service.store.events(job_id) if e.dst == "RUNNING")
             data["warm" if warm else "cold"] = {**json.loads(line), "how": how}
         data["pool_cuda"] = _pool_holds_cuda(pool)
+        data["pool_driver"] = (service.executor.warm_pool._ready or {}).get("cuda")
     finally:
         service.stop()
+    data["maps_libcuda_after"] = _first_mapping_import()
     cold, warm = data["cold"], data["warm"]
     ratio = warm["steps_per_s"] / cold["steps_per_s"]
     data["speed_ratio"] = round(ratio, 3)
-    problems = list(data["pool_cuda"])
+    # A mapped driver library is safe to fork while the driver is not initialised (no cuInit: no /dev/nvidia*
+    # descriptor, no context); the pool asks the loaded library itself (warmpool.cuda_driver).
+    driver = data["pool_driver"] or {}
+    problems = [f for f in data["pool_cuda"] if f != "libcuda.so is mapped"]
+    if driver.get("loaded") and driver.get("initialised") is not False:
+        problems.append(f"the CUDA driver in the pool: {driver}")
     if not warm["how"].endswith(", warm") or ", cold" not in cold["how"]:
         problems.append(f"started {cold['how']!r} and {warm['how']!r}")
     for name, run in (("cold", cold), ("warm", warm)):
@@ -123,7 +143,8 @@ def check_warm_start(a) -> tuple:
                             f"CUDA_VISIBLE_DEVICES={run['visible']!r}")
     if not 0.9 <= ratio <= 1.1:
         problems.append(f"warm trains at {ratio:.2f}x the cold job's speed")
-    detail = (f"pool without CUDA; both jobs initialised CUDA themselves; warm {warm['steps_per_s']:.1f} vs cold "
+    mapped = "libcuda.so mapped, driver not initialised" if driver.get("loaded") else "libcuda.so not loaded"
+    detail = (f"pool without a CUDA context ({mapped}); both jobs initialised CUDA themselves; warm {warm['steps_per_s']:.1f} vs cold "
               f"{cold['steps_per_s']:.1f} steps/s ({ratio:.2f}x)")
     return not problems, "; ".join(problems) or detail, data
 

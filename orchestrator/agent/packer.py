@@ -23,6 +23,7 @@ import math
 from typing import Any, Callable
 
 from runtime.protocol import DEVICE_MEMORY_METRIC, PEAK_MEMORY_METRIC, UTILIZATION_METRIC
+from orchestrator.queue.gpuuse import GpuUse
 from orchestrator.agent import packing
 from orchestrator.agent.history import held_intervals
 from orchestrator.agent.packing import AUTO, Controller, Measurement
@@ -145,7 +146,7 @@ class Packer:
         if not base or any(t.status not in (S.SUCCEEDED, S.FAILED, S.STOPPED, S.CANCELLED) for t in base):
             return None
         done = [t for t in base if t.status is S.SUCCEEDED and t.run_id]
-        decision = packing.initial_k([self._measure(t.run_id) for t in done], target_busy=self.target_busy)
+        decision = packing.initial_k([self._measure(t) for t in done], target_busy=self.target_busy)
         fit = min(decision.fit or 1, self._parallel_cap())
         alone = packing.trials_per_hour([self._held_s(t) for t in done], min(self.n_devices, self._base_parallel))
         k = min(decision.k, fit)
@@ -220,10 +221,25 @@ class Packer:
             return packing.K_MAX
         return max(1, math.ceil(self.cfg.parallel / max(1, self.n_devices)))
 
-    def _measure(self, run_id: str) -> Measurement:
-        got = self.tracker.system_metrics(run_id, SYSTEM_METRICS)
-        return Measurement(peak_memory_mb=got.get(PEAK_MEMORY_METRIC), device_memory_mb=got.get(DEVICE_MEMORY_METRIC),
-                           busy_pct=got.get(UTILIZATION_METRIC))
+    def _measure(self, t: Trial) -> Measurement:
+        """A baseline run's use: its peak and its device's memory as the runtime logged them, and the device's
+        busy share while it ran, from the service's samples in the queue (on its MLflow run too, but only some
+        seconds after the job ended: the session decides at once)."""
+        got = self.tracker.system_metrics(t.run_id, SYSTEM_METRICS)
+        busy, peak, total = got.get(UTILIZATION_METRIC), got.get(PEAK_MEMORY_METRIC), got.get(DEVICE_MEMORY_METRIC)
+        if t.job_id is not None and None in (busy, peak, total):
+            # A script without the runtime logs no memory figures: the samples of its device (it ran alone there,
+            # so the device's peak use is its own) say the same.
+            gpus = GpuUse(self.store.db)
+            use = gpus.jobs([t.job_id]).get(t.job_id)
+            if use is not None and use.held_seconds > 0:
+                busy = 100.0 * use.busy_seconds / use.held_seconds if busy is None else busy
+                peak = use.peak_memory / 1e6 if peak is None and use.peak_memory else peak
+            if total is None:
+                job = self.store.get(t.job_id)
+                totals = [d.mem_total for d in gpus.devices(job.host) if d.device in (job.devices or ())]
+                total = max(totals) / 1e6 if totals and max(totals) else None
+        return Measurement(peak_memory_mb=peak, device_memory_mb=total, busy_pct=busy)
 
     def _held_s(self, t: Trial) -> float:
         """Seconds the trial's job held its device (every attempt; 0 while it is unknown)."""
