@@ -34,6 +34,18 @@ _CRITICAL_THROTTLE = {
 CLOCK_REASON_CALLS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
 
 
+MPS_SERVER = "nvidia-cuda-mps-server"  # the process name of an MPS server: it holds its clients' contexts
+
+
+def is_mps_server(pid: int) -> bool:
+    """Whether `pid` is an NVIDIA MPS server (what NVML lists as a compute process for a device under MPS)."""
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip() == MPS_SERVER[:15]  # comm keeps the first 15 characters
+    except OSError:
+        return False
+
+
 class NvmlTimeout(Exception):
     """An NVML call did not return within the session's timeout."""
 
@@ -236,7 +248,8 @@ class Nvml:
         return sorted(p.pid for p in self._call("nvmlDeviceGetComputeRunningProcesses", self.handle(index)))
 
     def foreign_processes(self, index: str | int, allowed: Iterable[int] = ()) -> Outcome:
-        """Compute processes on the GPU other than this process and `allowed` pids (another job's memory)."""
+        """Compute processes on the GPU other than this process and `allowed` pids (another job's memory). An
+        MPS server (`serve --mps`: the device's clients run inside it) is the service's own, never foreign."""
         ok = {os.getpid(), *allowed}
         try:
             pids = self.processes(index)
@@ -244,6 +257,6 @@ class Nvml:
             if self._unsupported(exc):
                 return "skipped", None, 0, "process listing not supported"
             return "fail", None, 0, f"NVML process query failed: {exc}"
-        foreign = [p for p in pids if p not in ok]
+        foreign = [p for p in pids if p not in ok and not is_mps_server(p)]
         msg = f"foreign processes: {foreign}" if foreign else "no foreign processes"
         return ("fail" if foreign else "pass"), len(foreign), 0, msg

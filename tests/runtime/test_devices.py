@@ -109,3 +109,26 @@ def test_auto_leaves_an_open_session_open():
     assert parse_devices("auto", env={}, nvml=nv) == ["0", "1"]
     assert nv.available and nv.uuid("1") == B and fake.shutdowns == 0
     nv.close()
+
+
+def test_an_mps_server_on_the_gpu_is_not_a_foreign_process(tmp_path):
+    """Under `serve --mps` NVML lists the device's MPS server as a compute process: the quick checks before the
+    next job must not take it for another job's memory (and quarantine the device), while any other process
+    still is foreign."""
+    import shutil
+    import subprocess
+
+    server_exe = tmp_path / "nvidia-cuda-mps-server"
+    shutil.copy(shutil.which("sleep"), server_exe)
+    server = subprocess.Popen([str(server_exe), "30"])
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        with Nvml(FakeNvml([A], pids=[server.pid])) as nv:
+            assert nv.foreign_processes("0")[0] == "pass"
+        with Nvml(FakeNvml([A], pids=[server.pid, other.pid])) as nv:
+            status, count, _, message = nv.foreign_processes("0")
+        assert (status, count, message) == ("fail", 1, f"foreign processes: [{other.pid}]")
+    finally:
+        for proc in (server, other):
+            proc.kill()
+            proc.wait()
