@@ -75,6 +75,10 @@ class Packer:
     def capacity(self) -> int:
         # One proposal more than there are places waits in the queue: a freed place starts the next trial at
         # once (no round trip through the agent), and a demoted trial (lower priority) never slips into it.
+        # Not while the baseline decides k: that trial would ask for a whole device, and the shares proposed
+        # once k is known could not join it there until it ended (seen on an H200).
+        if self.pack.get("mode") == AUTO and not self.pack.get("decided"):
+            return self.parallel
         return self.parallel + 1
 
     def gpus(self) -> float | int:

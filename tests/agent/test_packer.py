@@ -275,3 +275,22 @@ def test_mcp_start_session_takes_trials_per_gpu(home):
     tools, error = anyio.run(main)
     assert "trials_per_gpu" in tools["start_session"].input_schema["properties"]
     assert error is not None and "--trials-per-gpu must be auto or an integer from 1 to 16, got 40" in error
+
+
+def test_auto_proposes_nothing_more_until_the_baseline_has_decided_k(world):
+    """A trial proposed while the last baseline run still decides k would ask for a whole device, and the shares
+    proposed a moment later could not join it there until it ended: auto proposes nothing more until then."""
+    a = make(world, baseline_seeds=2)
+    parent = world.tracker.session_run(SID, SPEC.name, {})
+    s = {"session": SID, "parent_run": parent, "phase": "search", "trials": [], "elapsed": 0.0, "best": None,
+         "usage": {}}
+    s.update(a.packed("propose", a.propose)(s))
+    s.update(a.packed("submit", a.submit)(s))
+    first, second = s["trials"]
+    run_jobs(world, [first["job_id"]], 100.0, use=DIGITS_USE)
+    s = step(a, s)
+    s.update(a.packed("propose", a.propose)(s))  # a place is free, but k is not known yet
+    assert len(s["trials"]) == 2 and a.k == 1
+    run_jobs(world, [second["job_id"]], 100.0, use=DIGITS_USE)
+    s = step(a, s)
+    assert a.k == 4 and a.capacity == 5
