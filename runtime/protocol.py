@@ -25,6 +25,11 @@ DEVICE_ORDER = "CUDA_DEVICE_ORDER"
 GPU_SHARE = "AUTORESEARCH_GPU_SHARE"
 GPU_MEMORY = "AUTORESEARCH_GPU_MEMORY"
 
+# The thread pools a job's libraries size from the environment when they load (OpenMP, and so torch's intra-op
+# threads; MKL): the executor gives a job its share of the host's cores in these, unless the job or the service
+# sets OMP_NUM_THREADS itself. A job forked warm applies them with torch.set_num_threads.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
 # The variables the executor sets for every attempt: a job's own `--env` (or env file) may not name them, since
 # the executor's value would silently win (FAULTS is a test hook inherited from the service, not set per job).
 SET_BY_EXECUTOR = (JOB_ID, ATTEMPT, CHECKPOINT_DIR, PARAMS, HOME, HEARTBEAT_FILE, TRACKING_URI, RUN_ID,

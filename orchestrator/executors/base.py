@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence, Union
 
-from orchestrator.core.devices import cuda_visible
+from orchestrator.core.devices import cuda_visible, is_cpu_slot
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 from runtime import protocol
@@ -163,9 +163,27 @@ def owed_signal(since: Optional[float], grace: float) -> Optional[signal.Signals
     return signal.SIGKILL if time.time() - since >= grace else None
 
 
-def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str) -> dict[str, str]:
-    """The Contract 3 environment of an attempt: the service's env, the job's overrides, then the protocol."""
+def cpu_threads(job: Job, devices: list[str], cores: int) -> int:
+    """The CPU threads of a job: its part of the host's `cores` by what it holds of the service's `devices`.
+
+    On GPUs that is its GPUs' part, times its share of one (a quarter of the only GPU of a 16-core box: 4), so
+    that jobs packed onto one GPU do not each start a thread per core. On cpu slots a job's work is its threads,
+    and its numbers depend on how many: a share of a slot gets the whole slot's, so that a trial computes the
+    same packed or alone."""
+    per_device = cores / max(1, len(devices))
+    if job.shares_gpu and not all(is_cpu_slot(d) for d in job.devices or ()):
+        return max(1, int(per_device * job.gpu_share))
+    return max(1, int(per_device * job.gpus))
+
+
+def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str,
+            threads: Optional[int] = None) -> dict[str, str]:
+    """The Contract 3 environment of an attempt: the service's env, the job's overrides, then the protocol.
+    `threads`: the job's CPU threads (`cpu_threads`), set in `protocol.THREAD_VARS` unless the service or the
+    job sets OMP_NUM_THREADS itself."""
     env = dict(base)
+    if threads and "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in (job.env or {}):
+        env.update(dict.fromkeys(protocol.THREAD_VARS, str(threads)))
     env.update(job.env or {})
     env.update({
         protocol.JOB_ID: str(job.id),

@@ -36,7 +36,7 @@ from orchestrator.api.jobs import SERVICE_STALE_AFTER, live_services, note_unpla
 from orchestrator.core.gpushare import MAX_SHARERS
 from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
-from orchestrator.executors.base import Exit, Executor, StartLost, job_env
+from orchestrator.executors.base import Exit, Executor, StartLost, cpu_threads, job_env
 from orchestrator.queue.fairshare import ProjectBook
 from orchestrator.service.diskspace import DiskWatch
 from orchestrator.service.gpuwatch import GpuWatch, is_gpu
@@ -104,6 +104,7 @@ class Service:
         # it rather than sleeping and hoping a pass ran).
         self.passes = 0
         self._base_env = dict(os.environ)
+        self._cores = len(os.sched_getaffinity(0))  # the host's cores this service may use, shared by its jobs
         # For executors whose starts block on something else (Ray's job submission): several at once.
         self._launchers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="launch")
         config = health or HealthConfig.from_settings(settings)
@@ -365,8 +366,9 @@ class Service:
                 if joins or self.guard.preflight_ok(job):
                     if job.shares_gpu:
                         shared.update(job.devices or ())
+                    threads = cpu_threads(job, self.device_names, self._cores)
                     batch.append((job, job_env(job, base=self._base_env, layout=self.layout,
-                                               tracking_uri=self.settings.tracking_uri)))
+                                               tracking_uri=self.settings.tracking_uri, threads=threads)))
             except Exception as exc:
                 log.exception("could not prepare job %s", job.id)
                 self.store.finish(job.id, 127, self.host, detail=f"could not start: {exc}")

@@ -102,6 +102,7 @@ class Become(BaseException):
         os.environ.clear()
         os.environ.update(self.env)
         _show_environ(self.env)
+        apply_threads(self.env)
         warm = self.request["warm"]
         head = ["-m", warm["module"]] if "module" in warm else [warm["script"]]
         sys.orig_argv = [sys.executable, *head, *warm["args"]]
@@ -127,6 +128,15 @@ class Become(BaseException):
         with open(path, "rb") as fh:
             code = compile(fh.read(), path, "exec")
         exec(code, main.__dict__)
+
+
+def apply_threads(env: dict[str, str]) -> None:
+    """Size torch's intra-op threads (and MKL's, through it) as OMP_NUM_THREADS in `env` says: the pool's
+    libraries read their thread counts when they loaded, from the pool's environment, not the job's."""
+    torch = sys.modules.get("torch")
+    value = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _attempt(request: dict, log_fd: int, devnull: int, own: list) -> NoReturn:

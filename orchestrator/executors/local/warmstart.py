@@ -25,6 +25,7 @@ from typing import Optional
 
 from orchestrator.executors.local.spawner import Spawner
 from orchestrator.executors.local.warmpool import PAD_BYTES, PAD_VAR, environ_bytes, pool_environ
+from runtime.protocol import THREAD_VARS
 
 # Environment variables read when a library loads (the interpreter, the dynamic linker, OpenMP, BLAS, the
 # allocators, the locale, torch): a forked job has the pool's values of these, so a job that sets them
@@ -54,8 +55,9 @@ def python_target(argv: list[str], env: dict[str, str]) -> tuple[Optional[dict],
 
 
 def load_time_differences(job_env: dict[str, str], pool_env: dict[str, str]) -> list[str]:
-    """The `LOAD_TIME` variables whose values differ between the job's environment and the pool's."""
-    keys = {k for k in (*job_env, *pool_env) if k.startswith(LOAD_TIME) and k != PAD_VAR}
+    """The `LOAD_TIME` variables whose values differ between the job's environment and the pool's, but for the
+    thread counts a forked job applies itself (`warmpool.apply_threads`)."""
+    keys = {k for k in (*job_env, *pool_env) if k.startswith(LOAD_TIME) and k != PAD_VAR and k not in THREAD_VARS}
     return sorted(k for k in keys if job_env.get(k) != pool_env.get(k))
 
 
