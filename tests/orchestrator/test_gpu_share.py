@@ -190,3 +190,21 @@ def test_four_quarter_jobs_share_one_slot_a_fifth_waits_and_a_whole_job_preempts
         log = open(store.get(j).log_path).read()
         saved = re.search(r"checkpointed at step (\d+)", log).group(1)
         assert re.search(r"attempt 2 starts at step (\d+)", log).group(1) == saved
+
+
+def test_a_sharer_that_fails_leaves_its_neighbours_running(make_service):
+    """Two halves of one device: one fails at once, the other is neither stopped nor preempted and finishes."""
+    from tests.orchestrator.helpers import ckpt_job
+
+    service = make_service("cpu:1")
+    store = service.store
+    steady = api.submit(ckpt_job(60, gpus=0.5, name="steady"))[0].id
+    wait_for(lambda: store.get(steady).state == "RUNNING", timeout=60, what="the steady sharer")
+    broken = api.submit(JobSpec(argv=[sys.executable, "-c", "import sys; sys.exit(3)"], gpus=0.5, track=False))[0].id
+    wait_for(lambda: store.get(broken).state == "FAILED", timeout=60, what="the broken sharer to fail")
+    assert store.get(broken).exit_code == 3 and store.get(steady).state == "RUNNING"
+    assert store.get(broken).devices == store.get(steady).devices == ["cpu:0"]  # they shared the device
+    wait_for(lambda: store.get(steady).state == "SUCCEEDED", timeout=60, what="the steady sharer")
+    job = store.get(steady)
+    assert job.attempts == 1 and job.preemptions == 0
+    assert [e.dst for e in store.events(steady)] == ["QUEUED", "STARTING", "RUNNING", "SUCCEEDED"]
