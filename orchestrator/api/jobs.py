@@ -88,9 +88,23 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     why = unplaceable_reason(spec.gpus, largest) if largest else None
     if why:
         raise BadInput(f"--gpus {spec.gpus}: {why}")
+    if spec.gpu_memory and capacities:
+        check_gpu_memory(spec.gpu_memory, store)
     job = store.submit(spec)
     notify(settings.home)
     return job, bool(capacities)
+
+
+def check_gpu_memory(memory: int, store: JobStore) -> None:
+    """BadInput when every GPU the services have sampled has less memory than `memory` (no GPU sampled yet, as
+    on cpu slots: nothing is known, and the job is accepted)."""
+    from orchestrator.core.gpushare import format_size
+    from orchestrator.queue.gpuuse import GpuUse
+
+    totals = [d.mem_total for d in GpuUse(store.db).devices() if d.mem_total]
+    if totals and max(totals) < memory:
+        raise BadInput(f"--gpu-memory {format_size(memory)}: no GPU here has that much (the largest has "
+                       f"{format_size(max(totals))})")
 
 
 def note_unplaceable(store: JobStore) -> None:

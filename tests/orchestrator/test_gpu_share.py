@@ -208,3 +208,19 @@ def test_a_sharer_that_fails_leaves_its_neighbours_running(make_service):
     job = store.get(steady)
     assert job.attempts == 1 and job.preemptions == 0
     assert [e.dst for e in store.events(steady)] == ["QUEUED", "STARTING", "RUNNING", "SUCCEEDED"]
+
+
+def test_more_gpu_memory_than_any_gpu_has_is_refused_at_submit(make_service):
+    """Once the services have sampled their GPUs, a share asking for more memory than the largest has is a
+    one-line error at submit (the policy would never place it); before that, nothing is known and it waits."""
+    import time
+
+    from orchestrator.queue.gpuuse import GpuUse, Sample
+
+    service = make_service("cpu:1")
+    spec = JobSpec(argv=["true"], gpus=0.5, gpu_memory=100 * 2**30, track=False)
+    assert api.submit(spec)[0].state == "QUEUED"  # no GPU sampled: accepted
+    GpuUse(service.store.db).record("gpu-host", {"0": Sample(at=time.time(), util=0.0, mem_total=80 * 2**30)}, {}, {})
+    with pytest.raises(BadInput, match=r"^--gpu-memory 100.0GiB: no GPU here has that much \(the largest has 80.0GiB\)$"):
+        api.submit(spec)
+    assert api.submit(JobSpec(argv=["true"], gpus=0.5, gpu_memory=40 * 2**30, track=False))[0].state == "QUEUED"
