@@ -238,8 +238,8 @@ def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(request, kin
     service = start()
     probe = str(SCRIPTS / "start_probe.py")
     why = {submit(JobSpec(argv=[sys.executable, "-u", probe, "0"], track=False)): "cold: interpreter options (-u)",
-           submit(JobSpec(argv=[sys.executable, probe, "0"], env={"OMP_NUM_THREADS": "3"}, track=False)):
-               "cold: its environment sets OMP_NUM_THREADS otherwise than the warm pool's",
+           submit(JobSpec(argv=[sys.executable, probe, "0"], env={"OPENBLAS_NUM_THREADS": "3"}, track=False)):
+               "cold: its environment sets OPENBLAS_NUM_THREADS otherwise than the warm pool's",
            submit(JobSpec(argv=["sh", "-c", "exit 0"], track=False)): "cold: sh is not a Python interpreter",
            submit(JobSpec(argv=[sys.executable, probe, "0"], cwd=str(tmp_path), track=False)): "warm"}
     wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in why), timeout=60, what="four jobs")
