@@ -21,21 +21,21 @@ class Flag:
     (otherwise a submit using it goes to the full CLI); `setting`: the `Settings` field declaring its default.
     A plain class: building a dataclass or a NamedTuple would cost every lean submit more than its parse."""
 
-    __slots__ = ("name", "key", "kind", "default", "help", "repeat", "lean", "setting")
+    __slots__ = ("name", "key", "kind", "default", "help", "repeat", "lean", "setting", "metavar")
 
     def __init__(self, name: str, key: str, kind: type, default: Value, help: str, repeat: bool = False,
-                 lean: bool = True, setting: Optional[str] = None):
+                 lean: bool = True, setting: Optional[str] = None, metavar: Optional[str] = None):
         self.name, self.key, self.kind, self.default, self.help = name, key, kind, default, help
-        self.repeat, self.lean, self.setting = repeat, lean, setting
+        self.repeat, self.lean, self.setting, self.metavar = repeat, lean, setting, metavar
 
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--name", "name", str, "", "A name for people."),
     Flag("--priority", "priority", int, 10, "Higher wins; agent trials use 0."),
     Flag("--gpus", "gpus", str, "1", "Devices the job needs (all at once), or a share of one GPU: 0.5, 0.25, "
-         "... (1/k, k up to 16)."),
+         "... (1/k, k up to 16).", metavar="N|SHARE"),
     Flag("--gpu-memory", "gpu_memory", str, None, "GPU memory a job on a share of a GPU needs (10GiB, 512MiB); "
-         "default: its share of the device's."),
+         "default: its share of the device's.", metavar="SIZE"),
     Flag("--max-attempts", "max_attempts", int, 1, "Attempts before the job stays FAILED."),
     Flag("--grace", "grace", float, None, "Seconds between SIGTERM and SIGKILL.", setting="stop_grace"),
     Flag("--no-preempt", "no_preempt", bool, False, "Never preempt this job."),

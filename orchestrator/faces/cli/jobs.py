@@ -34,7 +34,7 @@ def _date(ts: object) -> str:
 def _flag(name: str):
     """The typer option of a submit flag, as `orchestrator.api.submitflags` declares it."""
     flag = BY_NAME[name]
-    return typer.Option(submitflags.default(flag), flag.name, help=flag.help)
+    return typer.Option(submitflags.default(flag), flag.name, help=flag.help, metavar=flag.metavar)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
