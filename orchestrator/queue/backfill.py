@@ -1,12 +1,17 @@
 """The shadow time of EASY backfill (Slurm's `sched/backfill`, Lifka's EASY): when a blocked job could start.
 
-Pure arithmetic over what the running jobs' time limits promise; `orchestrator.queue.policy.plan` uses it to
-let jobs start behind a blocked job without delaying it.
+Pure arithmetic over what the running jobs' time limits promise (`shadow`), and the starts it allows behind a
+blocked job without delaying it (`backfill`), for `orchestrator.queue.policy.plan`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from orchestrator.queue.devshare import Packing
+    from orchestrator.queue.policy import Waiting
 
 
 def shadow(need: int, available: int, ends: Sequence[tuple[Optional[float], int]]
@@ -31,3 +36,43 @@ def shadow(need: int, available: int, ends: Sequence[tuple[Optional[float], int]
             total += sum(m for u, m in known[i + 1:] if u == t)
             return t, total - need
     return None  # not enough devices end in known time: the start waits on a job without a limit
+
+
+def backfill(blocked: Waiting, rest: Iterable[Waiting], ends: list[tuple[Optional[float], int]], free: list[str],
+             coming: int, books: Any, now: float, packing: Packing) -> list[tuple[int, tuple[str, ...]]]:
+    """EASY backfill behind `blocked`: the starts that cannot delay its start (the policy's rules). `ends`:
+    (latest end or None, usable devices) of the running jobs not already being released, and of the partly
+    used devices."""
+    # A blocked sharing job found no free device with its memory: none of them counts for it.
+    at = shadow(blocked.gpus, (len(free) if blocked.share == 1.0 else 0) + coming, ends)
+    if at is None:
+        return []
+    when, surplus = at
+    starts = []
+    for job in rest:
+        if not free and not packing.room_left():
+            break
+        if job.share == 1.0 and job.gpus > len(free) or not books.may_start(job):
+            continue
+        ends_first = job.time_limit is not None and now + job.time_limit <= when
+        if job.share < 1.0:
+            # Room on a device not counted as free by the shadow time costs nothing; else one device of surplus.
+            room = packing.best(job, ok=None if ends_first else lambda r: r.end > when)
+            if room is None and (ends_first or surplus >= 1):
+                room = packing.best(job) or packing.open(job, free)
+                if room is not None and not ends_first:
+                    surplus -= 1
+            if room is None:
+                continue
+            room.take(job, math.inf if job.time_limit is None else now + job.time_limit)
+            starts.append((job.id, (room.name,)))
+            books.started(job)
+            continue
+        if not ends_first:
+            if job.gpus > surplus:
+                continue
+            surplus -= job.gpus
+        starts.append((job.id, tuple(free[: job.gpus])))
+        del free[: job.gpus]
+        books.started(job)
+    return starts

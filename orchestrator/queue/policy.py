@@ -76,9 +76,12 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
-from orchestrator.queue.backfill import shadow
+from orchestrator.queue.backfill import backfill as easy_backfill
+from orchestrator.queue.devshare import SHARE_EPSILON, Group, Packing, Room, check_sharing, share_of
+from orchestrator.queue.victims import victim_key, victims_for
+from orchestrator.queue.victims import why as why_
 from orchestrator.queue.states import JobState
 
 _RELEASING = (JobState.PREEMPTING.value, JobState.CANCELLING.value)  # being stopped: devices free soon
@@ -90,8 +93,6 @@ UNPLACEABLE = "no live service has"  # how the reason of a job that nothing can 
 DEFAULT_PROJECT = "default"  # the project of a job submitted without one
 DEADLINE = "deadline"  # the reason of a job ended because it can no longer meet its deadline
 CHARGE = 3600.0  # seconds of use a start without a time limit adds to its project's usage within one pass
-SHARE_EPSILON = 1e-9  # float slack when adding shares of a device: four 0.25 (or three 1/3) exactly fill one
-_MEMORY_SLACK = 1.0  # bytes of float slack when adding shares of a device's memory (share x total)
 
 
 def fits(gpus: int, capacity: int) -> bool:
@@ -111,20 +112,6 @@ def misses_deadline(deadline: Optional[float], time_limit: Optional[float], now:
     """Whether a job not yet started can no longer finish by `deadline` (it would run until now + its time
     limit; without a time limit, only a deadline already past is missed)."""
     return deadline is not None and now + (time_limit or 0.0) > deadline
-
-
-def _check_sharing(job_id: int, share: float, memory: Optional[int], single: bool) -> None:
-    if not 0.0 < share <= 1.0:  # also refuses NaN
-        raise ValueError(f"job {job_id}: share must be more than 0 and at most 1, got {share}")
-    if share < 1.0 and not single:
-        raise ValueError(f"job {job_id}: a job sharing a device (share {share}) has exactly one device")
-    if memory is not None and memory < 0:
-        raise ValueError(f"job {job_id}: GPU memory must be at least 0 bytes, got {memory}")
-
-
-def _share_of(job: Any) -> float:
-    share = getattr(job, "gpu_share", None)  # rows read before sharing existed have no such column
-    return 1.0 if share is None else float(share)
 
 
 @dataclass(frozen=True)
@@ -153,14 +140,14 @@ class Waiting:
         if self.gpus < 1:
             raise ValueError(f"job {self.id}: gpus must be at least 1, got {self.gpus}")
         if self.share != 1.0 or self.memory is not None:
-            _check_sharing(self.id, self.share, self.memory, self.gpus == 1)
+            check_sharing(self.id, self.share, self.memory, self.gpus == 1)
 
     @classmethod
     def of(cls, job: Any) -> "Waiting":
         """The policy's view of a QUEUED job (a `Job`, a listing row or a dispatch pass's light row): the one
         adapter the service and `top` both plan with."""
         return cls(job.id, job.priority, job.submitted_at, job.gpus, job.project or DEFAULT_PROJECT,
-                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible), _share_of(job),
+                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible), share_of(job),
                    getattr(job, "gpu_memory", None))
 
 
@@ -188,7 +175,7 @@ class Running:
 
     def __post_init__(self) -> None:
         if self.share != 1.0 or self.memory is not None:
-            _check_sharing(self.id, self.share, self.memory, len(set(self.devices)) <= 1)
+            check_sharing(self.id, self.share, self.memory, len(set(self.devices)) <= 1)
 
     @classmethod
     def of(cls, job: Any, now: float) -> "Running":
@@ -198,7 +185,7 @@ class Running:
         return cls(job.id, job.priority, tuple(job.devices or ()), started,
                    bool(job.preemptible) or bool(job.scavenger), job.state in _RELEASING,
                    job.project or DEFAULT_PROJECT, bool(job.scavenger),
-                   started + job.time_limit if job.time_limit else None, _share_of(job),
+                   started + job.time_limit if job.time_limit else None, share_of(job),
                    getattr(job, "gpu_memory", None))
 
 
@@ -245,15 +232,6 @@ def _plain_key(job: Waiting) -> tuple[int, float, int]:
     return (-job.priority, job.submitted_at, job.id)  # `_line_key` when no job has a deadline: the same order
 
 
-def _victim_key(job: Union[Running, "_Group"]) -> tuple[int, float, int]:
-    # Cheapest to lose first: lowest priority, then youngest (least work lost), then id for determinism.
-    return (job.priority, -job.started_at, job.id)
-
-
-def _why(victim: Running, job: Waiting) -> str:
-    return "scavenger" if victim.scavenger else "reclaim" if victim.project != job.project else "priority"
-
-
 class _Books:
     """What one pass knows of each project: devices held (usable or elsewhere; shares count as fractions),
     usage, quota, share, cap."""
@@ -296,171 +274,6 @@ class _Books:
         self.usage[job.project] += job.gpus * job.share * (job.time_limit or CHARGE)
 
 
-class _Group:
-    """The sharers of one partly used device as one victim candidate of one device (see the rules)."""
-
-    __slots__ = ("devices", "members", "priority", "started_at", "id", "scavenger")
-
-    def __init__(self, device: str, members: Sequence[Running]):
-        self.devices = (device,)
-        self.members = tuple(members)  # those not already releasing, by id
-        self.priority = max(m.priority for m in members)
-        self.started_at = max(m.started_at for m in members)
-        self.id = min(m.id for m in members)
-        self.scavenger = all(m.scavenger for m in members)
-
-
-def _demand(share: float, memory: Optional[int], total: Optional[int]) -> float:
-    """The memory a sharer holds on a device of `total` bytes: what it asked for, else its share of it."""
-    if memory is not None:
-        return memory
-    return share * total if total is not None else 0.0
-
-
-class _Room:
-    """Room for sharing jobs on one device: a partly used device (named), or one a sharing job claimed this
-    pass (unnamed). ``memory`` is None when the device's total is unknown; ``back_*`` is what its releasing
-    sharers give back; ``end`` is when its sharers end at the latest (inf: unknown)."""
-
-    __slots__ = ("name", "rank", "total", "share", "memory", "back_share", "back_memory", "end")
-
-    def __init__(self, name: Optional[str], rank: int, total: Optional[int]):
-        self.name, self.rank, self.total = name, rank, total
-        self.share, self.memory = 1.0, (None if total is None else float(total))
-        self.back_share, self.back_memory = 0.0, 0.0
-        self.end = -math.inf
-
-    def fits(self, job: Waiting, back: bool = False) -> bool:
-        share = self.share + (self.back_share if back else 0.0)
-        if share + SHARE_EPSILON < job.share:
-            return False
-        if self.memory is None:
-            return True
-        memory = self.memory + (self.back_memory if back else 0.0)
-        return _demand(job.share, job.memory, self.total) <= memory + _MEMORY_SLACK
-
-    def take(self, job: Waiting, end: float) -> None:
-        """`job` starts here now (`end`: when it ends at the latest)."""
-        self.share -= job.share
-        if self.memory is not None:
-            self.memory -= _demand(job.share, job.memory, self.total)
-        self.end = max(self.end, end)
-
-    def claim_back(self, job: Waiting) -> None:
-        """`job` waits for room here: first what releasing sharers give back, the rest from the room now."""
-        given = min(self.back_share, job.share)
-        self.back_share -= given
-        self.share -= job.share - given
-        if self.memory is not None:
-            need = _demand(job.share, job.memory, self.total)
-            given_memory = min(self.back_memory, need)
-            self.back_memory -= given_memory
-            self.memory -= need - given_memory
-        self.end = math.inf  # it starts here later, for as long as it runs: the device frees at no known time
-
-
-class _Packing:
-    """Where sharing jobs go in one pass: the partly used devices, the rooms claimed on devices that free up,
-    and each partly used device's victim candidate. Empty (and free) when nothing shares a device."""
-
-    def __init__(self, usable: Sequence[str], usable_set: frozenset[str], totals: Mapping[str, int]):
-        self.usable, self.usable_set = usable, usable_set
-        self.totals = totals
-        self.rooms: dict[str, _Room] = {}  # partly used devices jobs may start on now
-        self.claimed: list[_Room] = []  # room left on devices sharing jobs claimed in this pass (not named)
-        self.groups: dict[str, _Group] = {}  # victim candidate per partly used device
-        self._rank: Optional[dict[str, int]] = None
-
-    def rank(self, device: str) -> int:
-        if self._rank is None:
-            self._rank = {d: i for i, d in enumerate(self.usable)}
-        return self._rank[device]
-
-    def load(self, sharers: Sequence[Running], taken: set[str], now: float, preempt_after: float) -> int:
-        """Read the running sharers (not on a device in `taken`, held whole); the devices coming (all of
-        their sharers releasing)."""
-        on: dict[str, list[Running]] = {}
-        for job in sharers:
-            for device in set(job.devices):
-                if device not in taken and device in self.usable_set:
-                    on.setdefault(device, []).append(job)
-        coming = 0
-        for device, members in on.items():
-            members.sort(key=lambda m: m.id)  # the same float sums whatever the input order
-            live = [m for m in members if not m.releasing]
-            if not live:
-                coming += 1  # a device frees up once, however many sharers leave it
-                continue
-            room = _Room(device, self.rank(device), self.totals.get(device))
-            for m in members:
-                room.share -= m.share
-                held = _demand(m.share, m.memory, room.total)
-                if room.memory is not None:
-                    room.memory -= held
-                if m.releasing:
-                    room.back_share += m.share
-                    room.back_memory += held
-                else:
-                    room.end = max(room.end, math.inf if m.ends_at is None else m.ends_at)
-            self.rooms[device] = room
-            if all(m.preemptible and (m.scavenger or now - m.started_at >= preempt_after) for m in live):
-                self.groups[device] = _Group(device, live)
-        return coming
-
-    def best(self, job: Waiting, ok: Optional[Callable[[_Room], bool]] = None, back: bool = False
-             ) -> Optional[_Room]:
-        """The partly used device with the least room that fits `job` (and `ok`), first in preference order
-        among equals; with `back`, counting the room releasing sharers give back."""
-        best, best_key = None, None
-        for room in self.rooms.values():
-            if room.fits(job, back) and (ok is None or ok(room)):
-                key = (round(room.share + (room.back_share if back else 0.0), 9), room.rank)
-                if best_key is None or key < best_key:
-                    best, best_key = room, key
-        return best
-
-    def open(self, job: Waiting, free: list[str]) -> Optional[_Room]:
-        """The first free device with the memory `job` asks for, taken out of `free` and now partly used."""
-        for i, device in enumerate(free):
-            total = self.totals.get(device)
-            if job.memory is None or total is None or job.memory <= total:
-                del free[i]
-                room = self.rooms[device] = _Room(device, self.rank(device), total)
-                return room
-        return None
-
-    def claim(self, job: Waiting) -> Optional[_Room]:
-        """Room `job` may wait for: given back by releasing sharers, else left on a device claimed this pass."""
-        room = self.best(job, ok=lambda r: r.back_share > 0, back=True)
-        if room is not None:
-            room.claim_back(job)
-            return room
-        fitting = [r for r in self.claimed if r.fits(job)]
-        if not fitting:
-            return None
-        room = min(fitting, key=lambda r: (round(r.share, 9), r.rank))
-        room.take(job, math.inf)
-        return room
-
-    def claim_device(self, job: Waiting) -> None:
-        """`job` claimed a whole device that frees up: the room it leaves is for the sharing jobs behind. Which
-        device is not known, so its memory is the smallest known total (none known: only shares count)."""
-        known = [self.totals[d] for d in self.usable if d in self.totals]
-        room = _Room(None, len(self.claimed), min(known) if known else None)
-        room.take(job, math.inf)
-        self.claimed.append(room)
-
-    def room_left(self) -> bool:
-        return any(room.share > SHARE_EPSILON for room in self.rooms.values())
-
-    def useful(self, job: Waiting, candidates: list) -> list:
-        """The candidates whose usable devices include one with the memory `job` asks for."""
-        if job.memory is None or not self.totals:
-            return candidates
-        return [c for c in candidates
-                if any(d in self.usable_set and self.totals.get(d, job.memory) >= job.memory for d in c.devices)]
-
-
 def plan(
     waiting: Sequence[Waiting],
     running: Sequence[Running],
@@ -491,7 +304,7 @@ def plan(
     usable = tuple(dict.fromkeys(devices))  # drop duplicates, keep preference order
     usable_set = frozenset(usable)
 
-    def usable_count(job: Union[Running, _Group]) -> int:
+    def usable_count(job: Union[Running, Group]) -> int:
         # A device outside `devices` (disabled or quarantined) is no use to anyone when it frees up.
         return sum(1 for d in set(job.devices) if d in usable_set)
 
@@ -503,20 +316,20 @@ def plan(
     held = {d for job in running for d in job.devices}
     free = [d for d in usable if d not in held]
     totals = {d: device_memory[d] for d in usable if device_memory.get(d) is not None} if device_memory else {}
-    packing = _Packing(usable, usable_set, totals)
+    packing = Packing(usable, usable_set, totals)
     sharers = [job for job in running if job.share < 1.0]
     # Devices that will free up without anyone deciding anything more: unclaimed, counted, not named.
     coming = sum(usable_count(job) for job in running if job.releasing and job.share == 1.0)
-    candidates: list[Union[Running, _Group]] = [
+    candidates: list[Union[Running, Group]] = [
         job for job in running if job.preemptible and not job.releasing and job.share == 1.0
         and usable_count(job) > 0 and (job.scavenger or now - job.started_at >= preempt_after)]
     if sharers:
         coming += packing.load(sharers, {d for job in running if job.share == 1.0 for d in job.devices}, now,
                                preempt_after)
         candidates += packing.groups.values()
-    candidates.sort(key=_victim_key)
+    candidates.sort(key=victim_key)
 
-    def settle(room: _Room) -> None:
+    def settle(room: Room) -> None:
         # Someone starts on (or waits for room on) this device in this pass: its sharers are no victims in it.
         group = packing.groups.pop(room.name, None) if room.name is not None else None
         if group is not None and group in candidates:
@@ -589,24 +402,24 @@ def plan(
         else:
             have = len(free)
         shortfall = job.gpus - have - coming
-        victims: Optional[list[Union[Running, _Group]]] = []
+        victims: Optional[list[Union[Running, Group]]] = []
         if shortfall > 0:
             pool = candidates if job.share == 1.0 else packing.useful(job, candidates)
-            victims = _victims_for(job, pool, books, usable_count, shortfall)
+            victims = victims_for(job, pool, books, usable_count, shortfall)
         if victims is None:
             blocked = job  # cannot be served yet: it holds everything that is or will be free
             break
         for victim in victims:
             candidates.remove(victim)
-            members = victim.members if isinstance(victim, _Group) else (victim,)
+            members = victim.members if isinstance(victim, Group) else (victim,)
             for member in members:
                 preempt.append(member.id)
                 preempt_for.append((member.id, job.id))
-                why.append(_why(member, job))
+                why.append(why_(member, job))
                 if not member.scavenger:
                     books.held[member.project] -= usable_count(member) * member.share
             coming += usable_count(victim)
-            if isinstance(victim, _Group):
+            if isinstance(victim, Group):
                 del packing.rooms[victim.devices[0]]  # it frees up: no room to start on in this pass
                 packing.groups.pop(victim.devices[0], None)
         # Reserve: take what is coming first, so that as many free devices as possible stay usable
@@ -628,7 +441,7 @@ def plan(
                     if not job.releasing and job.share == 1.0 and job.id not in gone_now and usable_count(job)]
             # A partly used device frees up when the last of its sharers ends.
             ends += [(None if room.end == math.inf else room.end, 1) for room in packing.rooms.values()]
-            starts += _backfill(blocked, rest, ends, free, coming, books, now, packing)
+            starts += easy_backfill(blocked, rest, ends, free, coming, books, now, packing)
     else:
         for job in scavengers:
             if job.share < 1.0:
@@ -641,104 +454,3 @@ def plan(
                 del free[: job.gpus]
     return Plan(starts=tuple(starts), preempt=tuple(preempt), expired=expired, why=tuple(why),
                 preempt_for=tuple(preempt_for))
-
-
-def _victim_kind(c: Union[Running, _Group], job: Waiting, reclaim: bool, books: _Books) -> int:
-    """What a candidate that is no scavenger is to `job`: 1 a reclaimable borrower, 2 a lower-priority job of
-    its project, 0 no victim of it. The sharers of a device: 0 if any is none, 1 if all the non-scavengers
-    among them are borrowers, else 2."""
-    if isinstance(c, _Group):
-        kinds = {_victim_kind(m, job, reclaim, books) for m in c.members if not m.scavenger}
-        return 0 if 0 in kinds else max(kinds)
-    if c.project == job.project:
-        return 2 if c.priority < job.priority else 0
-    return 1 if reclaim and books.borrowing(c.project) else 0
-
-
-def _victims_for(job: Waiting, candidates: list, books: _Books, usable_count, shortfall: int
-                 ) -> Optional[list]:
-    """The victims to preempt for `job` (None: it cannot be served): scavengers first, then the fewest of the
-    reclaimable borrowers (when `job` is within its quota) and the lower-priority jobs of its own project."""
-    scav = [c for c in candidates if c.scavenger]
-    if sum(usable_count(c) for c in scav) >= shortfall:
-        return _choose_victims(scav, [usable_count(c) for c in scav], shortfall)
-    reclaim = books.quotas and books.within_quota(job.project, job.gpus * job.share)
-    kinds = [(c, _victim_kind(c, job, reclaim, books)) for c in candidates if not c.scavenger]
-    others = [c for c, kind in kinds if kind == 1] + [c for c, kind in kinds if kind == 2]
-    rest = _choose_victims(others, [usable_count(c) for c in others],
-                           shortfall - sum(usable_count(c) for c in scav))
-    return None if rest is None else scav + rest
-
-
-def _backfill(blocked: Waiting, rest: Iterable[Waiting], ends: list[tuple[Optional[float], int]], free: list[str],
-              coming: int, books: _Books, now: float, packing: _Packing) -> list[tuple[int, tuple[str, ...]]]:
-    """EASY backfill behind `blocked`: the starts that cannot delay its start (the module's rules). `ends`:
-    (latest end or None, usable devices) of the running jobs not already being released, and of the partly
-    used devices."""
-    # A blocked sharing job found no free device with its memory: none of them counts for it.
-    at = shadow(blocked.gpus, (len(free) if blocked.share == 1.0 else 0) + coming, ends)
-    if at is None:
-        return []
-    when, surplus = at
-    starts = []
-    for job in rest:
-        if not free and not packing.room_left():
-            break
-        if job.share == 1.0 and job.gpus > len(free) or not books.may_start(job):
-            continue
-        ends_first = job.time_limit is not None and now + job.time_limit <= when
-        if job.share < 1.0:
-            # Room on a device not counted as free by the shadow time costs nothing; else one device of surplus.
-            room = packing.best(job, ok=None if ends_first else lambda r: r.end > when)
-            if room is None and (ends_first or surplus >= 1):
-                room = packing.best(job) or packing.open(job, free)
-                if room is not None and not ends_first:
-                    surplus -= 1
-            if room is None:
-                continue
-            room.take(job, math.inf if job.time_limit is None else now + job.time_limit)
-            starts.append((job.id, (room.name,)))
-            books.started(job)
-            continue
-        if not ends_first:
-            if job.gpus > surplus:
-                continue
-            surplus -= job.gpus
-        starts.append((job.id, tuple(free[: job.gpus])))
-        del free[: job.gpus]
-        books.started(job)
-    return starts
-
-
-def _choose_victims(
-    candidates: Sequence[Any], sizes: Sequence[int], shortfall: int
-) -> list[Any] | None:
-    """Pick the fewest candidates whose sizes add up to at least ``shortfall``, or None if none do.
-
-    ``candidates`` are in preference order (cheapest to lose first), ``sizes`` their usable device
-    counts. Among the sets of minimal size, this returns the lexicographically earliest in preference
-    order: walk the candidates and take each one unless doing so would make the shortfall unreachable
-    with the slots left. That is exact (skipping a candidate only happens when taking it cannot lead to
-    a solution) and quadratic, instead of enumerating combinations.
-    """
-    by_size = sorted(sizes, reverse=True)
-    total, count = 0, 0
-    for size in by_size:
-        if total >= shortfall:
-            break
-        total += size
-        count += 1
-    if total < shortfall:
-        return None
-
-    chosen: list[Running] = []
-    need, slots = shortfall, count
-    for i, candidate in enumerate(candidates):
-        if slots == 0:
-            break
-        best_rest = sum(sorted(sizes[i + 1 :], reverse=True)[: slots - 1])
-        if sizes[i] + best_rest >= need:
-            chosen.append(candidate)
-            need -= sizes[i]
-            slots -= 1
-    return chosen
