@@ -7,11 +7,10 @@ blocked job without delaying it (`backfill`), for `orchestrator.queue.policy.pla
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-if TYPE_CHECKING:
-    from orchestrator.queue.devshare import Packing
-    from orchestrator.queue.policy import Waiting
+from orchestrator.queue.devshare import Packing
+from orchestrator.queue.plantypes import Waiting
 
 
 def shadow(need: int, available: int, ends: Sequence[tuple[Optional[float], int]]

@@ -6,29 +6,12 @@ device as one victim candidate. Pure bookkeeping for one pass; the rules are in 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
-if TYPE_CHECKING:
-    from orchestrator.queue.policy import Running, Waiting
+from orchestrator.queue.plantypes import Running, Waiting
 
 SHARE_EPSILON = 1e-9  # float slack when adding shares of a device: four 0.25 (or three 1/3) exactly fill one
 MEMORY_SLACK = 1.0  # bytes of float slack when adding shares of a device's memory (share x total)
-
-
-def check_sharing(job_id: int, share: float, memory: Optional[int], single: bool) -> None:
-    """ValueError unless `share` is in (0, 1], a share below 1 is of `single` device, and `memory` >= 0."""
-    if not 0.0 < share <= 1.0:  # also refuses NaN
-        raise ValueError(f"job {job_id}: share must be more than 0 and at most 1, got {share}")
-    if share < 1.0 and not single:
-        raise ValueError(f"job {job_id}: a job sharing a device (share {share}) has exactly one device")
-    if memory is not None and memory < 0:
-        raise ValueError(f"job {job_id}: GPU memory must be at least 0 bytes, got {memory}")
-
-
-def share_of(job: Any) -> float:
-    """A job's share of its device from its `gpu_share` (None, or a row without the column: the whole)."""
-    share = getattr(job, "gpu_share", None)  # rows read before sharing existed have no such column
-    return 1.0 if share is None else float(share)
 
 
 class Group:

@@ -75,22 +75,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from orchestrator.queue.backfill import backfill as easy_backfill
-from orchestrator.queue.devshare import SHARE_EPSILON, Group, Packing, Room, check_sharing, share_of
+from orchestrator.queue.devshare import SHARE_EPSILON, Group, Packing, Room
+from orchestrator.queue.plantypes import DEFAULT_PROJECT, Plan, Project, Running, Waiting
 from orchestrator.queue.victims import victim_key, victims_for
 from orchestrator.queue.victims import why as why_
-from orchestrator.queue.states import JobState
-
-_RELEASING = (JobState.PREEMPTING.value, JobState.CANCELLING.value)  # being stopped: devices free soon
 
 __all__ = ["Waiting", "Running", "Project", "Plan", "plan", "fits", "unplaceable_reason", "misses_deadline",
            "UNPLACEABLE", "DEFAULT_PROJECT", "DEADLINE", "SHARE_EPSILON"]
 
 UNPLACEABLE = "no live service has"  # how the reason of a job that nothing can place starts
-DEFAULT_PROJECT = "default"  # the project of a job submitted without one
 DEADLINE = "deadline"  # the reason of a job ended because it can no longer meet its deadline
 CHARGE = 3600.0  # seconds of use a start without a time limit adds to its project's usage within one pass
 
@@ -112,116 +108,6 @@ def misses_deadline(deadline: Optional[float], time_limit: Optional[float], now:
     """Whether a job not yet started can no longer finish by `deadline` (it would run until now + its time
     limit; without a time limit, only a deadline already past is missed)."""
     return deadline is not None and now + (time_limit or 0.0) > deadline
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A QUEUED job that may start now (its retry backoff, if any, has elapsed).
-
-    ``submitted_at`` is the original submit time: a preempted job keeps its place in line. ``time_limit``
-    (seconds) lets it backfill; ``deadline`` (a time) expires it; a ``scavenger`` uses only idle devices.
-    ``share`` (below 1 only with ``gpus=1``) is its share of the one device it runs on beside others, and
-    ``memory`` the GPU memory it asked for, in bytes (None: its share of the device's).
-    """
-
-    id: int
-    priority: int
-    submitted_at: float
-    gpus: int
-    project: str = DEFAULT_PROJECT
-    scavenger: bool = False
-    deadline: Optional[float] = None
-    time_limit: Optional[float] = None
-    preemptible: bool = True
-    share: float = 1.0
-    memory: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise ValueError(f"job {self.id}: gpus must be at least 1, got {self.gpus}")
-        if self.share != 1.0 or self.memory is not None:
-            check_sharing(self.id, self.share, self.memory, self.gpus == 1)
-
-    @classmethod
-    def of(cls, job: Any) -> "Waiting":
-        """The policy's view of a QUEUED job (a `Job`, a listing row or a dispatch pass's light row): the one
-        adapter the service and `top` both plan with."""
-        return cls(job.id, job.priority, job.submitted_at, job.gpus, job.project or DEFAULT_PROJECT,
-                   bool(job.scavenger), job.deadline, job.time_limit, bool(job.preemptible), share_of(job),
-                   getattr(job, "gpu_memory", None))
-
-
-@dataclass(frozen=True)
-class Running:
-    """A job holding devices: STARTING, RUNNING, PREEMPTING or CANCELLING.
-
-    ``started_at`` is when the current attempt started. ``releasing`` marks a job already being
-    stopped (PREEMPTING or CANCELLING): its devices free up soon and it cannot be preempted again.
-    ``ends_at``: when its time limit stops it at the latest (None: unknown). ``share`` (below 1 only on one
-    device) and ``memory`` (bytes asked for; None: its share of the device's): as in `Waiting`.
-    """
-
-    id: int
-    priority: int
-    devices: tuple[str, ...]
-    started_at: float
-    preemptible: bool
-    releasing: bool = False
-    project: str = DEFAULT_PROJECT
-    scavenger: bool = False
-    ends_at: Optional[float] = None
-    share: float = 1.0
-    memory: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.share != 1.0 or self.memory is not None:
-            check_sharing(self.id, self.share, self.memory, len(set(self.devices)) <= 1)
-
-    @classmethod
-    def of(cls, job: Any, now: float) -> "Running":
-        """The policy's view of a job holding devices (a `Job`, a listing row or a pass's `Held` row): the one
-        adapter the service and `top` both plan with. A scavenger is always preemptible."""
-        started = job.started_at or now
-        return cls(job.id, job.priority, tuple(job.devices or ()), started,
-                   bool(job.preemptible) or bool(job.scavenger), job.state in _RELEASING,
-                   job.project or DEFAULT_PROJECT, bool(job.scavenger),
-                   started + job.time_limit if job.time_limit else None, share_of(job),
-                   getattr(job, "gpu_memory", None))
-
-
-@dataclass(frozen=True)
-class Project:
-    """A project sharing the devices: its weight in fair sharing, its guaranteed devices, its borrowing cap,
-    its decayed usage (device-seconds) and the devices its jobs hold on other hosts of a shared queue (shares
-    of devices count as fractions)."""
-
-    name: str
-    share: float = 1.0
-    quota: int = 0
-    borrow_limit: Optional[int] = None
-    usage: float = 0.0
-    held_elsewhere: float = 0
-
-    def __post_init__(self) -> None:
-        if not self.share > 0:
-            raise ValueError(f"project {self.name}: share must be more than 0, got {self.share}")
-        if self.quota < 0 or (self.borrow_limit is not None and self.borrow_limit < 0):
-            raise ValueError(f"project {self.name}: quota and borrow limit must be at least 0")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to do now: jobs to start, as (job id, devices) in start order, running jobs to preempt, with the
-    waiting job each is preempted for (`preempt_for`: (victim id, job id), in `preempt` order), and waiting
-    jobs that can no longer meet their deadline."""
-
-    starts: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    preempt: tuple[int, ...] = ()
-    expired: tuple[int, ...] = ()
-    # Explanations of `preempt`, so not part of a plan's identity: per victim, why ("priority", "reclaim": its
-    # project borrows, or "scavenger"), and which waiting job it yields to.
-    why: tuple[str, ...] = field(default=(), compare=False)
-    preempt_for: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 def _line_key(job: Waiting) -> tuple[int, float, float, int]:

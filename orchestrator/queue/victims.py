@@ -5,12 +5,11 @@ shortfall. The rules are in the policy's docstring.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from orchestrator.queue.devshare import Group
 
-if TYPE_CHECKING:
-    from orchestrator.queue.policy import Running, Waiting
+from orchestrator.queue.plantypes import Running, Waiting
 
 
 def victim_key(job: Union[Running, "Group"]) -> tuple[int, float, int]:

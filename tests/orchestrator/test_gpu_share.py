@@ -175,6 +175,9 @@ def test_four_quarter_jobs_share_one_slot_a_fifth_waits_and_a_whole_job_preempts
     assert {tuple(store.get(j).devices) for j in running()} == {("cpu:0",)}
     fifth = next(j for j in quarters if j not in running())
     assert store.get(fifth).state == "QUEUED"
+    # Each has its SIGTERM handler (it prints its start after setting it): a preemption now checkpoints.
+    started = lambda j: "attempt 1 starts at step 0" in open(store.get(j).log_path).read()  # noqa: E731
+    wait_for(lambda: all(started(j) for j in running()), timeout=60, what="the four sharers' first steps")
 
     whole = api.submit(ckpt_job(20, priority=50, name="whole"))[0].id
     wait_for(lambda: store.get(whole).state == "SUCCEEDED", timeout=90, what="the whole-device job")
