@@ -366,7 +366,8 @@ class Service:
                 if joins or self.guard.preflight_ok(job):
                     if job.shares_gpu:
                         shared.update(job.devices or ())
-                    threads = cpu_threads(job, self.device_names, self._cores)
+                    # This host's cores, for the jobs this host runs (a cluster's nodes have cores of their own).
+                    threads = cpu_threads(job, self.device_names, self._cores) if self._local_devices else None
                     batch.append((job, job_env(job, base=self._base_env, layout=self.layout,
                                                tracking_uri=self.settings.tracking_uri, threads=threads)))
             except Exception as exc:

@@ -291,6 +291,7 @@ class LocalExecutor(Executor):
         if self.mps is not None:  # after the watcher: a daemon whose clients still run is left for the next service
             self.mps.stop()
 
+
 def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
     deadline = time.monotonic() + grace
     while tree.alive() and time.monotonic() < deadline:
