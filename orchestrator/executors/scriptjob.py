@@ -54,7 +54,8 @@ from orchestrator.executors.local import warmpool
 from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
-from runtime import protocol
+from runtime import gpushare, protocol
+from runtime.errors import RuntimeJobError
 
 STATE = ".autoresearch-attempts.json"  # attempts started and reports read, kept in the checkpoint dir
 NO_RESULT_EXIT = 1
@@ -110,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sharing() -> bool:
-    share = os.environ.get(protocol.GPU_SHARE)
+    """Whether this job holds a share of a GPU (the runtime's reading of GPU_SHARE; a bad value: no)."""
     try:
-        return share is not None and float(share) < 1
-    except ValueError:
+        share, _ = gpushare.read_env()
+    except RuntimeJobError:
         return False
+    return share is not None and share < 1
 
 
 def _out_of_shared_memory(checkpoint_dir: Path) -> int:
