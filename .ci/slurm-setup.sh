@@ -10,7 +10,11 @@
 # Idempotent: a cluster that already answers with the node idle (or busy) is left as it is. The node is this
 # machine's hostname with 4 CPUs (more than the host may have: SlurmdParameters=config_overrides), so the
 # tests' parallel one-CPU jobs fit. Two partitions: `debug` (the default, any account) and `lab` (only
-# accounts `lab` and `ml`, a partition-level refusal). slurmdbd (MariaDB database slurm_acct_db)
+# accounts `lab` and `ml`, a partition-level refusal). Multi-node jobs get emulated nodes on this same machine:
+# node1, node2 and node3, each its own `slurmd -N nodeK` (ports 17001-17003; spool dir, pid file and log per
+# node through %n, which this Slurm build expands: MULTIPLE_SLURMD) with 4 CPUs, in partition `multi` only, so
+# the one-host partitions above are unchanged. A test may kill one of them (a lost node); the next run of this
+# script starts it again and returns it to service. slurmdbd (MariaDB database slurm_acct_db)
 # knows the cluster and accounts general (root's default), lab and ml; others are refused at submit.
 # Scheduling is tuned to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
 # (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
@@ -36,6 +40,7 @@ fi
 
 node=$(hostname -s)
 conf=/etc/slurm/slurm.conf
+emulated_ids="1 2 3"  # the emulated nodes node1..node3 of partition multi
 
 # -- munge -------------------------------------------------------------------------------------------------
 if [ ! -s /etc/munge/munge.key ]; then
@@ -105,11 +110,11 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
 ProctrackType=proctrack/linuxproc
@@ -135,11 +140,16 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
 NodeName=$node CPUs=4 RealMemory=1024 State=UNKNOWN
+$(for k in $emulated_ids; do
+  echo "NodeName=node$k NodeHostname=$node NodeAddr=127.0.0.1 Port=$((17000 + k)) CPUs=4 RealMemory=1024 State=UNKNOWN"
+done)
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PreemptMode=REQUEUE
 PartitionName=lab Nodes=$node Default=NO MaxTime=INFINITE State=UP AllowAccounts=lab,ml PreemptMode=REQUEUE
+PartitionName=multi Nodes=node[1-3] Default=NO MaxTime=INFINITE State=UP OverSubscribe=NO PreemptMode=REQUEUE
 EOF
 )
-as_root mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+as_root mkdir -p /etc/slurm /var/spool/slurmctld /var/log/slurm /var/spool/slurmd/$node
+for k in $emulated_ids; do as_root mkdir -p "/var/spool/slurmd/node$k"; done
 if [ "$(cat "$conf" 2>/dev/null)" != "$want" ]; then
   printf '%s\n' "$want" | as_root tee "$conf" >/dev/null
   did+=("wrote $conf")
@@ -164,6 +174,9 @@ fi
 
 # -- daemons ------------------------------------------------------------------------------------------------
 running() { pgrep -x "$1" >/dev/null; }
+# One slurmd per node name (this host's and each emulated node's), told apart by its pid file.
+slurmd_up() { local pid; pid=$(cat "/run/slurmd-$1.pid" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+  && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ]; }
 if [ "$changed" = 1 ] && { running slurmctld || running slurmd; }; then
   # Restarted, not reconfigured: some keys (GresTypes) are read only at start. Running jobs keep running
   # under their slurmstepd and are found again from the saved state.
@@ -176,10 +189,17 @@ if ! running slurmctld; then
     || { echo "slurm-setup: slurmctld did not start; see /var/log/slurm/slurmctld.log" >&2; exit 1; }
   did+=("started slurmctld")
 fi
-if ! running slurmd; then
+if ! slurmd_up "$node"; then
   as_root /usr/sbin/slurmd || { echo "slurm-setup: slurmd did not start (run slurmd -D -vv to see why)" >&2; exit 1; }
   did+=("started slurmd")
 fi
+for k in $emulated_ids; do
+  if ! slurmd_up "node$k"; then
+    as_root /usr/sbin/slurmd -N "node$k" \
+      || { echo "slurm-setup: slurmd -N node$k did not start (run slurmd -D -vv -N node$k to see why)" >&2; exit 1; }
+    did+=("started slurmd -N node$k")
+  fi
+done
 
 # -- wait for the node --------------------------------------------------------------------------------------
 state=""
@@ -195,6 +215,23 @@ case "$state" in
   idle|mixed|allocated) ;;
   *) echo "slurm-setup: node $node is not up (sinfo says '${state:-nothing}'); see /var/log/slurm/" >&2; exit 1 ;;
 esac
+# The emulated nodes: each up in partition multi (one a test left down or drained goes back to service).
+for k in $emulated_ids; do
+  state=""
+  for _ in $(seq 120); do
+    state=$(sinfo -h -n "node$k" -p multi -o %T 2>/dev/null | head -1 || true)
+    case "$state" in idle|mixed|allocated|completing) break ;; esac
+    case "$state" in down*|drain*|drng*|*'*')
+      as_root scontrol update nodename="node$k" state=resume >/dev/null 2>&1 || true ;;
+    esac
+    sleep 0.5
+  done
+  case "$state" in
+    idle|mixed|allocated|completing) ;;
+    *) echo "slurm-setup: node$k is not up (sinfo says '${state:-nothing}'); see /var/log/slurm/slurmd-node$k.log" >&2
+       exit 1 ;;
+  esac
+done
 join() { local IFS='|' all; all="$*"; echo "${all//|/, }"; }
 what="ready on $node in $(( $(date +%s) - started ))s"
 [ ${#did[@]} -gt 0 ] && what="$what ($(join "${did[@]}"))"

@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs without `pip install -e .`
-os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as jobs get it (Contract 3), before any CUDA init
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as jobs get it (the job protocol), before any CUDA init
 
 
 import gpu_probes  # noqa: E402  (next to this file; after the repo root is on sys.path)

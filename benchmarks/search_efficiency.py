@@ -90,7 +90,7 @@ def loss_at(p: dict, step: int) -> float:
 
 
 def trial() -> None:
-    """One job (Contract 3): resume from the checkpoint, log the curve to MLflow, exit 75 on SIGTERM."""
+    """One job (the job protocol): resume from the checkpoint, log the curve to MLflow, exit 75 on SIGTERM."""
     import signal
 
     p = SPEC.space.validate(json.loads(os.environ["AUTORESEARCH_PARAMS"]))

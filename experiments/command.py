@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from typing import Any, Mapping
 
 PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
@@ -67,17 +68,62 @@ def render(run: str, args_format: str, params: Mapping[str, Any], *, checkpoint_
     return PLACEHOLDER.sub(fill, run).strip()
 
 
+def words(command: str) -> list[tuple[int, int]]:
+    """Where each word of `command` starts and ends, as /bin/sh splits them: at whitespace outside quotes,
+    escapes, `$(...)` and backquotes (the words' text is left as written)."""
+    spans, start, i, depth, quote = [], None, 0, 0, ""
+    while i < len(command):
+        c = command[i]
+        if start is None and not c.isspace():
+            start = i
+        if quote == "'":
+            quote = "" if c == "'" else quote
+        elif c == "\\":
+            i += 1
+        elif quote == '"':
+            quote = "" if c == '"' else quote
+        elif c in "'\"":
+            quote = c
+        elif command.startswith("$(", i):
+            depth, i = depth + 1, i + 1
+        elif c == ")" and depth:
+            depth -= 1
+        elif c == "`":
+            quote = "`" if quote != "`" else ""
+        elif c.isspace() and start is not None and not depth:
+            spans.append((start, i))
+            start = None
+        i += 1
+    if start is not None:
+        spans.append((start, len(command)))
+    return spans
+
+
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def assignments(command: str) -> tuple[list[str], str]:
+    """The command's leading variable assignments (`OMP_NUM_THREADS=1 python ...`), as written, and the rest."""
+    spans = words(command)
+    k = next((i for i, (a, _) in enumerate(spans) if not _ASSIGNMENT.match(command, a)), len(spans))
+    rest = command[spans[k][0]:] if k < len(spans) else ""
+    return [command[a:b] for a, b in spans[:k]], rest
+
+
 def with_interpreter(command: str, python: str) -> str:
-    """`python`/`python3` at the head of the command means the interpreter autoresearch's jobs run with."""
-    head, sep, rest = command.partition(" ")
+    """`python`/`python3` at the head of the command (after its assignments) means the interpreter autoresearch's
+    jobs run with."""
+    assigned, rest = assignments(command)
+    head, sep, tail = rest.partition(" ")
     if head in ("python", "python3"):
-        return shlex.quote(python) + sep + rest
+        return " ".join([*assigned, shlex.quote(python) + sep + tail])
     return command
 
 
 def exec_form(command: str) -> str:
     """`exec COMMAND` for a simple command, so the shell becomes the script (a signal and the exit code are the
-    script's own, not the shell's); a pipeline or a list (`a && b`) is left to the shell."""
+    script's own, not the shell's); a pipeline or a list (`a && b`) is left to the shell. Leading assignments
+    stay in front (`A=1 exec python ...`: the shell exports them to what it execs)."""
     lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     try:
@@ -86,7 +132,34 @@ def exec_form(command: str) -> str:
         return command
     if any(tok and all(c in "();<>|&" for c in tok) for tok in tokens):
         return command
-    return f"exec {command}"
+    assigned, rest = assignments(command)
+    if not rest:
+        return command
+    return " ".join([*assigned, "exec", rest])
+
+
+_EXPANDS = re.compile(r"[$`*?\[~]")
+
+
+def expand(command: str, env: dict[str, str], cwd: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """A simple command's argv and the variables it assigns, as /bin/sh expands them in `env` (parameters,
+    command substitution, quotes, globs, `~`): what a process started without the shell must be given to see
+    what one started through it sees. ValueError when it is not a simple command or the shell refuses it."""
+    if exec_form(command) == command:
+        raise ValueError("not a simple command")
+    assigned, rest = assignments(command)
+    names = [a.split("=", 1)[0] for a in assigned]
+    if not _EXPANDS.search(command):
+        return shlex.split(rest), {a.split("=", 1)[0]: shlex.split(a.split("=", 1)[1] or "''")[0] for a in assigned}
+    # The shell expands the words first (in the caller's variables), then the assignments, in order.
+    script = f"printf '%s\\0' {rest}; " + "".join(f"{a}; " for a in assigned) + (
+        "printf '%s\\0' " + " ".join(f'"${n}"' for n in names) if names else ":")
+    done = subprocess.run(["/bin/sh", "-c", script], env=env, cwd=cwd, capture_output=True, timeout=60)
+    if done.returncode != 0:
+        raise ValueError(done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}")
+    fields = done.stdout.decode(errors="surrogateescape").split("\0")[:-1]
+    values = fields[len(fields) - len(names):] if names else []
+    return fields[:len(fields) - len(names)], dict(zip(names, values))
 
 
 def split(run: str) -> list[str]:

@@ -30,8 +30,7 @@ def volume_dir(name: str) -> Path:
     FUSE-mounted volume), else `$AUTORESEARCH_HOME/volumes/<name>`."""
     root = os.environ.get(VOLUMES_ENV)
     if not root:
-        home = os.environ.get(protocol.HOME) or str(Path.home() / ".autoresearch")
-        root = str(Path(home) / "volumes")
+        root = str(protocol.home_dir() / "volumes")
     return Path(root).expanduser().resolve() / name
 
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from experiments.experiment import ExperimentSpec, UnknownExperiment
 from experiments.space import Categorical, Dimension, Float, Int, SearchSpace, SpaceError
+from orchestrator.core.direction import Direction
 
 CONFIG = "autoresearch.toml"
 SEED = "seed"  # the space's name for the seed parameter (experiments.registry, the agent's search)
@@ -119,7 +120,7 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
     metric = section["metric"]
     if not re.fullmatch(r"[A-Za-z0-9_.\-/ ]{1,250}", metric):
         raise ConfigError(f"{where}: metric {metric!r} is not a valid MLflow metric name")
-    if section["direction"] not in ("minimize", "maximize"):
+    if section["direction"] not in tuple(Direction):
         raise ConfigError(f"{where}: direction must be \"minimize\" or \"maximize\", got {section['direction']!r}")
     space_table = data.get("space", {})
     if not isinstance(space_table, Mapping):
@@ -139,6 +140,12 @@ def from_dict(data: Mapping[str, Any], *, source: str | None = None, folder: str
     if "{value}" not in args_format:
         raise ConfigError(f"{where}: args must contain {{value}} (and usually {{name}}), e.g. {DEFAULT_ARGS!r}")
     _check_run(section["run"], dims, fixed, seed_param, where)
+    if section.get("resume"):
+        known = set(JOB_PLACEHOLDERS) | set(dims) | set(fixed) | ({seed_param} if seed_param else set())
+        unknown_names = [n for n in placeholders(section["resume"]) if n not in known]
+        if unknown_names:
+            raise ConfigError(f"{where}: resume has an unknown placeholder {{{unknown_names[0]}}}; known: "
+                              f"{', '.join(sorted(known))}")
     pattern = section.get("pattern")
     if pattern is not None:
         _check_pattern(pattern, metric, where)
@@ -190,6 +197,10 @@ def parse_dimension(key: str, table: Any, where: str = CONFIG) -> Dimension:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{at}: expected a table such as {{ type = \"float\", low = 0.0, high = 1.0 }}")
     kind = table.get("type")
+    if kind is None and table and all(isinstance(v, Mapping) for v in table.values()):
+        inner = next(iter(table))
+        raise ConfigError(f"{at}: TOML read {key}.{inner} as a table inside {key}: quote a dotted name, "
+                          f"\"{key}.{inner}\" = {{ type = ... }}")
     if kind not in TYPE_KEYS:
         raise ConfigError(f"{at}: type must be \"float\", \"int\" or \"choice\", got {kind!r}")
     unknown = sorted(set(table) - set(TYPE_KEYS[kind]))
@@ -246,6 +257,10 @@ def _fixed(table: Any, dims: Mapping[str, Dimension], where: str) -> dict[str, A
         raise ConfigError(f"{where}: fixed must be a table, e.g. {{ max_iters = 200 }}")
     out = {}
     for key, value in table.items():
+        if isinstance(value, Mapping):
+            inner = next(iter(value), "name")
+            raise ConfigError(f"{where}: fixed {key}: TOML read {key}.{inner} as a table inside {key}: quote a "
+                              f"dotted name, {{ \"{key}.{inner}\" = ... }}")
         if key in dims:
             raise ConfigError(f"{where}: fixed {key} is also in [space]; a parameter is either searched or fixed")
         if not NAME.fullmatch(key) or key in JOB_PLACEHOLDERS:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from experiments.space import SearchSpace
+from orchestrator.core.direction import Direction
 
 
 class UnknownExperiment(ValueError):
@@ -24,7 +25,7 @@ class ExperimentSpec:
     description: str
     space: SearchSpace
     metric: str
-    direction: Literal["minimize", "maximize"]
+    direction: Direction  # "minimize" or "maximize" given as a string becomes a Direction
     entrypoint: str
     budget: Mapping[str, Any] = field(default_factory=dict)
     # Intermediate metric the agent's early stopping reads (logged at increasing steps); defaults to `metric`.
@@ -56,8 +57,7 @@ class ExperimentSpec:
     steps: str | None = None
 
     def __post_init__(self) -> None:
-        if self.direction not in ("minimize", "maximize"):
-            raise ValueError(f"direction must be minimize or maximize, got {self.direction!r}")
+        object.__setattr__(self, "direction", Direction.of(self.direction))
         object.__setattr__(self, "mutable", tuple(self.mutable))
         for name in self.mutable:
             dim = self.space.dims.get(name)
@@ -108,4 +108,4 @@ class ExperimentSpec:
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric value `a` is strictly better than `b`."""
-        return a < b if self.direction == "minimize" else a > b
+        return self.direction.better(a, b)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime import protocol
+
 if TYPE_CHECKING:
     from experiments.experiment import ExperimentSpec
 
@@ -22,9 +24,7 @@ FILE = "experiments.json"
 
 
 def _home(home: str | os.PathLike | None) -> Path:
-    if home is None:
-        home = os.environ.get("AUTORESEARCH_HOME") or Path.home() / ".autoresearch"
-    return Path(home).expanduser()
+    return protocol.home_dir() if home is None else Path(home).expanduser()
 
 
 def _read(home: str | os.PathLike | None) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,7 @@
 """`autoresearch init -- python train.py`: a starter `autoresearch.toml` from a script's own command-line options.
 
 The script runs in a subprocess (`experiments/starter_probe.py`, its own interpreter) only until it builds its
-argparse parser or click/typer command; the options become the toml (Contract 5):
+argparse parser or click/typer command; the options become the toml (the config-file experiment format):
 
 - numbers with a default -> `[space]`, a range around the default marked `# review` (a float: a log range
   default/10..default*10, or 0..0.5 for a default of 0 or a dropout-like rate up to 0.25; an int: a log range
@@ -20,6 +20,7 @@ otherwise (`--learning-rate` for parameter learning_rate) each parameter is plac
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -33,6 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments import starter_frameworks as frameworks
+
 DEFAULT_TIMEOUT_S = 60.0
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?(\.exe)?")
 _PY_VALUED = {"-X", "-W", "-Q"}  # interpreter options that take the next word
@@ -43,6 +46,7 @@ _INFRA = {"worker", "workers", "device", "devices", "gpu", "gpus", "cuda", "rank
           "interval", "every", "freq", "frequency", "log", "logging", "verbose", "verbosity", "debug", "print",
           "wandb", "compile", "profile", "proc", "threads", "jobs", "cache", "prefetch", "pin"}
 _RATE = re.compile(r"(dropout|drop_?rate|drop_path|prob|_p$|^p$)")
+_BETA = re.compile(r"beta|momentum|ema|decay_rate")
 _RESUME = re.compile(r"^(resume|init_from|resume_from|resume_from_checkpoint|restore)$")
 
 
@@ -192,22 +196,35 @@ class _Plan:
 
 
 def _render(command: _Command, report: dict) -> str:
-    plan = _plan(report["options"], command.script_args)
+    hints = _metric_hints(command)
+    given = {a.split("=", 1)[0] for a in command.script_args if a.startswith("-")}
+    framework = frameworks.detect(report, _source(command), given, hints)
+    plan = _plan(report["options"], command.script_args, framework)
     params = [(n, f) for n, f, _ in plan.space] + [(n, f) for n, f, _, _ in plan.fixed]
     plain = all(flag == f"--{name}" for name, flag in params)
     words = [shlex.quote(w) for w in command.words] + plan.placed  # placed words are ours: no quoting
+    if framework:
+        words += list(framework.placed)
     if plain:
         run = " ".join(words + (["{args}"] if params else []))
     else:
         run = " ".join(words + [f"{flag}={{{name}}}" for name, flag in params])
-    hints = _metric_hints(command)
-    metric = hints[0] if hints else "val_loss"
+    metric = framework.metric if framework else hints[0] if hints else "val_loss"
     maximize = re.search(r"acc|f1|auc|score|reward|bleu|precision|recall|return", metric, re.I)
-    description = " ".join(report["description"].split()) or f"trains with {command.script_name}"
-    what = {"argparse": "argparse options", "click": "click options", "typer": "typer options"}[report["kind"]]
+    direction = framework.direction if framework else "maximize" if maximize else "minimize"
+    own = " ".join(report["description"].split())  # a sub-command's is the framework's (fit: "Runs the full ...")
+    description = (_docstring(command) if report.get("path") else "") or own or _docstring(command) or (
+        f"trains with {command.script_name}")
+    what = framework.name + " options" if framework else {
+        "argparse": "argparse options", "click": "click options", "typer": "typer options"}[report["kind"]]
+    if framework and framework.pattern:
+        pattern = f"pattern = {_toml(framework.pattern)}  # its printed lines, read when MLflow lacks the metric"
+    else:
+        pattern = (f"# pattern = 'step (?P<step>\\d+):.* {metric} (?P<value>[0-9.eE+-]+)'  # optional: when its "
+                   "lines look different (a value group; a step group for progress)")
     lines = [
         f"# A starter written by `autoresearch init` from {command.script_name}'s {what}.",
-        "# Review every line marked `# review` (the ranges are guesses around the defaults), then set the metric.",
+        "# Review every line marked `# review`: the ranges are guesses around the defaults, the metric a guess.",
         "# The keys: docs/guides/init-and-sweeps.md. `run` runs in this folder.",
         "",
         "[experiment]",
@@ -216,13 +233,14 @@ def _render(command: _Command, report: dict) -> str:
         f"run = {_toml(run)}",
         'args = "--{name}={value}"  # how {args} writes each parameter' if plain else
         "# each parameter has its own flag in run (the script's flags are not --NAME)",
-        f"# metric = {_toml(metric)}  # required: the number your script prints as `{metric}: 0.42` or logs to "
-        "MLflow" + (f" (it seems to report: {', '.join(hints)})" if hints else ""),
-        f'# direction = "{"maximize" if maximize else "minimize"}"  # required: minimize or maximize',
-        f"# pattern = 'step (?P<step>\\d+):.* {metric} (?P<value>[0-9.eE+-]+)'  # optional: when its lines look "
-        "different (a value group; a step group for progress)",
+        f"metric = {_toml(metric)}  # review: the number your script prints as `{metric}: 0.42` or logs to "
+        "MLflow" + (f" (it seems to report: {', '.join(hints)})" if hints and not framework else ""),
+        f'direction = "{direction}"  # review: minimize or maximize',
+        pattern,
     ]
-    if plan.resume:
+    if plan.resume and framework:
+        lines.append(f"resume = {_toml(plan.resume)}  # added when the job's checkpoint dir is not empty")
+    elif plan.resume:
         lines.append(f"# resume = {_toml(plan.resume)}  # review: added when the job's checkpoint dir is not empty")
     if plan.fixed:
         lines.append("fixed = { " + ", ".join(f"{_key(n)} = {_toml(v)}" for n, _, v, _ in plan.fixed) + " }  # "
@@ -238,19 +256,37 @@ def _render(command: _Command, report: dict) -> str:
     if plan.notes:
         lines += ["", "# Not searched (move into [space] or fixed to use them):"]
         lines += [f"# {note}" for note in plan.notes]
+    if framework:
+        lines += ["", f"# {framework.name}:"] + [f"# {note}" for note in framework.notes]
     return "\n".join(lines) + "\n"
 
 
-def _metric_hints(command: _Command) -> list[str]:
-    """Names the script seems to report (`print(f"val_loss: ...")`, `log_metric("acc", ...)`), validation first."""
+def _source(command: _Command) -> str:
+    """The script's text ("" for a module or an unreadable file)."""
     if command.target[0] == "-m":
-        return []
+        return ""
     try:
-        source = Path(command.target[0]).read_text(errors="replace")
+        return Path(command.target[0]).read_text(errors="replace")
     except OSError:
-        return []
+        return ""
+
+
+def _docstring(command: _Command) -> str:
+    """The first paragraph of the script's docstring, on one line ("" when it has none)."""
+    try:
+        text = ast.get_docstring(ast.parse(_source(command))) or ""
+    except (SyntaxError, ValueError):
+        return ""
+    return " ".join(text.split("\n\n")[0].split())
+
+
+def _metric_hints(command: _Command) -> list[str]:
+    """Names the script seems to report (`print(f"val_loss: ...")`, `log_metric("acc", ...)`, Lightning's
+    `self.log("val_loss", ...)`), validation first."""
+    source = _source(command)
     found: list[str] = []
     for pattern in (r"""print\(\s*f?["']([A-Za-z_][\w./-]*)\s*[:=]""",
+                    r"""self\.log\(\s*["']([A-Za-z_][\w./-]*)["']""",
                     r"""log_metrics?\(\s*\{?\s*["']([A-Za-z_][\w./-]*)["']""",
                     r"""\.log\(\s*\{\s*["']([A-Za-z_][\w./-]*)["']"""):
         for name in re.findall(pattern, source):
@@ -271,17 +307,25 @@ def _name(option: dict) -> str:
     return flag if flag.isidentifier() else option["name"]
 
 
-def _plan(options: list[dict], args: list[str]) -> _Plan:
+def _plan(options: list[dict], args: list[str], framework: frameworks.Framework | None = None) -> _Plan:
     given = {a.split("=", 1)[0] for a in args if a.startswith("-")}
     positional_given = any(not a.startswith("-") for a in args)
-    plan = _Plan([], [], [], [], None, None)
+    plan = _Plan([], [], [], [], None, framework.resume if framework else None)
     for opt in options:
+        if framework and opt["name"] == framework.seed:
+            plan.seed = None if any(f in given for f in opt["flags"]) else opt["name"]
+            continue
+        if framework and not framework.keeps(opt):
+            continue  # the framework's own machinery (see experiments.starter_frameworks)
+        if framework and opt["name"] in framework.entries and not any(f in given for f in opt["flags"]):
+            plan.space.append((_name(opt), _flag(opt), dict(framework.entries[opt["name"]])))
+            continue
         if opt["kind"] in ("help", "positional"):
             if opt["kind"] == "positional" and opt["required"] and not positional_given:
                 plan.notes.append(f"{opt['name']}: a positional argument; give it in run")
             continue
         flag, name = _flag(opt), _name(opt)
-        if _RESUME.match(name):
+        if _RESUME.match(name) and not framework:
             plan.resume = (f"{flag}=resume" if "resume" in (opt["choices"] or []) else
                            flag if opt["kind"] == "flag" else f"{flag}={{checkpoint_dir}}")
             plan.notes.append(f"{flag}: resuming, see `resume` above")
@@ -312,15 +356,14 @@ def _classify(plan: _Plan, opt: dict, name: str, flag: str) -> None:
         plan.notes.append(f"{flag}: {'required, ' if opt['required'] else ''}no default; add it to run or to "
                           "[space] with a range")
     elif _SEED.match(name) and kind == "int":
-        plan.fixed.append((name, flag, default, "the seed"))
-        plan.seed = name
+        plan.seed = name  # the product gives every trial its seed: never also fixed
     elif kind == "bool" and isinstance(default, bool):
         plan.space.append((name, flag, {"type": "choice", "values": [default, not default], "default": default}))
     elif kind not in ("int", "float") or isinstance(default, bool) or not isinstance(default, (int, float)):
         plan.notes.append(f"{shown}: a path" if kind == "path" else
                           f"{shown}: a {kind.split(':')[-1]}; list values with type = \"choice\" to search it")
-    elif _BUDGET.search(name) and "warmup" not in name and kind == "int":
-        plan.fixed.append((name, flag, default, "the budget, never searched"))
+    elif _BUDGET.search(name) and "warmup" not in name:
+        plan.fixed.append((name, flag, float(default) if kind == "float" else default, "the budget, never searched"))
     elif _INFRA & set(name.lower().split("_")):
         plan.notes.append(f"{shown}: looks like a setting of the run, not of the model")
     else:
@@ -348,6 +391,8 @@ def _int_range(d: int, span) -> dict:
 def _float_range(name: str, d: float, span) -> dict:
     if span:
         return {"type": "float", "low": float(span[0]), "high": float(span[1]), "default": d}
+    if _BETA.search(name) and 0.5 < d < 1:  # Adam's betas, momentum, EMA decay: near 1, never at or above it
+        return {"type": "float", "low": _round(1 - (1 - d) * 2), "high": _round(1 - (1 - d) / 10), "default": d}
     if d > 0 and not (_RATE.search(name) and d < 1):
         return {"type": "float", "low": _round(d / 10), "high": _round(d * 10), "log": True, "default": d}
     if 0 <= d < 1:

@@ -78,6 +78,8 @@ def _argparse_action(action: argparse.Action) -> dict:
     kind = kinds.get(type(action), "other")
     if getattr(argparse, "BooleanOptionalAction", None) and isinstance(action, argparse.BooleanOptionalAction):
         kind = "flag"
+    if type(action).__name__ == "ActionTypeHint" and action.nargs in (None, "?"):
+        kind = "store"  # jsonargparse's typed option (`--model.lr`), read from its type hint
     if kind == "store" and action.nargs not in (None, "?", 1):
         kind = "multi"
     if not action.option_strings and kind != "help":
@@ -113,8 +115,29 @@ def _argparse_report(parser: argparse.ArgumentParser, args: list[str]) -> dict:
         path.append(word)
         args = args[args.index(word) + 1:]
         parser = sub.choices[word]
-    return {"kind": "argparse", "description": parser.description or "", "path": path,
-            "options": [_argparse_action(a) for a in parser._actions]}
+    return {"kind": "argparse", "framework": _framework(parser), "description": parser.description or "",
+            "path": path, "options": [dict(_argparse_action(a), group=_group(parser, a)) for a in parser._actions]}
+
+
+def _framework(parser: argparse.ArgumentParser) -> str:
+    """The library that built the parser: "transformers" (HfArgumentParser), "lightning" (LightningCLI's
+    jsonargparse), "jsonargparse", or "" for argparse itself."""
+    if hasattr(parser, "dataclass_types"):
+        return "transformers"
+    if any(c.__module__.startswith("jsonargparse") for c in type(parser).__mro__):
+        return "lightning" if "lightning.pytorch.cli" in sys.modules or "pytorch_lightning.cli" in sys.modules \
+            else "jsonargparse"
+    return ""
+
+
+def _group(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """For an HfArgumentParser: "trainer" for an option of TrainingArguments (or a subclass), else the name of
+    the user's dataclass that declares it; "" otherwise."""
+    for kind in getattr(parser, "dataclass_types", ()) or ():
+        if action.dest in getattr(kind, "__dataclass_fields__", {}):
+            names = [c.__name__ for c in getattr(kind, "__mro__", ())]
+            return "trainer" if "TrainingArguments" in names else kind.__name__
+    return ""
 
 
 _original_parse_known_args = argparse.ArgumentParser.parse_known_args
@@ -224,10 +247,24 @@ def _patch_typer() -> None:
     typer.main.Typer.__call__ = call
 
 
+def _patch_jsonargparse() -> None:
+    """jsonargparse (LightningCLI's parser) parses without argparse's `parse_known_args`: stop at its own."""
+    try:
+        import jsonargparse
+    except ImportError:
+        return
+
+    def parse_args(self, args=None, *rest, **kwargs):
+        _finish(_argparse_report(self, list(sys.argv[1:] if args is None else args)))
+
+    jsonargparse.ArgumentParser.parse_args = parse_args
+
+
 def main() -> None:
     """Patch the parsers, then run the script as `python SCRIPT ARGS` or `python -m MODULE ARGS` would."""
     target, args = sys.argv[2], sys.argv[3:]
     argparse.ArgumentParser.parse_known_args = _parse_known_args
+    _patch_jsonargparse()
     _patch_click()
     _patch_typer()
     if target == "-m":

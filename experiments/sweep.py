@@ -1,4 +1,4 @@
-"""A Weights & Biases sweep configuration read as a config-file experiment (Contract 5).
+"""A Weights & Biases sweep configuration read as a config-file experiment (the config-file experiment format).
 
 `read_sweep(path)` returns the plain dict an `autoresearch.toml` parses to (`{"experiment": {...}, "space":
 {...}}`), so one loader turns either file into an `ExperimentSpec`. What maps, and how:
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from orchestrator.core.direction import Direction
 
 _TOP = {"program", "command", "method", "metric", "parameters", "early_terminate", "name", "description",
         "project", "entity", "run_cap", "controller", "kind", "apiVersion"}
@@ -148,7 +150,7 @@ def _metric(spec: Any, fail) -> tuple[str, str]:
     if not isinstance(name, str) or not name.strip():
         raise fail("metric.name", "missing: the name the script reports its result under")
     goal = spec.get("goal", "minimize")
-    if goal not in ("minimize", "maximize"):
+    if goal not in tuple(Direction):
         raise fail("metric.goal", f"{goal!r} is not minimize or maximize")
     return name, goal
 

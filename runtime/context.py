@@ -1,4 +1,4 @@
-"""The job context: who and where a training process is (Contract 3), and cooperative preemption.
+"""The job context: who and where a training process is (the job protocol), and cooperative preemption.
 
 A training script starts with::
 
@@ -159,7 +159,7 @@ class JobContext:
 
     @classmethod
     def from_env(cls, config: ContextConfig = ContextConfig()) -> "JobContext":
-        """Build the context from the Contract 3 environment (and torchrun's RANK/LOCAL_RANK/WORLD_SIZE)."""
+        """Build the context from the job protocol's environment (and torchrun's RANK/LOCAL_RANK/WORLD_SIZE)."""
         raw_job = os.environ.get(protocol.JOB_ID)
         job_id = _int_env(protocol.JOB_ID, 0) if raw_job else None
         try:

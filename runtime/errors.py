@@ -23,3 +23,15 @@ class ExportError(RuntimeJobError):
 
 class ExportInputError(ExportError, ValueError):
     """A table export was asked for something that cannot be: no such table, no such column, a bad filter."""
+
+
+class ShardError(VolumeError):
+    """A shard of a pack is torn or corrupt (its size or checksum differs from the index): re-pack it."""
+
+
+class PackError(RuntimeJobError):
+    """Packing files into shards failed for a reason outside the user's input (the source broke, the disk filled)."""
+
+
+class PackInputError(PackError, ValueError):
+    """Packing was asked for something that cannot be: no such source, a destination that holds other files."""

@@ -1,4 +1,4 @@
-"""Contract 3, the job protocol: environment variables the executor sets and the runtime reads.
+"""The job protocol: environment variables the executor sets and the runtime reads.
 
 Kept import-light (no torch) so the orchestrator can use the names on hot paths.
 """
@@ -55,7 +55,7 @@ def home_dir() -> Path:
 
 # Written by the runtime (JobContext.complete) into the job's checkpoint dir when an attempt has done its last
 # step: {"attempt": N, "at": UNIX time}. A job that ends while being preempted counts as SUCCEEDED only with
-# this marker for its current attempt; anything else goes back in line (Contract 2).
+# this marker for its current attempt; anything else goes back in line (the job states).
 COMPLETE_FILE = "autoresearch-complete.json"
 
 

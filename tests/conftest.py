@@ -92,3 +92,16 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'queue.db'}"
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def slurm_exclusive():
+    """The one-host Slurm cluster for this test alone: Slurm tests drain and down its node and count its jobs, so
+    under pytest-xdist (`pytest -n 2`) a second worker's Slurm test waits for this one instead of finding its
+    jobs held by another test's drain. A file lock, released by the kernel if the worker dies."""
+    import tempfile
+
+    from filelock import FileLock
+
+    with FileLock(os.path.join(tempfile.gettempdir(), "autoresearch-tests-slurm.lock")):
+        yield

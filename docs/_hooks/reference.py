@@ -7,6 +7,8 @@ A page holds a marker line, replaced here by what the code says now:
   (`orchestrator.core.config`), described by `_DESCRIBED` below, else by the comment on its field.
 - `<!-- generated: transitions -->`: every job state and the states the store lets it go to.
 - `<!-- generated: job-json -->`: the fields of a job in `queue --json` / `show --json`, in their order.
+- `<!-- generated: python-api -->`: every name `import orchestrator` offers, in `_API_SECTIONS`' order, with its
+  signature and docstring (a class with its fields, properties and methods).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _DESCRIBED = {
     "tracking_uri": "The MLflow tracking store: a database URL, a folder or an `http://` server.",
     "devices": "The service's devices: `auto` (the GPUs NVML sees), `cpu:N` (N virtual slots) or a list "
                "`0,1,3`.",
-    "executor": "Where jobs run: `local` (this host) or `ray` (a Ray cluster).",
+    "executor": "Where jobs run: `local` (this host), `ray` (a Ray cluster) or `slurm` (a Slurm cluster).",
     "ray_address": "The Ray cluster's Jobs API address, e.g. `http://HEAD:8265`.",
     "preflight": "Checks before each start: `quick` or `off`.",
     "warm": "Start Python attempts warm: forked from a pool with torch and the runtime imported, where the "
@@ -41,8 +43,9 @@ _DESCRIBED = {
     "recheck_every": "Seconds between the checks of idle devices.",
     "monitor_every": "Seconds between samples of a running job's devices.",
     "hang_timeout": "Stop (and requeue) a job whose heartbeat is older than this many seconds; 0: never.",
-    "llm_model": "The agent's LLM model name; unset: Optuna samplers propose instead.",
-    "llm_base_url": "The OpenAI-compatible endpoint (`OPENAI_API_KEY` is read from the environment only).",
+    "llm_model": "The LLM's model name (default `gpt-4o-mini`); a session's `--model` wins over it.",
+    "llm_base_url": "The OpenAI-compatible endpoint; set (or `OPENAI_API_KEY` set), sessions propose with the "
+                    "LLM by default, else with Optuna's TPE (`OPENAI_API_KEY` is read from the environment only).",
     "llm_price": "The LLM's price in USD per million tokens, `\"in,out\"` (prompt, completion), for models whose "
                  "price is not known; used for the session's cost estimate.",
     "preempt_after": "Seconds a job runs before it may be preempted.",
@@ -53,6 +56,26 @@ _DESCRIBED = {
     "gpu_sample_interval": "Seconds between the service's samples of its GPUs' utilisation and memory (what "
                            "`top`, `usage` and a job's `system/gpu_utilization_percentage` show); `0`: none.",
     "container_engine": "For `--image` jobs: `podman`, `docker`, or `auto` (podman when installed).",
+    "slurm_partition": "`--executor slurm`: the partition attempts are submitted to (unset: the cluster's default).",
+    "slurm_account": "`--executor slurm`: the account charged (unset: the user's default).",
+    "slurm_qos": "`--executor slurm`: the QoS asked for (unset: the user's default).",
+    "llm_budget_usd": "A session's default cap on its LLM spend in USD (`start --llm-budget-usd` wins); at the cap "
+                      "the session pauses, resumable with a higher one.",
+    "llm_budget_tokens": "A session's default cap on its LLM tokens (`start --llm-budget-tokens` wins).",
+    "usage_half_life": "Projects sharing the devices: the half-life in seconds of the past usage fair sharing "
+                       "weighs.",
+    "backfill": "`on`: jobs with a time limit may start behind a blocked job when they end before it could "
+                "start; `off`: never.",
+    "retention": "`ranked`: keep the checkpoints that matter (the best `keep_best` trials of each session, "
+                 "baselines' and confirmations' latest, people's jobs as `keep_people` says); `off`: keep every "
+                 "checkpoint.",
+    "keep_best": "With `retention = \"ranked\"`: the trials of each session whose checkpoints are kept.",
+    "keep_people": "With `retention = \"ranked\"`: hand-submitted jobs' checkpoints kept: `all`, `latest` or "
+                   "`none`.",
+    "gc_every": "Seconds between the service's retention passes.",
+    "cgroup": "How the local executor tracks a job's processes: `auto` (a cgroup v2 where one is writable, else "
+              "psutil), `off` (psutil always).",
+    "node": "This host's identity in a shared queue (unset: the host name plus a hash of the home).",
 }
 
 _JSON_FIELDS = {
@@ -115,11 +138,23 @@ def cli_reference() -> str:
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    comments = {}
+    """Each field's comment: the one on its line, else the comment lines just above it (when they speak of
+    that field alone: a block above several fields describes none of them here)."""
+    comments: dict[str, str] = {}
+    above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
+        block = re.match(r"\s+#\s?(.*)$", line)
+        if block:
+            above.append(block.group(1).strip())
+            continue
+        match = re.match(r"\s+(\w+): [^=]+=(.*)$", line)
         if match:
-            comments[match.group(1)] = match.group(2).strip()
+            inline = re.search(r"#\s*(.+)$", match.group(2))
+            if inline:
+                comments[match.group(1)] = inline.group(1).strip()
+            elif above:
+                comments[match.group(1)] = " ".join(above)
+        above = []
     return comments
 
 
@@ -167,8 +202,92 @@ def job_json_reference() -> str:
     return "\n".join(rows) + "\n"
 
 
+# The Python API's reference page, by section; every name of `orchestrator.__all__` must be in one (the build
+# fails otherwise, so a new name cannot go undocumented).
+_API_SECTIONS = {
+    "Jobs": ["submit", "cancel", "jobs", "job", "wait", "logs"],
+    "A service in this process": ["serve", "Service"],
+    "Agent sessions": ["start_session", "session", "sessions", "Session"],
+    "Results and experiments": ["leaderboard", "experiment", "experiments"],
+    "Types": ["Job", "JobEvent", "Leaderboard", "Entry", "Event", "Verdict", "Experiment"],
+    "Errors": ["BadInput", "OrchestratorError"],
+}
+
+
+def _signature(name: str, obj: object) -> str:
+    """`name(params) -> return`, one parameter a line when it would not fit in 100 columns."""
+    class Raw(str):  # an annotation as written (they are strings under `from __future__ import annotations`)
+        def __repr__(self) -> str:
+            return str(self)
+
+    sig = inspect.signature(obj)
+    params, star = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            params.append("*")
+        star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        params.append(str(p if p.annotation is p.empty else p.replace(annotation=Raw(p.annotation))))
+    returns = str(sig.return_annotation).strip("'\"")  # a forward reference is written in quotes
+    ret = "" if sig.return_annotation is inspect.Signature.empty else f" -> {returns}"
+    line = f"{name}({', '.join(params)}){ret}"
+    if len(line) <= 100:
+        return line
+    return f"{name}(\n" + "".join(f"    {p},\n" for p in params) + f"){ret}"
+
+
+def _doc(obj: object) -> str:
+    return inspect.getdoc(obj) or ""
+
+
+def _api_class(name: str, cls: type) -> list[str]:
+    """A class: its docstring, its fields (a dataclass) or constructor, then its public properties and methods."""
+    out = [_doc(cls), ""]
+    if dataclasses.is_dataclass(cls):
+        rows = ["| field | type | default |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = ("" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                       else "`{}`" if f.default is dataclasses.MISSING else f"`{f.default!r}`")
+            rows.append(f"| `{f.name}` | `{f.type}` | {default} |".replace("`{}`", "empty"))
+        out += rows + [""]
+    elif not issubclass(cls, BaseException):
+        out += ["```python", _signature(name, cls), "```", ""]
+    for attr, value in vars(cls).items():
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, property):
+            out += [f"#### `{name}.{attr}`", "", _doc(value), ""]
+        elif inspect.isfunction(value) or isinstance(value, classmethod):
+            fn = value.__func__ if isinstance(value, classmethod) else value
+            shown = _signature(f"{name}.{attr}", fn).replace("(self, ", "(").replace("(self)", "()")
+            shown = shown.replace("(cls, ", "(")
+            out += [f"#### `{name}.{attr}`", "", "```python", shown, "```", "", _doc(fn), ""]
+    return out
+
+
+def python_api_reference() -> str:
+    """Markdown: a section per group of the Python API, an entry per name with its signature and docstring."""
+    _import_code()
+    import orchestrator
+
+    listed = [n for names in _API_SECTIONS.values() for n in names]
+    if sorted(listed) != sorted(orchestrator.__all__):
+        raise RuntimeError(f"docs/_hooks/reference.py _API_SECTIONS and orchestrator.__all__ differ: "
+                           f"{sorted(set(listed) ^ set(orchestrator.__all__))}")
+    parts = []
+    for section, names in _API_SECTIONS.items():
+        parts += [f"## {section}", ""]
+        for name in names:
+            obj = getattr(orchestrator, name)
+            parts += [f"### `orchestrator.{name}`", ""]
+            if inspect.isclass(obj):
+                parts += _api_class(name, obj)
+            else:
+                parts += ["```python", _signature(name, obj), "```", "", _doc(obj), ""]
+    return "\n".join(parts)
+
+
 _GENERATORS = {"cli": cli_reference, "settings": settings_reference, "job-json": job_json_reference,
-               "transitions": transitions_reference}
+               "transitions": transitions_reference, "python-api": python_api_reference}
 _MARKER = re.compile(r"^<!-- generated: ([\w-]+) -->$", re.MULTILINE)
 
 

@@ -10,7 +10,12 @@ Each split is concatenated in path order and cut into fixed-size shard files, on
     $AUTORESEARCH_HOME/volumes/charlm/train-00000.bin ... val-00000.bin ... test-00000.bin ... MANIFEST.json
 
 Runs by itself the first time a trial needs the data (`ensure()`), safely when several jobs start at once.
-By hand: `python -m experiments.charlm.prepare [--out DIR]`.
+By hand: `python -m experiments.charlm.prepare [--out DIR] [--shards]`.
+
+The same files packed into tar shards (`ensure_shards()`, what `autoresearch data pack --split-by` writes), one
+set per split, for trials run with `data=shards`:
+
+    $AUTORESEARCH_HOME/volumes/charlm-shards/train-000000.tar ... val-000000.tar ... index.json
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from experiments.common import prepare_once
 NAME = "charlm"
 VERSION = 2  # bump when the layout or the content rules change: old volumes are rebuilt
 SHARD_BYTES = 64 * 1024
+PACKED_SHARD_BYTES = 4 << 20  # tar shards of about 64 training files each
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 VAL_EVERY = 10  # one file in ten (by hash) goes to validation, another one in ten to test
 
@@ -79,11 +85,26 @@ def ensure(target: Path | None = None) -> Path:
     return prepare_once(NAME, VERSION, build, target)
 
 
+def pack_shards(out: Path) -> dict:
+    """Pack the corpus's files into tar shards per split in the empty directory `out`."""
+    from runtime.data.packing import PackConfig, pack
+
+    index = pack(PackConfig(ensure(), out, shard_size=PACKED_SHARD_BYTES, pattern="*.bin",
+                            split_by=r"^(train|val|test)-", threads=8))
+    return {"files": index["files"], "shards": len(index["shards"]), "shard_size": PACKED_SHARD_BYTES}
+
+
+def ensure_shards(target: Path | None = None) -> Path:
+    """The corpus packed into tar shards, built on first use (from `ensure()`'s files; idempotent)."""
+    return prepare_once(f"{NAME}-shards", VERSION, pack_shards, target)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="volume directory (default: under the home)")
-    path = ensure(parser.parse_args(argv).out)
-    print(path)
+    parser.add_argument("--shards", action="store_true", help="the tar shards packed from the files instead")
+    args = parser.parse_args(argv)
+    print(ensure_shards(args.out) if args.shards else ensure(args.out))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ SPACE = SearchSpace({
                       help="if > 0, the budget in training tokens instead (overrides max_steps)"),
     "scale": Int(1, 64, log=True, default=1,
                  help="multiplies width and batch size: 1 fits 2 CPU cores, 8-32 suits one GPU"),
+    # where the corpus is read from
+    "data": Categorical(("files", "shards"), default="files",
+                        help="the corpus's small files, or tar shards packed from them: bitwise the same run"),
 })
 
 SPEC = ExperimentSpec(
@@ -55,7 +58,7 @@ SPEC = ExperimentSpec(
     metric="val_loss",
     direction="minimize",
     entrypoint="experiments.charlm.train",
-    budget={"max_steps": 300, "max_tokens": 0, "scale": 1},  # held fixed while searching
+    budget={"max_steps": 300, "max_tokens": 0, "scale": 1, "data": "files"},  # held fixed while searching
     progress_metric="val_loss",
     holdout_metric="test_loss",  # logged once at the end, on files no other split holds
     # What population-based training may change mid-run (train.py applies them after a restore or at a step of

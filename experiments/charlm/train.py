@@ -1,12 +1,14 @@
 """Train the charlm byte-level GPT: one trial, resumable, metrics to MLflow.
 
 The queue runs it as `python -m experiments.charlm.train` with the trial's params in AUTORESEARCH_PARAMS
-(Contract 3). By hand, with the defaults or a few overrides:
+(the job protocol). By hand, with the defaults or a few overrides:
 
     AUTORESEARCH_PARAMS='{"max_steps": 50}' python -m experiments.charlm.train
 
 Data: every step reads the next training shard(s) from the volume through VolumeDataset and DataLoader
-(shuffled per epoch from the seed), and cuts `batch_size` random windows out of them at offsets drawn from
+(shuffled per epoch from the seed; with `data=shards`, the same files packed into tar shards, through
+ShardDataset in VolumeDataset's order: the same batches, so the same run bitwise), and cuts `batch_size`
+random windows out of them at offsets drawn from
 (seed, step). The loader position, the RNG and the counters live in the checkpoint and the learning rate
 is a function of the step, so a trial stopped by SIGTERM and resumed finishes bitwise the same on CPU.
 """
@@ -27,8 +29,9 @@ from experiments.common import (WithCounters, apply_mutable, checkpoint_every, d
                                 standalone_checkpoints)
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
-from runtime.data import VolumeDataset
+from runtime.data import ShardDataset, VolumeDataset
 from runtime.data.loader import DataLoader
+from runtime.steps import Steps
 
 EVALS = 10  # evaluations per trial, evenly spaced: the agent's early stopping reads val_loss at each
 EVAL_BYTES = 32 * 1024  # the same leading slice of the validation stream scores every trial
@@ -40,6 +43,27 @@ def read_shard(path: str) -> torch.Tensor:
     """VolumeDataset transform: a shard file's bytes as a uint8 tensor."""
     with open(path, "rb") as fh:
         return torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
+
+
+def sample_bytes(sample: dict) -> torch.Tensor:
+    """ShardDataset transform: the packed file's bytes as a uint8 tensor (what read_shard gives for the file)."""
+    return torch.frombuffer(bytearray(sample["bin"]), dtype=torch.uint8)
+
+
+def train_data(data: str, seed: int) -> VolumeDataset | ShardDataset:
+    """The training split as a dataset of uint8 tensors, one per 64 KiB piece, from the files or the tar shards."""
+    if data == "shards":  # "global": VolumeDataset's order over the same pieces (they all fit the cache)
+        return ShardDataset(prepare.ensure_shards(), split="train", shuffle="global", seed=seed,
+                            transform=sample_bytes)
+    return VolumeDataset(prepare.ensure(), pattern="train-*.bin", seed=seed, transform=read_shard)
+
+
+def read_split(data: str, split: str) -> torch.Tensor:
+    """A whole split concatenated in file order, on every rank (each rank scores validation whole)."""
+    if data == "shards":
+        ds = ShardDataset(prepare.ensure_shards(), split=split, shuffle=False)
+        return torch.cat([sample_bytes(ds.read(i)) for i in range(ds.num_samples)])
+    return torch.cat(read_all(VolumeDataset(prepare.ensure(), pattern=f"{split}-*.bin", shuffle=False), read_shard))
 
 
 def windows(shards: torch.Tensor, rows: int, block: int, seed: int, step: int) -> tuple[torch.Tensor, ...]:
@@ -87,13 +111,12 @@ def train(ctx: JobContext, p: dict) -> None:
     autocast = setup_torch(device, p["seed"])
 
     # -- data: training shards through the volume loader, a fixed validation slice in memory -----------
-    data_dir = prepare.ensure()
     shards_per_step = math.ceil(batch * (block + 1) / prepare.SHARD_BYTES)
-    train_ds = VolumeDataset(data_dir, pattern="train-*.bin", seed=p["seed"], transform=read_shard)
+    train_ds = train_data(p["data"], p["seed"])
     # A private generator: the loader draws worker seeds from it, not from the global RNG dropout uses.
     loader = DataLoader(train_ds, batch_size=shards_per_step, num_workers=loader_workers(device),
                         generator=torch.Generator().manual_seed(p["seed"]))
-    val_stream = torch.cat(read_all(VolumeDataset(data_dir, pattern="val-*.bin", shuffle=False), read_shard))
+    val_stream = read_split(p["data"], "val")
     n_rows = min(EVAL_BYTES, len(val_stream)) // (block + 1)
     val_rows = val_stream[:n_rows * (block + 1)].view(n_rows, block + 1).long().to(device)
     eval_batch = max(batch, EVAL_TOKENS // block)  # few, large forward passes: per-call overhead dominates
@@ -111,6 +134,7 @@ def train(ctx: JobContext, p: dict) -> None:
     forked = seed_checkpoint(ctx.checkpoint_dir)  # a forked trial's first attempt starts from its parent's copy
     ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS, interval_steps=checkpoint_every(total))
     step = ckpt.load_latest(state) or 0
+    steps = Steps(ctx, ckpt, state, counters=stream.counters, name="charlm", say=say)
     # Population-based training: the params change at steps of a schedule (a replay), and a forked trial's new
     # values override those its copied optimizer brought back (group 0 decays, group 1 never does).
     plan = schedule()
@@ -146,35 +170,25 @@ def train(ctx: JobContext, p: dict) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), p["grad_clip"])
         optimizer.step()
         step += 1
-        state.step = step
-        stream.counters["loss_sum"] += loss.item()
-        stream.counters["loss_steps"] += 1
+        steps.count(step, loss)
 
         if step in eval_steps:
             val_loss = evaluate(model, val_rows, eval_batch, autocast)
-            train_loss = stream.counters["loss_sum"] / stream.counters["loss_steps"]
-            stream.counters.update(loss_sum=0.0, loss_steps=0)
+            train_loss = steps.train_loss()
             ctx.log_metrics({"train_loss": train_loss, "val_loss": val_loss, "val_bpb": val_loss / math.log(2),
                              "lr": lr, "tokens": step * tokens_per_step}, step)
             say(f"step {step}/{total}: train {train_loss:.4f} val {val_loss:.4f} "
                 f"({val_loss / math.log(2):.3f} bpb) {time.perf_counter() - t0:.1f}s", flush=True)
-        ckpt.maybe_save(step, state)
-        ctx.heartbeat(step)
-        if ctx.should_stop():
-            ckpt.save_now(step, state)
-            say(f"charlm: stopped on request at step {step}; checkpoint saved", flush=True)
-            ckpt.close()
-            ctx.exit_preempted()
+        steps.checkpoint(step)  # save on the interval, heartbeat, stop if asked
 
     # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op ----------
-    ckpt.save_now(total, state)
-    ckpt.close()
+    steps.finish(total)
     if val_loss is None:  # resumed at the end: report the final metric again
         val_loss = evaluate(model, val_rows, eval_batch, autocast)
         ctx.log_metrics({"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}, total)
     # The holdout, scored once on the finished model (the same leading slice size as validation): nothing
     # during training (or in the search) reads it.
-    test_stream = torch.cat(read_all(VolumeDataset(data_dir, pattern="test-*.bin", shuffle=False), read_shard))
+    test_stream = read_split(p["data"], "test")
     n_test = min(EVAL_BYTES, len(test_stream)) // (block + 1)
     test_rows = test_stream[:n_test * (block + 1)].view(n_test, block + 1).long().to(device)
     test_loss = evaluate(model, test_rows, eval_batch, autocast)

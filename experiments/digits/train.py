@@ -1,7 +1,7 @@
 """Train a digits classifier: one trial, resumable, metrics to MLflow.
 
 The queue runs it as `python -m experiments.digits.train` with the trial's params in AUTORESEARCH_PARAMS
-(Contract 3). By hand, with the defaults or a few overrides:
+(the job protocol). By hand, with the defaults or a few overrides:
 
     AUTORESEARCH_PARAMS='{"arch": "cnn", "epochs": 5}' python -m experiments.digits.train
 
@@ -28,6 +28,7 @@ from experiments.digits.model import build
 from experiments.digits.spec import SPEC
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
+from runtime.steps import Steps
 from runtime.data import VolumeDataset
 from runtime.data.loader import DataLoader
 
@@ -97,6 +98,7 @@ def train(ctx: JobContext, p: dict) -> None:
     forked = seed_checkpoint(ctx.checkpoint_dir)  # a forked trial's first attempt starts from its parent's copy
     ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS, interval_steps=checkpoint_every(total))
     step = ckpt.load_latest(state) or 0
+    steps = Steps(ctx, ckpt, state, counters=stream.counters, name="digits", say=say)
     # Population-based training: the params change at steps of a schedule (a replay), and a forked trial's new
     # values override those its copied optimizer brought back.
     plan = schedule()
@@ -127,29 +129,18 @@ def train(ctx: JobContext, p: dict) -> None:
             loss.backward()
             optimizer.step()
             step += 1
-            state.step = step
-            stream.counters["loss_sum"] += loss.item()
-            stream.counters["loss_steps"] += 1
-            ckpt.maybe_save(step, state)
-            ctx.heartbeat(step)
-            if ctx.should_stop():
-                ckpt.save_now(step, state)
-                say(f"digits: stopped on request at step {step}; checkpoint saved", flush=True)
-                ckpt.close()
-                ctx.exit_preempted()
+            steps.done(step, loss)  # count the loss, save on the interval, heartbeat, stop if asked
         # End of an epoch (the loader has moved on to the next one): score it.
         epoch = step // steps_per_epoch
         accuracy, val_loss = evaluate(model, val_images, val_labels, autocast)
-        train_loss = stream.counters["loss_sum"] / max(1, stream.counters["loss_steps"])
-        stream.counters.update(loss_sum=0.0, loss_steps=0)
+        train_loss = steps.train_loss()
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss, "train_loss": train_loss,
                          "lr": lr_at(step - 1, total, p["lr"], 0, p["schedule"]), "epoch": epoch}, step)
         say(f"epoch {epoch}/{p['epochs']} step {step}: train {train_loss:.4f} val {val_loss:.4f} "
             f"accuracy {accuracy:.4f} {time.perf_counter() - t0:.1f}s", flush=True)
 
     # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op ----------
-    ckpt.save_now(total, state)
-    ckpt.close()
+    steps.finish(total)
     if accuracy is None:  # resumed at the end: report the final metric again
         accuracy, val_loss = evaluate(model, val_images, val_labels, autocast)
         ctx.log_metrics({"val_accuracy": accuracy, "val_loss": val_loss}, total)

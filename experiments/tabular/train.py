@@ -1,7 +1,7 @@
 """Train a tabular regressor: one trial, resumable, metrics to MLflow.
 
 The queue runs it as `python -m experiments.tabular.train` with the trial's params in AUTORESEARCH_PARAMS
-(Contract 3). By hand, with the defaults or a few overrides:
+(the job protocol). By hand, with the defaults or a few overrides:
 
     AUTORESEARCH_PARAMS='{"hidden": 128, "epochs": 2}' python -m experiments.tabular.train
 
@@ -29,6 +29,7 @@ from experiments.tabular import prepare
 from experiments.tabular.spec import SPEC
 from runtime.checkpoint import CheckpointManager, TrainState
 from runtime.context import JobContext
+from runtime.steps import Steps
 from runtime.data.loader import DataLoader
 from runtime.data.parquet import ParquetDataset, read_manifest
 
@@ -115,6 +116,7 @@ def train(ctx: JobContext, p: dict) -> None:
     state = TrainState(net, optimizer, stream)
     ckpt = CheckpointManager(ctx.checkpoint_dir, keep_last=KEEP_CHECKPOINTS, interval_steps=max(1, total // 4))
     step = ckpt.load_latest(state) or 0
+    steps = Steps(ctx, ckpt, state, counters=stream.counters, name="tabular", say=say)
     n_params = sum(q.numel() for q in model.parameters())
     if step == 0:
         ctx.log_params({**p, "model_params": n_params, "total_steps": total, "bayes_mse": facts["bayes_mse"]})
@@ -137,29 +139,18 @@ def train(ctx: JobContext, p: dict) -> None:
             loss.backward()
             optimizer.step()
             step += 1
-            state.step = step
-            stream.counters["loss_sum"] += loss.item()
-            stream.counters["loss_steps"] += 1
-            ckpt.maybe_save(step, state)
-            ctx.heartbeat(step)
-            if ctx.should_stop():
-                ckpt.save_now(step, state)
-                say(f"tabular: stopped on request at step {step}; checkpoint saved", flush=True)
-                ckpt.close()
-                ctx.exit_preempted()
+            steps.done(step, loss)  # count the loss, save on the interval, heartbeat, stop if asked
         # End of an epoch (the loader has moved on to the next one): score it.
         epoch = step // steps_per_epoch
         mse = evaluate(model, val, autocast)
-        train_loss = stream.counters["loss_sum"] / max(1, stream.counters["loss_steps"])
-        stream.counters.update(loss_sum=0.0, loss_steps=0)
+        train_loss = steps.train_loss()
         ctx.log_metrics({"val_mse": mse, "val_excess": mse - facts["bayes_mse"], "train_loss": train_loss,
                          "epoch": epoch}, step)
         say(f"epoch {epoch}/{p['epochs']} step {step}: train {train_loss:.4f} val_mse {mse:.4f} "
             f"(best possible {facts['bayes_mse']:.4f}) {time.perf_counter() - t0:.1f}s", flush=True)
 
     # -- done: a checkpoint of the final step makes a re-run of a finished trial a cheap no-op -------------
-    ckpt.save_now(total, state)
-    ckpt.close()
+    steps.finish(total)
     if mse is None:  # resumed at the end: report the final metric again
         mse = evaluate(model, val, autocast)
         ctx.log_metrics({"val_mse": mse, "val_excess": mse - facts["bayes_mse"]}, total)

@@ -1,21 +1,17 @@
-"""Agent sessions as something to start, watch and stop from outside: the MCP server and `top` use these.
+"""Agent sessions as something to watch and stop from outside: the Python API, the MCP server and `top` use these.
 
-`autoresearch start` runs a session in the foreground. An outside agent (over MCP) cannot hold a terminal for
-the minutes a session takes, so `start_session` runs the same `runner.start` in a detached child process
-(`python -m orchestrator.faces.detached CONFIG_JSON SESSION_ID`, an argv list, never a shell) whose output goes to
-`AUTORESEARCH_HOME/agent/logs/SESSION.log`. `stop_session` interrupts it (SIGINT, as Ctrl-C would: the
-session is left resumable) and cancels its unfinished trials. `progress` reads what a session has recorded:
+`autoresearch start` runs a session in the foreground; the Python API's `start_session` runs the same in a
+detached child process (`orchestrator.faces.pyapi.sessionapi`) whose output goes to `log_path`.
+`stop_session` interrupts it (SIGINT, as Ctrl-C would: the session is left resumable) and cancels its unfinished
+trials. `progress` reads what a session has recorded:
 its trials in the queue (jobs owned by the session id) and, from its LangGraph checkpoint, the best value so
 far and the baseline where the session records one.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -34,58 +30,11 @@ def log_path(home: Path, session_id: str) -> Path:
     return path / f"{session_id}.log"
 
 
-def start_session(config: Any, settings: Optional[Settings] = None, devices: Optional[str] = None) -> dict:
-    """Validate `config` (a SessionConfig), then run it in a detached process; returns {session, pid, log}.
-
-    Bad input (unknown experiment, proposer, fixed params) raises BadInput here, before anything starts.
-    """
-    from orchestrator.agent import runner
-    from orchestrator.agent.session import Registry, new_id
-
-    settings = settings or Settings.load()
-    runner.check(config, settings, devices)
-    config = runner.named(config, settings)
-    _ready_tracking(settings)
-    session_id = new_id()
-    log = log_path(settings.home, session_id)
-    argv = [sys.executable, "-m", "orchestrator.faces.detached", json.dumps(config.to_dict()), session_id]
-    if devices:
-        argv.append(devices)
-    env = {**os.environ, "AUTORESEARCH_HOME": str(settings.home)}
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, close_fds=True)
-    # The child registers the session first thing; wait for that so that status works right away.
-    registry = Registry(settings.home)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                registry.get(session_id)
-                break
-            except BadInput:
-                if proc.poll() is not None:
-                    tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                    raise BadInput(f"session did not start: {tail[0]}") from None
-                time.sleep(0.1)
-    finally:
-        registry.close()
-    return {"session": session_id, "pid": proc.pid, "log": str(log)}
-
-
-def _ready_tracking(settings: Settings) -> None:
-    """Create (migrate) the MLflow store now, in one process: a fresh SQLite store created by the session and
-    by the service at once fails in MLflow's migrations ("table _alembic_tmp_experiments already exists")."""
-    from orchestrator.tracking.client import Tracker
-
-    Tracker.from_settings(settings).client.search_experiments(max_results=1)
-
-
 def progress(row: dict, store: JobStore, home: Path) -> dict:
     """A session's progress: its trials' jobs by state, and best/baseline where the session records them."""
     from orchestrator.agent import tally
 
-    by_phase = store.phase_counts(row["id"])  # one GROUP BY, not a row per trial
+    by_phase = _phase_counts(store, row["id"])  # one GROUP BY, not a row per trial
     counts: dict[str, int] = {}
     for _, job_state, n in by_phase:
         counts[job_state] = counts.get(job_state, 0) + n
@@ -113,8 +62,16 @@ def trial_counts(row: dict, store: JobStore, by_phase: Optional[list] = None) ->
     """The session's trials by phase, done of planned (`orchestrator.agent.tally`), from its jobs in the queue."""
     from orchestrator.agent import tally
 
-    rows = store.phase_counts(row["id"]) if by_phase is None else by_phase
+    rows = _phase_counts(store, row["id"]) if by_phase is None else by_phase
     return tally.count(rows, tally.planned(row.get("config") or {}))
+
+
+def _phase_counts(store: JobStore, session_id: str) -> list:
+    """The session's jobs by phase and state; those its `stop` cancelled are left out (`resume` runs them
+    again, so they are neither done nor lost)."""
+    from orchestrator.agent.session import stopped_reason
+
+    return store.phase_counts(session_id, skip_cancelled=stopped_reason(session_id))
 
 
 def _baseline_runs(trials: list) -> Optional[float]:
@@ -180,7 +137,7 @@ def sessions(settings: Optional[Settings] = None, store: Optional[JobStore] = No
 def stop_session(session_id: str, settings: Optional[Settings] = None) -> dict:
     """Interrupt a running session (it stays resumable) and cancel its unfinished trials."""
     from orchestrator.api import jobs as api
-    from orchestrator.agent.session import Registry
+    from orchestrator.agent.session import Registry, stopped_reason
 
     settings = settings or Settings.load()
     registry = Registry(settings.home)
@@ -197,7 +154,7 @@ def stop_session(session_id: str, settings: Optional[Settings] = None) -> dict:
     for job in store.unfinished():
         if job.owner == session_id:
             try:
-                cancelled.append(api.cancel(job.id, settings, store).id)
+                cancelled.append(api.cancel(job.id, settings, store, reason=stopped_reason(session_id)).id)
             except BadInput:
                 pass  # it finished meanwhile
     return {**sessions(settings, store, session_id)[0], "cancelled_jobs": cancelled}

@@ -12,7 +12,6 @@ since the spend could never be measured against it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -56,7 +55,7 @@ class LLMBudget:
 
 
 DEFAULT_MODEL = "gpt-4o-mini"  # the LLM proposer's model when none is set
-# USD per million (prompt, completion) tokens; AUTORESEARCH_LLM_PRICE="in,out" overrides for other models.
+# USD per million (prompt, completion) tokens; the llm_price setting ("in,out") overrides for other models.
 PRICES = {"gpt-4o-mini": (0.15, 0.60), "gpt-4o": (2.50, 10.0), "gpt-4.1-mini": (0.40, 1.60),
           "gpt-4.1": (2.00, 8.00), "gpt-4.1-nano": (0.10, 0.40)}
 
@@ -81,14 +80,14 @@ def added(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
 
 def price_known(model: str | None, llm_price: str | None) -> bool:
     """Whether the cost of `model`'s tokens can be computed (a listed model, or an `llm_price` "in,out")."""
-    price = llm_price or os.environ.get("AUTORESEARCH_LLM_PRICE")
+    price = llm_price
     if price:
         try:
             p_in, p_out = (float(x) for x in price.split(","))
             return p_in >= 0 and p_out >= 0
         except ValueError:
             return False
-    return (model or os.environ.get("AUTORESEARCH_LLM_MODEL") or DEFAULT_MODEL) in PRICES
+    return (model or DEFAULT_MODEL) in PRICES
 
 
 def check(config: Any, settings: Settings) -> None:
@@ -96,7 +95,7 @@ def check(config: Any, settings: Settings) -> None:
     budget = of(config)
     if budget.usd is None or config.proposer not in USES_LLM:
         return
-    model = config.model or getattr(settings, "llm_model", None)
-    if not price_known(model, getattr(settings, "llm_price", None)):
+    model = config.model or settings.llm_model
+    if not price_known(model, settings.llm_price):
         raise BadInput(f"--llm-budget-usd: no price is known for model {model or DEFAULT_MODEL!r}; set llm_price "
                        "(AUTORESEARCH_LLM_PRICE=\"IN,OUT\", USD per million tokens) or use --llm-budget-tokens")

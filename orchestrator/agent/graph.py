@@ -54,7 +54,7 @@ S, P = TrialStatus, Phase
 HEARTBEAT = 15.0
 
 
-class Agent(Phases, Packer):
+class Agent(Packer):
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
@@ -83,12 +83,12 @@ class Agent(Phases, Packer):
             from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
-                            llm_options=config.llm, baseline=search.project(self.baseline, self.searched.space))
+                            llm_options=config.llm, baseline=search.project(self.baseline, self.searched.space),
+                            settings=settings)
         self.proposer = proposer
+        self.phases = Phases(self)  # the rules for moving between phases, over this agent's trials
         self.budget = budget.of(config)
         self.llm = _llm_of(proposer)
-        if self.llm is not None and settings is not None and settings.llm_price:
-            self.llm.price = settings.llm_price
         seed0 = int(self.fixed.get(search.SEED_KEY, config.seed))
         self.seeds = [seed0, *search.confirm_seeds(session_id, max(config.baseline_seeds, config.confirm_seeds),
                                                    seed0)]
@@ -149,8 +149,8 @@ class Agent(Phases, Packer):
         if state["phase"] == "search" and free > 0:
             new_room = free
             if self.cfg.early_stopping:
-                if self.winding_down(state, trials):
-                    resume, new_room = self.to_finish(trials, free)
+                if self.phases.winding_down(state, trials):
+                    resume, new_room = self.phases.to_finish(trials, free)
                     why = "promoted to finish: only the time for one whole trial and the re-runs is left"
                 else:
                     paused = [t for t in trials if t.status is S.PAUSED]
@@ -174,7 +174,7 @@ class Agent(Phases, Packer):
             if n > 0 and not state.get("budget_stop"):
                 history = [_project(o, self.searched) for o in self.results.observations(trials)]
                 if self.llm is not None and self.budget.capped:  # checked before each of its calls
-                    self.llm.budget, self.llm.spent = self.budget, dict(state.get("usage") or {})
+                    self.llm.client.budget, self.llm.client.spent = self.budget, dict(state.get("usage") or {})
                 proposals = self.proposer.propose(n, history)
                 take = getattr(self.proposer, "take_usage", None)
                 state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
@@ -186,13 +186,17 @@ class Agent(Phases, Packer):
                     trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
                                                p.proposer, p.rationale))
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
-            candidates, state["confirm_planned"] = self._plan_confirmation(trials, n_confirm), True
+            candidates, state["confirm_planned"] = self.phases.plan_confirmation(trials, n_confirm), True
         if state.get("budget_stop"):
             self._event("budget", state, message=f"{state['budget_stop']}: no more proposals; the trials in "
                         "flight finish, then the session pauses")
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
                 "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned")),
                 "budget_stop": state.get("budget_stop") or ""}
+
+    def decide(self, state: State) -> State:
+        """Phase changes (search -> confirm -> done) and the route to take next: `Phases`' rules."""
+        return self.phases.decide(state)
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
         return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
@@ -206,11 +210,11 @@ class Agent(Phases, Packer):
         for t in trials:
             if t.status is not S.PROPOSED or not self._ready(t):
                 continue
-            job = self.store.find_by_key(t.key)
+            job = self.store.find_by_key(t.job_key)
             if job is not None:  # submitted before a crash: adopt what really runs
                 t.params, run_id = dict(job.params or t.params), job.mlflow_run_id
             else:
-                made = self.tracker.find_trial(self.spec.name, t.key)
+                made = self.tracker.find_trial(self.spec.name, t.job_key)
                 if made is not None:  # the run was made before a crash, the job was not: keep the run's params
                     t.params = self.spec.space.validate(self.tracker.params(made))
                 tags = {"autoresearch.session": self.session_id, "autoresearch.proposer": t.proposer,
@@ -218,13 +222,13 @@ class Agent(Phases, Packer):
                         "autoresearch.owner": self.session_id,
                         "autoresearch.project": getattr(self.cfg, "project", "default"),
                         **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {}), **self._tags(t)}
-                run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.key,
+                run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.job_key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                     priority=self.cfg.priority, gpus=self.gpus(), max_attempts=self.cfg.max_attempts,
                                     grace=Settings.stop_grace, preemptible=True, owner=self.session_id,
-                                    env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.key,
+                                    env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.job_key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
@@ -301,13 +305,22 @@ class Agent(Phases, Packer):
         """Record a finished trial's place in the session's ranking on its job (checkpoint retention keeps the
         best few: `orchestrator.service.retention`)."""
         if t.job_id is not None and t.value is not None and t.status is S.SUCCEEDED:
-            self.store.keeping.set_scores({t.job_id: -t.value if self.spec.direction == "minimize" else t.value})
+            self.store.keeping.set_scores({t.job_id: self.spec.direction.score(t.value)})
 
     def _record_ends(self, state: State, trials: list[Trial], early_stopping: bool) -> dict | None:
         """Record how each newly ended trial ended, score it, and return the best search trial so far."""
         best = state.get("best")
         for t in trials:
             if not t.ended or t.status in FINAL:
+                continue
+            if self.outcomes.stopped_with_session(t, self.session_id):
+                job_id = t.job_id
+                if t.run_id:
+                    self.tracker.finish(t.run_id, "KILLED")
+                t.run_again()
+                self._event("rerun", {**state, "trials": trials, "best": best}, trial=t.n, job=job_id,
+                            message=f"trial {t.n} runs again: its job {job_id} was cancelled when the session "
+                                    "was stopped")
                 continue
             self.outcomes.record_end(t, early_stopping)
             self._score(t)
@@ -325,7 +338,7 @@ class Agent(Phases, Packer):
         trials = load(state["trials"])
         best = self._record_ends(state, trials, self.cfg.early_stopping)
         # Winding down, the search trials in flight are the session's last chance of a candidate: none is paused.
-        if self.cfg.early_stopping and not self.winding_down(state, trials):
+        if self.cfg.early_stopping and not self.phases.winding_down(state, trials):
             peers = _peers(trials)
             for t in trials:
                 if t.status is not S.RUNNING or t.phase is not P.SEARCH or t.ended:
@@ -364,7 +377,7 @@ class Agent(Phases, Packer):
         """Stop leftovers and wait for them, record how each ended, then log the best-so-far plot."""
         trials = load(state["trials"])
         pending = [t for t in trials if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None]
-        self.stop_paused(pending, f"session {self.session_id} finished")
+        self.phases.stop_paused(pending, f"session {self.session_id} finished")
         for t in pending:
             if t.status is not S.PAUSED:
                 self._cancel(t, f"session {self.session_id} finished")

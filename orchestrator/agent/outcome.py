@@ -74,6 +74,18 @@ class Outcomes:
         if t.run_id:
             self.tracker.finish(t.run_id, run_status(t.status))
 
+    def stopped_with_session(self, t: Trial, session_id: str) -> bool:
+        """Whether the trial's job was cancelled by a `stop` of its session before it finished its budget (it is
+        then run again, not counted: `Trial.run_again`). A paused (demoted) trial stays stopped."""
+        from orchestrator.agent.session import stopped_reason
+
+        if t.status not in (S.QUEUED, S.RUNNING) or t.job_id is None:
+            return False
+        job = self.store.get(t.job_id)
+        if job.state != "CANCELLED" or not (job.reason or "").startswith(stopped_reason(session_id)):
+            return False
+        return not t.run_id or completed_value(self.tracker, self.spec, t.run_id) is None
+
     def still_a_loser(self, t: Trial, rung: int, peers: list[Trial]) -> bool:
         """Re-read the trial's history just before demoting it (ASHA judged it a loser at `rung`).
 
@@ -93,7 +105,7 @@ class Outcomes:
         key = str(rung)
         at_rung = [p.rungs[key] for p in peers if key in p.rungs]
         base = [p.rungs[key] for p in peers if p.phase is P.BASELINE and key in p.rungs]
-        if base and self.spec.better(t.rungs[key], max(base) if self.spec.direction == "minimize" else min(base)):
+        if base and self.spec.better(t.rungs[key], self.spec.direction.worst(base)):
             return False
         return not (history[-1][0] > rung and self.asha.keep(history[-1][1], at_rung))
 

@@ -1,6 +1,6 @@
 """Packing a session's trials onto its GPUs (`start --trials-per-gpu auto|N`): the I/O around `packing`.
 
-A mixin of `orchestrator.agent.graph.Agent`, like `Phases`. It keeps k (trials per device) in the checkpointed
+A mixin of `orchestrator.agent.graph.Agent`. It keeps k (trials per device) in the checkpointed
 state under `packing`, so a resumed session continues with the k it had:
 
 - `N` (an integer): k = N from the first trial on, whatever the devices (on `cpu:N` slots too: the CPU tests

@@ -10,9 +10,9 @@ uses the running one, and K (trials in flight) defaults to the devices that serv
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
+from orchestrator.agent.lifecycle import Lifecycle, mark_resumed, resumable_row, through_full_disk
 from orchestrator.agent.session import Registry, SessionConfig, connect, new_id
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
@@ -31,7 +31,8 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
     session_id = session_id or new_id()
     registry.create(session_id, config)
     try:
-        return _run(session_id, config, settings, registry, devices, on_event, proposer)
+        return through_full_disk(lambda: _run(session_id, config, settings, registry, devices, on_event, proposer),
+                                 settings.home, registry, session_id)
     finally:
         registry.close()
 
@@ -47,8 +48,9 @@ def resume(session_id: str, *, settings: Settings | None = None, devices: str | 
         row = _resumable(registry, session_id)
         config = _with_budget(SessionConfig.from_dict(row["config"]), llm_budget_usd, llm_budget_tokens)
         _room_left(row, config)
-        registry.update(session_id, status="running", pid=os.getpid(), config=json.dumps(config.to_dict()))
-        return _run(session_id, config, settings, registry, devices, on_event, proposer)
+        mark_resumed(registry, session_id, config=json.dumps(config.to_dict()))
+        return through_full_disk(lambda: _run(session_id, config, settings, registry, devices, on_event, proposer),
+                                 settings.home, registry, session_id)
     finally:
         registry.close()
 
@@ -66,12 +68,7 @@ def resumable(session_id: str, settings: Settings | None = None, llm_budget_usd:
 
 
 def _resumable(registry: Registry, session_id: str) -> dict[str, Any]:
-    row = registry.get(session_id)
-    if row["status"] == "running":
-        raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
-    if row["status"] == "finished":
-        raise BadInput(f"session {session_id} already finished; see `autoresearch leaderboard`")
-    return row
+    return resumable_row(registry, session_id, "`autoresearch leaderboard`")
 
 
 def _with_budget(config: SessionConfig, usd: float | None, tokens: int | None) -> SessionConfig:
@@ -162,34 +159,24 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
     from orchestrator.agent import holdout, report
     from orchestrator.agent.graph import Agent, build
     from orchestrator.agent.packer import session_devices, summary as packing_summary
-    from orchestrator.queue.store import JobStore
-    from orchestrator.service.daemon import embedded
-    from orchestrator.tracking.client import Tracker
-    from orchestrator.core.wakeup import notify
 
     spec = load_spec(config.experiment, settings)
-    store = JobStore(settings.db_url)
-    tracker = Tracker.from_settings(settings)
-    service, slots = embedded(settings, store, devices)
-    names = session_devices(service, store)  # cpu slots or GPUs: how `--trials-per-gpu auto` packs
-    from orchestrator.service.notify import Notifier
-
-    notifier = Notifier.from_settings(settings)
-    try:
-        parent = tracker.session_run(session_id, spec.name, {
+    with Lifecycle.open(session_id, settings, registry, devices, spec.name) as life:
+        store, tracker = life.store, life.tracker
+        names = session_devices(life.service, store)  # cpu slots or GPUs: how `--trials-per-gpu auto` packs
+        parent = life.session_run({
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
-            "parallel": config.parallel or slots, "model": config.model or "", "fixed": config.fixed,
+            "parallel": config.parallel or life.slots, "model": config.model or "", "fixed": config.fixed,
             "trials_per_gpu": config.trials_per_gpu})
-        registry.update(session_id, mlflow_run_id=parent)
         if config.proposer == "pbt":
             from orchestrator.agent.pbt import PBTAgent as agent_class  # a subclass: its own nodes
         else:
             agent_class = Agent
         agent = agent_class(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
-                      parallel=config.parallel or slots, proposer=proposer,
-                      notify=lambda: notify(settings.home), on_event=on_event or (lambda e: None),
-                      settings=settings, on_usage=lambda u: registry.spent(session_id, u), devices=names)
+                            parallel=config.parallel or life.slots, proposer=proposer, notify=life.wake(),
+                            on_event=on_event or (lambda e: None), settings=settings, on_usage=life.on_usage(),
+                            devices=names)
         saver = SqliteSaver(connect(settings.home))
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}
@@ -214,43 +201,23 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
                       for k in ("calls", "prompt_tokens", "completion_tokens", "cost_usd")}
         if final.get("paused"):
             # Not finished: no holdout read (the search may continue), the parent run stays open.
-            summary.update(status="paused", stop_reason=final["paused"])
-            tracker.set_tags(parent, {"autoresearch.status": "paused", "autoresearch.stop_reason": final["paused"],
-                                      **usage_tags})
-            registry.update(session_id, status="paused", summary=summary)
-            return summary
+            return life.pause(parent, summary, final["paused"], usage_tags)
         # The holdout, read once now that no search decision is left (the agent's tracker refuses it).
         holdout.attach(summary, spec, tracker, *holdout.session_runs(final["trials"], summary.get("winner")))
         held = summary.get("holdout") or {}
-        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
-                                  "autoresearch.verdict": summary["headline"],
-                                  **({"autoresearch.holdout": held["text"]} if held else {}), **usage_tags})
         winner, base = summary.get("winner") or {}, summary.get("baseline") or {}
-        tracker.log_metrics(parent, {"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
-                                     "baseline_mean": base.get("mean"), "baseline_spread": base.get("spread"),
-                                     "improvement": (summary.get("verdict") or {}).get("delta"),
-                                     "holdout_improvement": held.get("delta"),
-                                     "holdout_baseline_mean": held.get("baseline_mean"),
-                                     "holdout_winner_mean": held.get("winner_mean"),
-                                     "device_seconds": summary["device_seconds"]}, step=len(final["trials"]))
-        tracker.log_text(parent, report.markdown(summary), report.REPORT)
-        tracker.finish(parent)
-        registry.update(session_id, status="finished", summary=summary)
-        notifier.emit("session.finished", session=session_id, experiment=spec.name, verdict=summary["headline"],
-                      stop_reason=summary["stop_reason"])
-        return summary
-    except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt):
-            registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
-            notifier.emit("session.finished", session=session_id, experiment=spec.name,
-                          verdict=f"failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
-        else:
-            notifier.emit("session.paused", session=session_id, experiment=spec.name)
-        raise
-    finally:
-        notifier.close()
-        if service is not None:
-            service.stop()
+        return life.finish(
+            parent, summary, verdict=summary["headline"], step=len(final["trials"]),
+            tags={"autoresearch.verdict": summary["headline"],
+                  **({"autoresearch.holdout": held["text"]} if held else {}), **usage_tags},
+            metrics={"winner_mean": winner.get("mean"), "winner_spread": winner.get("spread"),
+                     "baseline_mean": base.get("mean"), "baseline_spread": base.get("spread"),
+                     "improvement": (summary.get("verdict") or {}).get("delta"),
+                     "holdout_improvement": held.get("delta"),
+                     "holdout_baseline_mean": held.get("baseline_mean"),
+                     "holdout_winner_mean": held.get("winner_mean"),
+                     "device_seconds": summary["device_seconds"]},
+            report=(report.markdown(summary), report.REPORT))
 
 
 def leaderboard(experiment: str | None = None, settings: Settings | None = None) -> list[dict[str, Any]]:

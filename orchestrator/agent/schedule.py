@@ -22,6 +22,8 @@ import random
 import zlib
 from typing import Any, Mapping, Sequence
 
+from orchestrator.core.direction import Direction
+
 QUANTILE = 0.25
 RESAMPLE = 0.25
 FACTORS = (0.8, 1.2)
@@ -80,7 +82,8 @@ def pairs(values: Mapping[int, float], direction: str, r: random.Random, quantil
     drawn from the top `quantile`. None with fewer than 2 members (there is no one to copy)."""
     if len(values) < 2:
         return []
-    ranked = sorted(values, key=lambda m: (values[m] if direction == "minimize" else -values[m], m))
+    d = Direction.of(direction)
+    ranked = sorted(values, key=lambda m: (d.key(values[m]), m))
     q = max(1, int(len(ranked) * quantile))
     top, bottom = ranked[:q], ranked[-q:]
     return [(loser, r.choice(top)) for loser in bottom if loser not in top]

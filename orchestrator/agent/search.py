@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from experiments.registry import ExperimentSpec
 from experiments.space import SearchSpace, SpaceError
 from orchestrator.agent.trial import Phase, Trial, TrialStatus
+from orchestrator.core.direction import Direction
 from orchestrator.core.errors import BadInput
 
 SEED_KEY = "seed"
@@ -112,10 +113,10 @@ def top_candidates(trials: Sequence[Trial], baseline: Mapping[str, Any], directi
             key = config_key(t.params)
             if key != base_key:
                 groups.setdefault(key, []).append(t)
-    sign = -1.0 if direction == "maximize" else 1.0
-    ranked = sorted(groups.values(), key=lambda g: sign * sum(t.value for t in g) / len(g))
+    d = Direction.of(direction)
+    ranked = sorted(groups.values(), key=lambda g: d.key(sum(t.value for t in g) / len(g)))
     out = []
     for group in ranked[:k]:
-        best = min(group, key=lambda t: sign * t.value)
+        best = min(group, key=lambda t: d.key(t.value))
         out.append((best, {int(t.params.get(SEED_KEY, -1)) for t in group}))
     return out

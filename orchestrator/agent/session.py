@@ -125,6 +125,12 @@ class SessionConfig:
         return cls(**data)
 
 
+def stopped_reason(session_id: str) -> str:
+    """The reason `stop` cancels a session's unfinished trials with: a trial whose job was cancelled so is run
+    again by `resume` (orchestrator.agent.graph), and not counted as done meanwhile (`background.trial_counts`)."""
+    return f"stopped with session {session_id}; resume runs it again"
+
+
 def new_id() -> str:
     """A fresh session id."""
     return "s-" + uuid.uuid4().hex[:8]

@@ -16,19 +16,22 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from orchestrator.core.direction import Direction
+
 
 @dataclass(frozen=True)
 class ASHA:
-    """Rung layout and the halving rule. `direction` is the progress metric's ("minimize"/"maximize")."""
+    """Rung layout and the halving rule. `direction` is the progress metric's."""
 
     grace: int = 1
     eta: int = 3
     max_step: int | None = None
-    direction: str = "minimize"
+    direction: Direction = Direction.MINIMIZE
 
     def __post_init__(self) -> None:
         if self.grace < 1 or self.eta < 2:
             raise ValueError("ASHA needs grace >= 1 and eta >= 2")
+        object.__setattr__(self, "direction", Direction.of(self.direction))
 
     @classmethod
     def for_budget(cls, max_step: int | None, direction: str, eta: int = 3, rungs: int = 3) -> "ASHA":
@@ -57,11 +60,11 @@ class ASHA:
 
     def keep(self, value: float, peers: Iterable[float]) -> bool:
         """Whether `value` is in the top 1/eta of `peers` (which include it); True while peers are few."""
-        ranked = sorted(peers, reverse=self.direction == "maximize")
+        ranked = sorted(peers, key=self.direction.key)
         if len(ranked) < self.eta:
             return True
         top = ranked[: max(1, len(ranked) // self.eta)]
-        return value in top or (value <= top[-1] if self.direction == "minimize" else value >= top[-1])
+        return value in top or self.direction.at_least_as_good(value, top[-1])
 
     def judge(self, trial: Mapping, trials: Sequence[Mapping]) -> int | None:
         """The first unjudged rung at which `trial` falls outside the top 1/eta, or None to let it go on.
@@ -88,12 +91,10 @@ class ASHA:
             peers = [p["rungs"][key] for p in trials if key in p.get("rungs", {})]
             if len(peers) >= self.eta * 2 and self.keep(t["rungs"][key], peers):
                 out.append(t)
-        sign = 1 if self.direction == "minimize" else -1
-        return sorted(out, key=lambda t: sign * t["rungs"][str(t["stopped_at"])])
+        return sorted(out, key=lambda t: self.direction.key(t["rungs"][str(t["stopped_at"])]))
 
     def most_promising(self, paused: Sequence[Mapping]) -> list[Mapping]:
         """Paused trials by how far they got and how well they did there: the furthest rung first, the best
         value at it first (what a session finishes when it has no time left to wait for promotions)."""
-        sign = 1 if self.direction == "minimize" else -1
         out = [t for t in paused if t.get("stopped_at") is not None and str(t["stopped_at"]) in t.get("rungs", {})]
-        return sorted(out, key=lambda t: (-int(t["stopped_at"]), sign * t["rungs"][str(t["stopped_at"])]))
+        return sorted(out, key=lambda t: (-int(t["stopped_at"]), self.direction.key(t["rungs"][str(t["stopped_at"])])))

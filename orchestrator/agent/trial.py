@@ -77,6 +77,19 @@ class Trial(Record):
     member: int | None = None
     lineage: dict[str, Any] = field(default_factory=dict)
     schedule: list = field(default_factory=list)
+    attempt: int = 0  # runs of it cut short by a `stop` of its session (`run_again`)
+
+    @property
+    def job_key(self) -> str:
+        """Its current job's idempotency key (and its MLflow run's): `key`, then `key~1`, ... once run again."""
+        return self.key if not self.attempt else f"{self.key}~{self.attempt}"
+
+    def run_again(self) -> None:
+        """Its job was cancelled by a `stop` of its session: on resume it is proposed again as it was (same
+        params, a fresh job and run), so a stop costs no trial of the session's budget."""
+        self.update(status=TrialStatus.PROPOSED, attempt=self.attempt + 1, job_id=None, run_id=None, ended=False,
+                    rungs={}, judged=[], stopped_at=None, last_step=None, total=None, device_s=0.0, error="",
+                    submitted_at=None, finished_at=None)
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)

@@ -55,7 +55,9 @@ def submit(home: Path, argv: list[str], options: dict[str, Any]) -> Optional[dic
 def ask(home: Path, request: dict) -> Optional[dict]:
     """Send one request (`submit`, `queue` with `all`, `show` with `id`) to the home's running service; its
     answer, or None when no service took it (nothing was sent, or it answered `fallback`)."""
-    request = {**request, "db_url": os.environ.get("AUTORESEARCH_DB_URL")}
+    from orchestrator.core.config import environment_value
+
+    request = {**request, "db_url": environment_value("db_url")}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(2.0)

@@ -83,9 +83,13 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
         spec = replace(spec, project=resolve_project(spec.project, settings, store))
     if spec.deadline is not None and spec.deadline <= time.time():
         raise BadInput("--deadline is in the past")
+    if spec.nodes > 1:  # the live services' executors decide; with none, the one this home's settings name
+        executors = store.hosts.live_executors(SERVICE_STALE_AFTER) or [settings.executor]
+        if not any(name in MULTINODE_EXECUTORS for name in executors):
+            check_multinode(executors[0], spec.nodes)
     capacities = store.hosts.live_capacities(SERVICE_STALE_AFTER)
     largest = max(capacities, default=0)
-    why = unplaceable_reason(spec.gpus, largest) if largest else None
+    why = unplaceable_reason(spec.gpus * spec.nodes, largest) if largest else None
     if why:
         raise BadInput(f"--gpus {spec.gpus}: {why}")
     if spec.gpu_memory and capacities:
@@ -93,6 +97,19 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
     job = store.submit(spec)
     notify(settings.home)
     return job, bool(capacities)
+
+
+MULTINODE_EXECUTORS = ("slurm",)
+
+
+def check_multinode(executor: str, nodes: int) -> None:
+    """BadInput (one line, naming the executor that can) when `executor` cannot run a job across `nodes` nodes:
+    the local executor runs on this host only, and Ray places no multi-node gang yet."""
+    if executor in MULTINODE_EXECUTORS:
+        return
+    why = "runs jobs on this host only" if executor == "local" else "does not place multi-node gangs yet"
+    raise BadInput(f"--nodes {nodes}: the {executor} executor {why}; a job across nodes needs "
+                   f"--executor {' or '.join(MULTINODE_EXECUTORS)} (serve --executor slurm)")
 
 
 def check_gpu_memory(memory: int, store: JobStore) -> None:
@@ -117,11 +134,12 @@ def note_unplaceable(store: JobStore) -> None:
                 for job in store.waiting_with(gpus_over=largest, reason_prefix=UNPLACEABLE)})
 
 
-def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None) -> Job:
-    """Cancel a job (BadInput when it already finished)."""
+def cancel(job_id: int, settings: Optional[Settings] = None, store: Optional[JobStore] = None,
+           reason: str = "cancelled by user") -> Job:
+    """Cancel a job (BadInput when it already finished); `reason` is what its event log and `show` say."""
     settings = settings or Settings.load()
     store = store or JobStore.from_settings(settings)
-    job = store.cancel(job_id)
+    job = store.cancel(job_id, reason)
     notify(settings.home)
     return job
 

@@ -36,6 +36,10 @@ FLAGS: tuple[Flag, ...] = (
          "... (1/k, k up to 16).", metavar="N|SHARE"),
     Flag("--gpu-memory", "gpu_memory", str, None, "GPU memory a job on a share of a GPU needs (10GiB, 512MiB); "
          "default: its share of the device's.", metavar="SIZE"),
+    Flag("--nodes", "nodes", int, 1, "Nodes the job runs across, --gpus on each (all at once; the Slurm "
+         "executor).", lean=False),
+    Flag("--min-nodes", "min_nodes", int, None, "The fewest nodes a multi-node job may start on (default: "
+         "--nodes); its checkpoint reshards on load.", lean=False),
     Flag("--max-attempts", "max_attempts", int, 1, "Attempts before the job stays FAILED."),
     Flag("--grace", "grace", float, None, "Seconds between SIGTERM and SIGKILL.", setting="stop_grace"),
     Flag("--no-preempt", "no_preempt", bool, False, "Never preempt this job."),
@@ -123,16 +127,16 @@ def spec_options(values: Mapping[str, Value]) -> dict[str, object]:
     from orchestrator.core.errors import BadInput
 
     from orchestrator.core.gpushare import parse_gpus, parse_size
+    from orchestrator.queue.plantypes import check_preemptible
 
     v = {**defaults(), **values}
     gpus, share = parse_gpus(v["gpus"])
-    if v["scavenger"] and v["no_preempt"]:
-        raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
+    check_preemptible(not v["no_preempt"], v["scavenger"])
     return dict(project=v["project"] or "default", scavenger=bool(v["scavenger"]),
                 deadline=None if v["deadline"] is None else parse_deadline(v["deadline"]),
                 name=v["name"], priority=v["priority"], gpus=gpus, gpu_share=share,
                 gpu_memory=None if v["gpu_memory"] is None else parse_size(v["gpu_memory"]),
-                max_attempts=v["max_attempts"],
+                max_attempts=v["max_attempts"], nodes=v["nodes"], min_nodes=v["min_nodes"],
                 grace=v["grace"], preemptible=not v["no_preempt"], env=parse_params(list(v["env"] or [])),
                 track=not v["no_track"], env_file=v["env_file"], cwd=v["workdir"], image=v["image"],
                 mounts=list(v["mount"] or []) or None, keep_checkpoint=v["keep_checkpoint"],

@@ -135,14 +135,21 @@ _SOURCES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "disk_min_free_mb": ("AUTORESEARCH_DISK_MIN_FREE_MB", _number),
     "warm": ("AUTORESEARCH_WARM", _switch),
     "mps": ("AUTORESEARCH_MPS", _switch),
+    "cgroup": ("AUTORESEARCH_CGROUP", _text),
+    "node": ("AUTORESEARCH_NODE", _text),
 }
 
 
-# config.toml keys that are not Settings fields but that a part reads from `Settings.extra` itself (the local
-# executor's process-tree mode). Any other key is refused (see the module docstring for why an error).
-# Read by their own parts: the local executor (`cgroup`), the projects (`[projects.NAME]`, orchestrator.queue.
-# projects) and the notifications (`[[notify]]`, orchestrator.service.notify).
-EXTRA_KEYS = frozenset({"cgroup", "projects", "notify"})
+# config.toml tables that are not Settings fields but that a part reads from `Settings.extra` itself: the projects
+# (`[projects.NAME]`, orchestrator.queue.projects) and the notifications (`[[notify]]`, orchestrator.service.
+# notify). Any other key is refused (see the module docstring for why an error).
+EXTRA_KEYS = frozenset({"projects", "notify"})
+
+
+def environment_value(name: str) -> Optional[str]:
+    """Setting `name` as the environment alone gives it (None when unset): for the fast paths that hand a
+    request to a running service, which has resolved the rest of its settings itself."""
+    return os.environ.get(_SOURCES[name][0]) or None
 
 
 def known_keys() -> frozenset[str]:
@@ -232,6 +239,8 @@ class Settings:
     # (orchestrator.executors.local.warmstart); off: every attempt starts a fresh interpreter.
     warm: bool = True
     mps: bool = False  # one NVIDIA MPS control daemon per GPU; jobs sharing a GPU run as its clients
+    cgroup: str = "auto"  # the local executor's process tracking: auto (cgroup v2 where writable) or off (psutil)
+    node: Optional[str] = None  # this host's name in a shared queue (default: the host name plus the home's hash)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -297,6 +306,17 @@ class Settings:
         if given.get("ray_address"):
             extra["ray_address"] = given["ray_address"]
         return replace(self, extra=extra, **given)
+
+    @property
+    def llm_key_set(self) -> bool:
+        """Whether `OPENAI_API_KEY` is set. The key stays in the environment, where the openai client reads it
+        (never in a file we write or read): this is the one place that looks for it."""
+        return bool(os.environ.get("OPENAI_API_KEY"))
+
+    @property
+    def llm_configured(self) -> bool:
+        """Whether an OpenAI-compatible endpoint (`llm_base_url`) or a key is configured: the LLM proposes."""
+        return bool(self.llm_base_url) or self.llm_key_set
 
     @property
     def logs_dir(self) -> Path:

@@ -22,7 +22,7 @@ class JobNotFound(BadInput):
 
 
 class InvalidTransition(OrchestratorError):
-    """A state change that Contract 2 does not allow (for example, a finished job changing again)."""
+    """A state change that the job states do not allow (for example, a finished job changing again)."""
 
 
 class ServiceAlreadyRunning(BadInput):

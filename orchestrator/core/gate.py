@@ -28,6 +28,8 @@ from typing import Sequence
 
 from scipy import stats
 
+from orchestrator.core.direction import Direction
+
 #: The smallest per-run standard deviation the gate believes, relative to the metric's scale: 0.1 %.
 #: Deterministic runs (same seed, same data) give identical values; without a floor any difference between
 #: two such groups would be "significant" with an interval of zero width.
@@ -35,7 +37,7 @@ NOISE_FLOOR_REL = 1e-3
 #: The floor for metrics whose means are at or near zero.
 NOISE_FLOOR_ABS = 1e-9
 
-DIRECTIONS = ("maximize", "minimize")
+DIRECTIONS = tuple(Direction)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def gate(baseline: Sequence[float], candidate: Sequence[float], *, direction: st
     if min_effect < 0 or not math.isfinite(min_effect):
         raise ValueError(f"min_effect must be a finite number >= 0, not {min_effect}")
     b, c = _values(baseline, "baseline"), _values(candidate, "candidate")
-    sign = 1.0 if direction == "maximize" else -1.0
+    sign = 1.0 if direction == Direction.MAXIMIZE else -1.0
     b_mean, c_mean = _mean(b), _mean(c)
     b_std, c_std = _std(b), _std(c)
     delta = sign * (c_mean - b_mean)

@@ -2,7 +2,7 @@
 
 ```
 HOME/logs/ID.log                 the job's output, every attempt appended (`autoresearch logs`)
-HOME/checkpoints/ID/             the job's checkpoint dir, the same for every attempt (Contract 3)
+HOME/checkpoints/ID/             the job's checkpoint dir, the same for every attempt (the job protocol)
 HOME/checkpoints/ID/autoresearch-complete.json   written by the job's runtime when an attempt did its last step
                                  (runtime.protocol.COMPLETE_FILE; read by the store when a preempted job ends)
 HOME/run/ID.ATTEMPT.exit         the exit code the attempt's wrapper recorded (read after a restart)
@@ -17,7 +17,6 @@ A reaper settling another host's jobs builds the `Layout` of that host's home.
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,9 +92,9 @@ class Layout:
             return None
 
 
-def node_name(home: Path) -> str:
-    """This service's identity in a shared queue: the host name plus the home, so homes on one host differ."""
-    explicit = os.environ.get("AUTORESEARCH_NODE")
+def node_name(home: Path, explicit: Optional[str] = None) -> str:
+    """This service's identity in a shared queue: `explicit` (the `node` setting), else the host name plus the
+    home, so homes on one host differ."""
     if explicit:
         return explicit
     digest = hashlib.sha1(str(Path(home).resolve()).encode()).hexdigest()[:6]

@@ -1,6 +1,7 @@
 """Metric reports read from a job's output lines: written by the job's wrapper, logged to MLflow by the reader.
 
-The wrapper of a config-file experiment (`orchestrator.executors.scriptjob`) appends each report, `{"step": S, "value":
+Every job-side wrapper that reads metric lines (a config-file experiment's, `orchestrator.executors.scriptjob`;
+a program run's, `orchestrator.programs.wrap`) appends each report, `{"step": S, "value":
 V}` a line, to `.autoresearch-metric.jsonl` in the job's checkpoint directory as the line appears: the
 standard library only, so a job pays no MLflow import (seconds of CPU) for its metric. Whoever reads the job's
 metric next (the agent watching its trials, a session judging them, the leaderboard for runs by hand) first

@@ -41,6 +41,7 @@ class Exit:
     attempt: int
     code: int
     detail: str = ""
+    failed_nodes: tuple[tuple[str, str], ...] = ()  # (node, why) of a multi-node attempt's failed nodes
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Executor(ABC):
 
     @abstractmethod
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
-        """Start an attempt of `job` (already STARTING with devices) with the Contract 3 `env`."""
+        """Start an attempt of `job` (already STARTING with devices) with the job protocol's `env`."""
 
     def launch_many(self, batch: Sequence[tuple[Job, dict[str, str]]], pool=None) -> list[Union[Launched, Exception]]:
         """Start several attempts; each outcome is the attempt's handle or the exception that stopped it, in
@@ -178,7 +179,7 @@ def cpu_threads(job: Job, devices: list[str], cores: int) -> int:
 
 def job_env(job: Job, *, base: dict[str, str], layout: Layout, tracking_uri: str,
             threads: Optional[int] = None) -> dict[str, str]:
-    """The Contract 3 environment of an attempt: the service's env, the job's overrides, then the protocol.
+    """The job protocol's environment of an attempt: the service's env, the job's overrides, then the protocol.
     `threads`: the job's CPU threads (`cpu_threads`), set in `protocol.THREAD_VARS` unless the service or the
     job sets OMP_NUM_THREADS itself."""
     env = dict(base)
@@ -228,6 +229,16 @@ def job_argv(job: Job) -> list[str]:
                 f"--nproc-per-node={job.gpus}", f"--shutdown-timeout={torchrun_shutdown_timeout(job.grace)}",
                 "--no-python", *argv]
     return argv
+
+
+def refuse_multinode(job: Job, executor: str) -> None:
+    """BadInput (one line, naming the executor that can) for a job across several nodes on an executor that
+    places each attempt on one machine."""
+    if job.node_count > 1:
+        from orchestrator.core.errors import BadInput
+
+        raise BadInput(f"job {job.id} asks for {job.node_count} nodes: the {executor} executor runs each job on "
+                       "one machine; a job across nodes needs --executor slurm")
 
 
 def describe(argv: list[str]) -> str:

@@ -4,7 +4,7 @@ The container *is* the job's process, so it keeps the process contract of `execu
 - launch: the wrapper runs the engine's foreground `run` (`--rm`, a name derived from the home and the
   attempt, `--init` so the job is not PID 1 and a SIGTERM reaches it), and records its exit code, which is the
   job's own (75 included);
-- the Contract 3 environment goes in by name only (`-e KEY`: values come from the engine client's environment,
+- the job protocol's environment goes in by name only (`-e KEY`: values come from the engine client's environment,
   so none shows up in an argv, a log header or `ps`), never the service's PATH or other variables, which
   would hide the image's own;
 - the home (checkpoints, heartbeats, the data cache, a default SQLite MLflow store), the workdir, and what of
@@ -39,18 +39,21 @@ from runtime import protocol
 log = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
-ENGINE_VAR = "AUTORESEARCH_CONTAINER_ENGINE"
 CALL_TIMEOUT = 60.0  # seconds an engine command may take (an image inspect, a kill, a removal)
-# Contract 3 plus the runtime's own: what a job inside needs from the service's side.
+# The job protocol's variables plus the runtime's own: what a job inside needs from the service's side.
 CONTRACT_VARS = (protocol.JOB_ID, protocol.ATTEMPT, protocol.CHECKPOINT_DIR, protocol.PARAMS, protocol.HOME,
                  protocol.HEARTBEAT_FILE, protocol.FAULTS, protocol.TRACKING_URI, protocol.RUN_ID,
                  protocol.VISIBLE_DEVICES, protocol.DEVICE_ORDER)
 
 
 def engine_name(setting: Optional[str] = None) -> str:
-    """The engine to use: `setting` (or AUTORESEARCH_CONTAINER_ENGINE), `auto` meaning podman when present,
+    """The engine to use: `setting` (else the `container_engine` setting), `auto` meaning podman when present,
     else docker. BadInput when the chosen engine is not installed."""
-    choice = (setting or os.environ.get(ENGINE_VAR) or "auto").strip().lower()
+    if not setting:
+        from orchestrator.core.config import Settings
+
+        setting = Settings.load().container_engine
+    choice = (setting or "auto").strip().lower()
     if choice not in ("auto", *ENGINES):
         raise BadInput(f"container engine must be auto, podman or docker, got {choice!r}")
     candidates = ENGINES if choice == "auto" else (choice,)
@@ -163,7 +166,7 @@ def run_argv(job: Job, env: dict[str, str], layout: Layout, engine: str) -> list
 
 
 def inside_keys(job: Job, env: dict[str, str]) -> set[str]:
-    """The variables the container gets: the job's own (--env, --env-file) and the Contract 3 ones."""
+    """The variables the container gets: the job's own (--env, --env-file) and the job protocol's ones."""
     wanted = set(job.env or {}) | set(CONTRACT_VARS)
     return {k for k in wanted if k in env}
 

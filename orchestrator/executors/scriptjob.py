@@ -7,16 +7,20 @@ plan's fixed ones, under the script's names), its checkpoint dir and its id (`ex
 `python` at its head is the interpreter running this wrapper. The command runs under `/bin/sh` in the job's
 cwd (the toml's folder) and its output passes through unchanged.
 
-Resuming: with a `resume` flag in the plan and a checkpoint dir that holds anything of the script's, the flag is
-added and the report count continues. Without one, a second attempt (after a preemption) starts again from
-scratch, and the log says so. This wrapper's own bookkeeping lives in `.autoresearch-*` files there.
+Resuming: with a `resume` flag in the plan and a checkpoint dir that holds anything of the script's, the flag
+(its placeholders filled in as in `run`) is added. A script may also resume by itself from what it left there
+(the Trainer's `get_last_checkpoint(output_dir)`): either way the report count continues where the last attempt
+left it, so progress steps never restart at 1. An empty checkpoint dir is a start from scratch, and the log says
+so. This wrapper's own bookkeeping lives in `.autoresearch-*` files there.
 
 The metric: every output line matching the pattern (default `^<metric>: <number>`; `orchestrator.core.metriclines`)
 is a progress report at its step, recorded as it comes (`orchestrator.core.outputmetrics`, from where readers log it
 to the job's MLflow run, so ASHA sees it); the last is the result. A script that logs the metric to MLflow
-itself (the runtime, or plain `mlflow.log_metric` in the inherited MLFLOW_RUN_ID) keeps its own. A run that
-exits 0 with neither exits 1 with that reason: no result is ever made up. Standard library only: a job pays
-no MLflow import for its metric.
+itself (the runtime, or plain `mlflow.log_metric` in the inherited MLFLOW_RUN_ID) keeps its own; one whose
+logger made a run of its own has that run's metrics copied into the job's (`orchestrator.executors.ownruns`).
+A run that exits 0 with neither exits 1 with that reason (what the job's run holds, and how to connect the
+script's logger): no result is ever made up. Standard library only: a job pays no MLflow import for its metric
+unless its script made runs of its own.
 Population-based training: with a `steps` parameter and a resume flag in the plan, a PBT member or a replayed
 schedule runs as a chain of resumed segments, each reported once, at its end (`orchestrator.executors.segments`).
 
@@ -38,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import time
 import signal
 import sqlite3
@@ -48,8 +51,8 @@ import tempfile
 from pathlib import Path
 
 from experiments import common
-from experiments.command import exec_form, render, script_params, with_interpreter
-from orchestrator.executors import segments
+from experiments.command import exec_form, expand, render, script_params, with_interpreter
+from orchestrator.executors import ownruns, segments
 from orchestrator.executors.local import warmpool
 from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
@@ -89,23 +92,35 @@ def main(argv: list[str] | None = None) -> int:
     theirs = [p for p in checkpoint_dir.iterdir() if not p.name.startswith(".autoresearch")]
     values = script_params(params, plan.get("fixed") or {}, plan.get("seed"))
     command = _command(plan, values, checkpoint_dir)
-    start = 0
+    start = int(state.get("reports", 0)) if theirs else 0  # progress continues where the last attempt's ended
     if plan.get("resume") and theirs:
-        command = f"{command} {plan['resume']}"
-        start = int(state.get("reports", 0))
-        say(f"resuming from the checkpoint dir ({len(theirs)} entries): added {plan['resume']!r}")
+        flag = _command({**plan, "run": plan["resume"]}, values, checkpoint_dir)
+        command = f"{command} {flag}"
+        say(f"resuming from the checkpoint dir ({len(theirs)} entries): added {flag!r}")
+    elif state.get("attempts") and theirs:
+        left = ", ".join(sorted(p.name for p in theirs)[:3]) + (", ..." if len(theirs) > 3 else "")
+        say(f"attempt {state['attempts'] + 1}: no resume flag; the checkpoint dir holds what the script left there "
+            f"({left}), which it resumes from if it does so by itself (progress reports continue after {start})")
     elif state.get("attempts"):
-        why = "it declares no resume flag" if not plan.get("resume") else "its checkpoint dir is empty"
-        say(f"attempt {state['attempts'] + 1} starts again from scratch: {why}")
+        say(f"attempt {state['attempts'] + 1} starts again from scratch: its checkpoint dir is empty")
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=start)
     reader = LineReader(compile_pattern(plan.get("pattern") or DEFAULT_PATTERN, plan["metric"]), start=start)
     code = _run(command, values, reader, checkpoint_dir)
     _write_state(checkpoint_dir, attempts=int(state.get("attempts", 0)) + 1, reports=reader.count)
+    adopted = ownruns.adopt(dict(os.environ))
+    if adopted.runs:
+        say(f"the script made MLflow runs of its own ({', '.join(f'{r} in {e!r}' for r, e in adopted.runs)}): "
+            f"copied {', '.join(adopted.copied) or 'no new metric'} into the job's run and deleted them; "
+            "a logger given the job's run (MLFLOW_RUN_ID) logs there directly")
     if code != 0 and OOM_SEEN and _sharing():
         return _out_of_shared_memory(checkpoint_dir)
     if code == 0 and not reader.values and not logged_by_script(plan["metric"]):
-        say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} "
-            "to MLflow")
+        has = ownruns.job_metrics(dict(os.environ))
+        say(f"no result: the run printed no line matching the metric pattern and logged no {plan['metric']} to "
+            f"MLflow (the job's run {os.environ.get('MLFLOW_RUN_ID')} has {', '.join(has) or 'no metric'}"
+            + (f"; the runs it made had {', '.join(adopted.copied) or 'none'}" if adopted.runs else "")
+            + f"); log {plan['metric']} to the run in MLFLOW_RUN_ID (Lightning: MLFlowLogger(run_id=...); the "
+            "Trainer: report_to=mlflow), or set pattern to the line the script prints")
         return NO_RESULT_EXIT
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
@@ -140,11 +155,11 @@ def _run(command: str, values: dict, reader: LineReader, checkpoint_dir: Path, r
     """Run one command (forked warm when it can be), its output passed through and its metric lines read (each
     recorded as a report, with `record`); its exit code."""
     command = with_interpreter(command, sys.executable)
-    env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values)}
-    target = warm_target(command, env)
-    say(f"running: {command}" + (" (warm)" if target else ""))
-    if target is not None:
-        proc: subprocess.Popen | Forked = Forked(target, env)
+    env = {**os.environ, "AUTORESEARCH_PARAMS": json.dumps(values), **ownruns.context_env(dict(os.environ))}
+    warm = warm_target(command, env)
+    say(f"running: {command}" + (" (warm)" if warm else ""))
+    if warm is not None:
+        proc: subprocess.Popen | Forked = Forked(*warm)
     else:
         proc = subprocess.Popen(["/bin/sh", "-c", exec_form(command)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -192,7 +207,10 @@ def _in_segments(plan: dict, params: dict, checkpoint_dir: Path, state: dict) ->
         _write_state(checkpoint_dir, attempts=attempts, **state)
         if TERMINATED:  # stopped (a cancel, a preemption) even if the script exited 0: not done
             say(f"the segment to step {end} was stopped; a next attempt resumes it from the script's checkpoint")
-            return (128 - code if code < 0 else code) or TEMPFAIL_EXIT
+            # The stop's own signal ended the script (it came before the script's handler, while it started):
+            # its last checkpoint stands, so this is a stop like any other, not a failure.
+            killed = code < 0 or code == 128 + signal.SIGTERM
+            return TEMPFAIL_EXIT if killed or code == 0 else code
         if code != 0:
             return 128 - code if code < 0 else code
         if last is not None and end not in done:
@@ -212,20 +230,23 @@ def _in_segments(plan: dict, params: dict, checkpoint_dir: Path, state: dict) ->
     return 0
 
 
-def warm_target(command: str, env: dict[str, str]) -> dict | None:
-    """What to fork for `command` when this wrapper runs warm and the command is a plain run of this
-    environment's Python (no shell syntax, no interpreter options, no other copy of a module imported here
-    first on its path), else None: it runs through /bin/sh."""
-    if not warmpool.STARTED_WARM or exec_form(command) == command:
+def warm_target(command: str, env: dict[str, str]) -> tuple[dict, dict[str, str]] | None:
+    """What to fork for `command`, and its environment, when this wrapper runs warm and the command is a simple
+    run of this environment's Python (no pipeline or list, no interpreter options, no other copy of a module
+    imported here first on its path), else None: it runs through /bin/sh. Its words and leading assignments
+    are expanded as /bin/sh would (`$MLFLOW_RUN_ID`, quotes, `OMP_NUM_THREADS=1 python ...`), so a job sees
+    the same argv and environment warm or cold."""
+    if not warmpool.STARTED_WARM:
         return None
     try:
-        argv = shlex.split(command)
-    except ValueError:
+        argv, assigned = expand(command, env)
+    except (ValueError, OSError, subprocess.SubprocessError):
         return None
+    env = {**env, **assigned}
     target, _ = python_target(argv, env)
     if target is None or shadowed(first_path(target, os.getcwd()), warmpool.imported()):
         return None
-    return target
+    return target, env
 
 
 class Forked:

@@ -9,14 +9,14 @@ exactly its behaviour. Submit's flags are read as `orchestrator.api.submitflags`
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 def _home() -> Path:
-    explicit = os.environ.get("AUTORESEARCH_HOME")
-    return Path(explicit).expanduser() if explicit else Path.home() / ".autoresearch"
+    from runtime.protocol import home_dir  # the one rule for where the home is (standard library only)
+
+    return home_dir()
 
 
 def _config_parses(home: Path) -> bool:

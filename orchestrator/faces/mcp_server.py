@@ -1,8 +1,8 @@
 """`autoresearch mcp`: the queue, its devices, results and agent sessions as an MCP server for outside agents.
 
 Built on the official SDK (`mcp.server.mcpserver.MCPServer`): stdio by default, streamable HTTP on request.
-Every tool calls the same library functions as the CLI (`orchestrator.api.jobs`, `orchestrator.agent.background`, the agent
-runner's leaderboard), takes JSON arguments described by a JSON schema (from the type hints) and answers JSON.
+Every tool calls the Python API the CLI calls (`orchestrator.faces.pyapi`: submit, listing, record, cancel, boards,
+start_session, Session), takes JSON arguments described by a JSON schema (from the type hints) and answers JSON.
 
 Rules for outside agents:
 - Bad arguments come back as MCP tool errors carrying the CLI's one-line message (what `autoresearch` prints
@@ -26,8 +26,9 @@ from mcp.server.mcpserver.exceptions import ToolError
 from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput, OrchestratorError
-from orchestrator.queue.listing import DEFAULT_LIMIT, check_limit
-from orchestrator.queue.models import JobSpec, check_priority
+from orchestrator.faces.pyapi import jobapi as pyapi
+from orchestrator.queue.listing import DEFAULT_LIMIT
+from orchestrator.queue.models import check_priority
 
 DEFAULT_MAX_PRIORITY = 5
 DEFAULT_PRIORITY = 0  # what an agent's job gets unless it asks: agent work, like the agent's own trials
@@ -183,48 +184,40 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def submit_job(ctx: Context, command: Optional[list[str]] = None, experiment: Optional[str] = None,
                    params: Optional[dict[str, Any]] = None, name: str = "", priority: int = DEFAULT_PRIORITY,
-                   gpus: float = 1, gpu_memory: Optional[str] = None, max_attempts: int = 1, grace: float = Settings.stop_grace, preemptible: bool = True,
+                   gpus: float = 1, gpu_memory: Optional[str] = None, max_attempts: int = 1,
+                   grace: float = Settings.stop_grace, preemptible: bool = True,
                    time_limit: Optional[str] = None, env: Optional[dict[str, str]] = None,
                    cwd: Optional[str] = None, project: Optional[str] = None, scavenger: bool = False,
-                   deadline: Optional[str] = None) -> dict[str, Any]:
+                   deadline: Optional[str] = None, nodes: int = 1,
+                   min_nodes: Optional[int] = None) -> dict[str, Any]:
         """Queue a job: `command` (an argv list, run without a shell) or `experiment` with `params`.
 
         project: the project charged (see the usage tool); scavenger: only idle devices, preempted first, not
         charged; deadline: finish by then ("2026-12-03 18:00", ISO, or "2h"), else it is not started.
         gpus: whole devices, or a share of one GPU (0.5, 0.25, ... down to 1/16) beside other jobs;
         gpu_memory: the GPU memory such a job needs ("10GiB").
+        nodes: nodes the job runs across, `gpus` on each (the Slurm executor); min_nodes: the fewest it may
+        start on (its checkpoint reshards on load).
 
         priority: higher wins (people's jobs default to 10; this server caps what it accepts).
         time_limit: e.g. "90s", "5m", "2h" (stopped and FAILED past it). cwd: an existing directory (default:
         the server's working directory). env: extra environment variables for the job.
         Returns the job (id, state, ...) and whether a service is running to pick it up."""
-        from orchestrator.core.durations import parse_duration
-        from orchestrator.api.sharing import parse_deadline
-
         if scavenger and not preemptible:
             raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
         if cwd is not None and not os.path.isdir(cwd):
             raise BadInput(f"cwd {cwd!r} is not a directory")
-        from orchestrator.core.gpushare import parse_gpus, parse_size
-
-        whole, share = parse_gpus(gpus)
-        options = dict(name=name, priority=capped(priority), gpus=whole, gpu_share=share,
-                       gpu_memory=None if gpu_memory is None else parse_size(gpu_memory),
-                       max_attempts=max_attempts, grace=grace,
-                       preemptible=preemptible, env=dict(env or {}), owner=client_owner(ctx), cwd=cwd,
-                       project=charged(project), scavenger=scavenger,
-                       deadline=None if deadline is None else parse_deadline(deadline),
-                       time_limit=None if time_limit is None else parse_duration(time_limit, what="--time-limit"))
-        if experiment:
-            if command:
-                raise BadInput("give either experiment or command, not both")
-            spec = api.experiment_spec(experiment, params or {}, **options)
-        else:
-            if params:
-                raise BadInput("params need an experiment")
-            spec = JobSpec(argv=list(command or []), **options)
-        job, served = api.submit(spec, settings)
-        return {**job.to_dict(), "service_running": served}
+        if experiment and command:
+            raise BadInput("give either experiment or command, not both")
+        if params and not experiment:
+            raise BadInput("params need an experiment")
+        job = pyapi.submit(list(command or []), experiment=experiment, params=dict(params or {}), name=name,
+                           priority=capped(priority), gpus=gpus, gpu_memory=gpu_memory, nodes=nodes,
+                           min_nodes=min_nodes, max_attempts=max_attempts, grace=grace, no_preempt=not preemptible,
+                           env=dict(env or {}), workdir=cwd,
+                           time_limit=time_limit, project=charged(project), scavenger=scavenger, deadline=deadline,
+                           owner=client_owner(ctx), settings=settings)
+        return {**job.to_dict(), "service_running": job.service_running}
 
     @server.tool()
     @_tool
@@ -233,16 +226,14 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         name>", or an agent session's id): the first `limit` (0: all) with those holding devices first, then the
         waiting line in the order jobs will start (then, with all, finished jobs newest first). `total`, `more`
         and `counts` (by state) cover every matching job, listed or not."""
-        return store().listing(finished=all, limit=check_limit(limit), owner=owner).to_dict()
+        return pyapi.listing(all, limit, owner, settings).to_dict()
 
     @server.tool()
     @_tool
     def get_job(job_id: int) -> dict[str, Any]:
         """One job with its event log (every state transition with time and reason) and, while it waits, `next`:
         what the next plan does about it (as `queue` says)."""
-        from orchestrator.faces.views.snapshot import job_record
-
-        return job_record(settings, store(), job_id)
+        return pyapi.record(job_id, settings)
 
     @server.tool()
     @_tool
@@ -261,7 +252,7 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         if not allow_cancel_any and owner != me:
             raise BadInput(f"job {job_id} belongs to {owner or 'nobody'}, not {me}: this server lets a client "
                            "cancel only its own jobs (a person may allow more: autoresearch mcp --allow-cancel-any)")
-        return api.cancel(job_id, settings).to_dict()
+        return pyapi.cancel(job_id, settings=settings).to_dict()
 
     @server.tool()
     @_tool
@@ -286,9 +277,9 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     def leaderboard(experiment: Optional[str] = None) -> dict[str, Any]:
         """Configurations ranked by mean metric over seeds (agent-made and hand-submitted runs), with the
         seed noise: a lead smaller than the noise is not a win."""
-        from orchestrator.agent import runner
+        from orchestrator.faces.pyapi.resultapi import boards
 
-        return {"boards": runner.leaderboard(experiment, settings)}
+        return {"boards": boards(experiment, settings)}
 
     @server.tool()
     @_tool
@@ -304,19 +295,13 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         llm_budget_tokens: caps on its LLM spend (at one it pauses; `autoresearch resume` with a higher cap
         continues it); trials_per_gpu: "auto" (pack trials on a GPU by the baseline's measured use; 1 on cpu
         slots) or an integer 1..16. Watch it with session_status; stop it with stop_session."""
-        from orchestrator.agent import background as sessions
-        from orchestrator.agent.proposers import default_name
-        from orchestrator.agent.session import SessionConfig
+        from orchestrator.faces.pyapi.sessionapi import start_session as start
 
-        config = SessionConfig(goal=goal, experiment=experiment, proposer=proposer or default_name(),
-                               trials=trials, budget_minutes=budget_minutes, parallel=parallel,
-                               priority=capped(priority), model=settings.llm_model, fixed=dict(params or {}),
-                               baseline=dict(baseline or {}), project=charged(project),
-                               trials_per_gpu=trials_per_gpu,
-                               llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
-                               llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
-                                                  else llm_budget_tokens))
-        return sessions.start_session(config, settings)
+        session = start(experiment, goal=goal, trials=trials, parallel=parallel, proposer=proposer,
+                        budget_minutes=budget_minutes, priority=capped(priority), params=dict(params or {}),
+                        baseline=dict(baseline or {}), project=charged(project), trials_per_gpu=trials_per_gpu,
+                        llm_budget_usd=llm_budget_usd, llm_budget_tokens=llm_budget_tokens, settings=settings)
+        return {"session": session.id, "pid": session.pid, "log": str(session.log_path)}
 
     @server.tool(name="usage")
     @_tool
@@ -333,17 +318,17 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
     @_tool
     def session_status(session_id: Optional[str] = None) -> dict[str, Any]:
         """One session's progress (trials by state, best so far, baseline), or every session's."""
-        from orchestrator.agent import background as sessions
+        from orchestrator.faces.pyapi.sessionapi import progress
 
-        return {"sessions": sessions.sessions(settings, session_id=session_id)}
+        return {"sessions": progress(session_id, settings)}
 
     @server.tool()
     @_tool
     def stop_session(session_id: str) -> dict[str, Any]:
         """Interrupt a session (it stays resumable with `autoresearch resume`) and cancel its unfinished trials."""
-        from orchestrator.agent import background as sessions
+        from orchestrator.faces.pyapi.sessionapi import Session
 
-        return sessions.stop_session(session_id, settings)
+        return Session(session_id, settings=settings).stop()
 
     _add_space_resources(server, settings)
     return server

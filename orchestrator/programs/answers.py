@@ -1,6 +1,6 @@
 """Talking to the model about code: the prompt for one step, and the parsing of its JSON answers.
 
-The answer shape is fixed by Contract 4:
+The answer shape is fixed by the program format (docs/guides/program-mode.md):
 
     {"proposals": [{"parent": "best" | "<commit>", "rationale": "one sentence",
                     "edits": [{"file": "train.py", "search": "exact text", "replace": "new text"}]}]}
@@ -12,10 +12,10 @@ apply is `edits.apply`'s business, against the parent the proposal names.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from orchestrator.agent.llmclient import clean, load_json, proposals_of
 
 SYSTEM = (
     "You are an ML research engineer improving a training program by editing its code. "
@@ -51,16 +51,10 @@ class Step:
 
 def parse(text: str, n: int) -> tuple[list[Proposal], list[str]]:
     """Well-shaped proposals in `text` (at most `n`) and the reasons the others were refused."""
-    body = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", text or "")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
-        return [], ["the answer is not valid JSON"]
-    if isinstance(data, dict) and "edits" in data and "proposals" not in data:
-        data = {"proposals": [data]}
-    items = data.get("proposals") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        return [], ['expected an object with a "proposals" list']
+    data, error = load_json(text)
+    items, error = (None, error) if error else proposals_of(data, "edits")
+    if items is None:
+        return [], [error or ""]
     out, errors = [], []
     for i, item in enumerate(items[:n]):
         if not isinstance(item, dict) or not isinstance(item.get("edits"), list):
@@ -71,13 +65,6 @@ def parse(text: str, n: int) -> tuple[list[Proposal], list[str]]:
             parent = "best"
         out.append(Proposal(parent=parent.strip(), rationale=clean(item.get("rationale")), edits=item["edits"]))
     return out, errors
-
-
-def clean(text: Any) -> str:
-    """A short printable single-line rationale (shown to people and stored as a tag, never run)."""
-    if not isinstance(text, str):
-        return ""
-    return " ".join("".join(c if c.isprintable() else " " for c in text).split())[:500]
 
 
 def prompt(goal: str, spec: Any, step: Step, history: list[str], best: str) -> str:

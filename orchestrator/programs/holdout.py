@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from orchestrator.agent.history import device_seconds
 from orchestrator.programs.trial import ProgramTrial
-from orchestrator.programs.wrap import read_values
+from orchestrator.core import outputmetrics
 
 OUTPUT_VAR = "AUTORESEARCH_OUTPUT_DIR"
 
@@ -43,7 +43,7 @@ class Holdout:
         out = {}
         for n, job_id in jobs.items():
             job = self.store.get(job_id)
-            values = read_values(job.checkpoint_dir, self.spec.eval_metric) if job.state == "SUCCEEDED" else []
+            values = [v for _, v in outputmetrics.read(job.checkpoint_dir)] if job.state == "SUCCEEDED" else []
             error = "" if values else (f"no {self.spec.eval_metric} line" if job.state == "SUCCEEDED"
                                        else f"{job.state.lower()}: exit code {job.exit_code}: {job.reason}"[:300])
             out[n] = {"value": values[-1] if values else None, "error": error, "job_id": job_id,

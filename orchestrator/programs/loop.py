@@ -12,7 +12,6 @@ on it (see `tree`), so `resume` continues from any point.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,20 +19,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator.agent.history import device_seconds
+from orchestrator.core import outputmetrics
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import Governor
 from orchestrator.programs.judge import Judge
 from orchestrator.programs.memory import Memory
 from orchestrator.programs.trial import ACTIVE, Kind, ProgramTrial, S
-from orchestrator.programs.wrap import log_tail, read_values
+from orchestrator.programs.wrap import log_tail
 from orchestrator.queue.states import TIME_LIMIT
 from orchestrator.tracking.client import run_status
 
 TAIL = 3000
 
 
-class Loop(Judge):
-    """One program session's loop over live resources (store, tracker, repo, LLM); verdicts come from `Judge`."""
+class Loop:
+    """One program session's loop over live resources (store, tracker, repo, LLM); verdicts come from its `Judge`."""
 
     def __init__(self, *, session_id: str, config: Any, spec: Any, store: Any, tracker: Any, repo: Any,
                  trees: tree.TreeStore, llm: Any, parallel: int, home: Path, parent_run: str,
@@ -47,6 +47,7 @@ class Loop(Judge):
         self.trials: list[ProgramTrial] = trees.trials(session_id)
         self.state: dict = trees.state(session_id) or self._initial_state()
         self.gov = Governor.from_dict(self.state["governor"])
+        self.judge = Judge(self)
         self.state.setdefault("program", str(spec.root))  # (a session from before the memory of earlier ones)
         # What earlier sessions on this program and start commit measured: never run again, shown compactly.
         self.memory = Memory.of(trees, session_id, program=str(spec.root), root=self.state["root"],
@@ -109,7 +110,7 @@ class Loop(Judge):
         while True:
             self._elapsed()
             self._sync()
-            self._judge()
+            self.judge()
             active = [t for t in self.trials if t.status in ACTIVE]
             if not self.state["stop_reason"] and not self._time_up():
                 self._fill()
@@ -257,7 +258,7 @@ class Loop(Judge):
             if t.value is None:
                 t.error = f"no {self.spec.metric} in MLflow or in the output"
             else:  # its place in the session's ranking, for checkpoint retention (orchestrator.service.retention)
-                self.store.keeping.set_scores({job.id: -t.value if self.spec.direction == "minimize" else t.value})
+                self.store.keeping.set_scores({job.id: self.spec.direction.score(t.value)})
         elif job.state == "FAILED":
             t.status = S.FAILED
             timed_out = job.timed_out  # the queue stopped it at the program's time_limit
@@ -280,10 +281,10 @@ class Loop(Judge):
         value = self.tracker.final(t.run_id, self.spec.metric)
         if value is not None:
             return value
-        values = read_values(job.checkpoint_dir, self.spec.metric)
-        for step, v in enumerate(values):
+        reports = outputmetrics.read(job.checkpoint_dir)
+        for step, v in reports:
             self.tracker.log_metrics(t.run_id, {self.spec.metric: v}, step=step)
-        return values[-1] if values and math.isfinite(values[-1]) else None
+        return reports[-1][1] if reports else None
 
     # -- proposing -------------------------------------------------------------------------------------------------
 
@@ -334,7 +335,7 @@ class Loop(Judge):
         if not variants:
             self.state["rejected"] += 1
             self.say(f"no usable proposal after {self.cfg.max_reasks} re-ask(s): {reasons[-1] if reasons else ''}")
-            self._govern("failed")
+            self.judge.govern("failed")
             return
         for v in variants:
             parent = next(t for t in tree.nodes(self.trials) if t.commit == v.parent)

@@ -1,7 +1,7 @@
 """Asking the model for code edits: one step's prompt, bounded re-asks with the reasons, validated results.
 
-The chat itself (retries with backoff, usage and cost accounting, no key in state) is the experiment agent's
-`LLMProposer`, reused as a client: only the prompt and the validation differ for code.
+The chat itself (retries with backoff, re-asks, usage and cost accounting, no key in state) is the one LLM
+client, `orchestrator.agent.llmclient`, as for experiments: only the prompt and the validation differ for code.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from orchestrator.agent import llmclient
 from orchestrator.programs import answers, edits
 from orchestrator.programs.spec import ProgramSpec
 
@@ -31,43 +32,19 @@ def fingerprint(files: dict[str, str]) -> str:
     return hashlib.sha1(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
 
 
-class ProgramLLM:
-    """The chat endpoint, through `LLMProposer`'s client (retries, backoff, usage)."""
-
-    def __init__(self, goal: str, *, model: str | None = None, options: dict[str, Any] | None = None):
-        from orchestrator.agent.proposers.llm import LLMProposer
-
-        opts = {k: v for k, v in (options or {}).items() if k in ("retries", "backoff", "timeout")}
-        self._llm = LLMProposer(None, goal, model=model, fallback=None, **opts)  # type: ignore[arg-type]
-
-    def chat(self, messages: list[dict[str, str]]) -> str:
-        return self._llm._chat(messages)  # the shared client: retries, backoff and usage live there
-
-    def take_usage(self) -> dict[str, float]:
-        return self._llm.take_usage()
-
-
 def ask(llm: Any, *, goal: str, spec: ProgramSpec, step: answers.Step, history: list[str], best: str,
         resolve: Callable[[str], str | None], read: Callable[[str, str], str | None],
         tried: set[tuple], max_reasks: int) -> tuple[list[Variant], list[str]]:
     """Up to `step.n` valid variants, re-asking at most `max_reasks` times; also every rejection reason.
 
-    `resolve` maps a proposal's parent ("best" is the step's parent) to a commit of the session or None;
-    `read(commit, file)` is a file's text at a commit; `tried` holds (parent, files) already run.
+    `llm` is an `LLMClient` (or anything with its `chat` and `take_usage`). `resolve` maps a proposal's parent
+    ("best" is the step's parent) to a commit of the session or None; `read(commit, file)` is a file's text at a
+    commit; `tried` holds (parent, files) already run.
     """
-    from orchestrator.agent.proposers.llm import LLMUnavailable
 
-    messages = [{"role": "system", "content": answers.SYSTEM},
-                {"role": "user", "content": answers.prompt(goal, spec, step, history, best)}]
-    got: list[Variant] = []
-    reasons: list[str] = []
-    for round_ in range(max_reasks + 1):
-        try:
-            text = llm.chat(messages)
-        except LLMUnavailable as exc:
-            reasons.append(f"the LLM endpoint failed: {exc}")
-            break
-        proposals, errors = answers.parse(text, step.n - len(got))
+    def parse(text: str, wanted: int) -> tuple[list[Variant], list[str]]:
+        proposals, errors = answers.parse(text, wanted)
+        got = []
         for i, p in enumerate(proposals):
             parent = step.parent if p.parent in ("best", "") else resolve(p.parent)
             if parent is None:
@@ -84,13 +61,10 @@ def ask(llm: Any, *, goal: str, spec: ProgramSpec, step: answers.Step, history: 
                 continue
             tried.add(key)
             got.append(Variant(parent, files, p.rationale, p.edits, step.kind))
-        reasons += errors
-        if len(got) >= step.n:
-            break
-        if round_ < max_reasks:
-            why = ("That answer was rejected: " + "; ".join(errors)[:3000] if errors
-                   else "That answer had too few proposals")
-            messages += [{"role": "assistant", "content": (text or "")[:6000]},
-                         {"role": "user", "content": f"{why}. Reply again with JSON only, {step.n - len(got)} "
-                                                     f"more proposal(s)."}]
-    return got[:step.n], reasons
+        return got, errors
+
+    asked = llmclient.ask(llm, answers.SYSTEM, answers.prompt(goal, spec, step, history, best), parse, step.n,
+                          max_reasks=max_reasks, reason_chars=3000, answer_chars=6000,
+                          short=lambda k: "That answer had too few proposals")
+    reasons = asked.reasons + ([f"the LLM endpoint failed: {asked.unavailable}"] if asked.unavailable else [])
+    return asked.got, reasons

@@ -11,7 +11,6 @@ service for the home when none runs, and otherwise uses the running one.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,21 +78,20 @@ class ProgramConfig:
 def check(config: ProgramConfig, devices: str | None = None, settings: Settings | None = None) -> specs.ProgramSpec:
     """The program's spec, or BadInput for anything that would stop the session before it starts."""
     from orchestrator.core import devices as devspec
-    from orchestrator.agent.proposers.base import llm_configured
     from orchestrator.programs import repo as gitrepo, sandbox
     from orchestrator.service.daemon import Service
 
     spec = specs.load(config.program)
-    if not llm_configured():
-        raise BadInput("program mode needs an LLM: set OPENAI_BASE_URL (an OpenAI-compatible endpoint) "
-                       "or OPENAI_API_KEY")
+    settings = settings or Settings.load()
+    if not settings.llm_configured:
+        raise BadInput("program mode needs an LLM: set llm_base_url (OPENAI_BASE_URL, an OpenAI-compatible "
+                       "endpoint) or OPENAI_API_KEY")
     if config.sandbox:
         sandbox.available()
     try:
         gitrepo.Repo(spec.repo).head()
     except gitrepo.GitError as exc:
         raise BadInput(str(exc)) from None
-    settings = settings or Settings.load()
     if not Service.running(settings):
         devspec.parse(devices or settings.devices)
     return spec
@@ -114,6 +112,7 @@ def start(config: ProgramConfig, *, settings: Settings | None = None, session_id
           devices: str | None = None, say: Callable[[str], None] = lambda s: None, llm: Any = None
           ) -> dict[str, Any]:
     """Run a new program session to its end; returns its summary."""
+    from orchestrator.agent.lifecycle import through_full_disk
     from orchestrator.agent.session import Registry, new_id
 
     settings = settings or Settings.load()
@@ -123,7 +122,8 @@ def start(config: ProgramConfig, *, settings: Settings | None = None, session_id
     session_id = session_id or new_id()
     registry.create(session_id, config)  # type: ignore[arg-type]  (duck-typed: experiment, goal, proposer)
     try:
-        return _run(session_id, config, spec, settings, registry, devices, say, llm)
+        return through_full_disk(lambda: _run(session_id, config, spec, settings, registry, devices, say, llm),
+                                 settings.home, registry, session_id)
     finally:
         registry.close()
 
@@ -131,82 +131,55 @@ def start(config: ProgramConfig, *, settings: Settings | None = None, session_id
 def resume(session_id: str, *, settings: Settings | None = None, devices: str | None = None,
            say: Callable[[str], None] = lambda s: None, llm: Any = None) -> dict[str, Any]:
     """Continue a program session whose process died: no trial is lost, none runs twice."""
+    from orchestrator.agent.lifecycle import mark_resumed, resumable_row, through_full_disk
     from orchestrator.agent.session import Registry
 
     settings = settings or Settings.load()
     registry = Registry(settings.home)
     try:
-        row = registry.get(session_id)
-        if row["status"] == "running":
-            raise BadInput(f"session {session_id} is still running (pid {row['pid']})")
-        if row["status"] == "finished":
-            raise BadInput(f"session {session_id} already finished; see `autoresearch tree {session_id}`")
+        row = resumable_row(registry, session_id, f"`autoresearch tree {session_id}`")
         config = ProgramConfig.from_dict(row["config"])
         spec = check(config, devices, settings)
-        registry.update(session_id, status="running", pid=os.getpid())
-        return _run(session_id, config, spec, settings, registry, devices, say, llm)
+        mark_resumed(registry, session_id)
+        return through_full_disk(lambda: _run(session_id, config, spec, settings, registry, devices, say, llm),
+                                 settings.home, registry, session_id)
     finally:
         registry.close()
 
 
 def _run(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, settings: Settings, registry: Any,
          devices: str | None, say: Callable[[str], None], llm: Any) -> dict[str, Any]:
+    from orchestrator.agent.lifecycle import Lifecycle
     from orchestrator.programs.loop import Loop
-    from orchestrator.programs.propose import ProgramLLM
+    from orchestrator.agent.llmclient import LLMClient
     from orchestrator.programs.repo import Repo
-    from orchestrator.queue.store import JobStore
-    from orchestrator.service.daemon import embedded
-    from orchestrator.tracking.client import Tracker
-    from orchestrator.core.wakeup import notify
 
-    from orchestrator.service.notify import Notifier
-
-    store = JobStore(settings.db_url)
-    tracker = Tracker.from_settings(settings)
     trees = tree.TreeStore(settings.home)
-    service, slots = embedded(settings, store, devices)
-    notifier = Notifier.from_settings(settings)
-    experiment = f"program:{spec.name}"
     try:
-        repo = Repo(spec.repo)
-        dirty = repo.dirty([spec.repo_path(f) for f in (*spec.edit, *spec.protected)])
-        if dirty:
-            say(f"note: uncommitted changes in {', '.join(dirty)} are not part of the session (it starts from HEAD)")
-        parallel = config.parallel or slots
-        parent = tracker.session_run(session_id, experiment, {
-            "goal": config.goal, "program": str(spec.root), "trials": config.trials, "parallel": parallel,
-            "budget_minutes": config.budget_minutes, "sandbox": config.sandbox, "metric": spec.metric,
-            "repeats": spec.repeats})
-        registry.update(session_id, mlflow_run_id=parent)
-        loop = Loop(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker, repo=repo,
-                    trees=trees, llm=llm or ProgramLLM(config.goal, model=config.model, options=config.llm),
-                    parallel=parallel, home=settings.home, parent_run=parent, notify=lambda: notify(settings.home),
-                    say=say, on_usage=lambda u: registry.spent(session_id, u))
-        state = loop.run()
-        summary = summarise(session_id, config, spec, state, trees.trials(session_id), parallel)
-        tracker.set_tags(parent, {"autoresearch.status": "finished", "autoresearch.stop_reason": summary["stop_reason"],
-                                  "autoresearch.branch": summary["branch"]})
-        best = summary.get("best") or {}
-        tracker.log_metrics(parent, {"best_mean": best.get("value"), "baseline_mean": summary.get("baseline"),
-                                     "device_seconds": summary["device_seconds"]}, step=summary["trials"])
-        tracker.finish(parent)
-        registry.update(session_id, status="finished", summary=summary)
-        notifier.emit("session.finished", session=session_id, experiment=experiment, verdict=headline(summary),
-                      stop_reason=summary["stop_reason"])
-        return summary
-    except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt):
-            registry.update(session_id, status="failed", summary={"error": str(exc)[:500]})
-            notifier.emit("session.finished", session=session_id, experiment=experiment,
-                          verdict=f"failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
-        else:
-            notifier.emit("session.paused", session=session_id, experiment=experiment)
-        raise
+        with Lifecycle.open(session_id, settings, registry, devices, f"program:{spec.name}") as life:
+            repo = Repo(spec.repo)
+            dirty = repo.dirty([spec.repo_path(f) for f in (*spec.edit, *spec.protected)])
+            if dirty:
+                say(f"note: uncommitted changes in {', '.join(dirty)} are not part of the session "
+                    "(it starts from HEAD)")
+            parallel = config.parallel or life.slots
+            parent = life.session_run({
+                "goal": config.goal, "program": str(spec.root), "trials": config.trials, "parallel": parallel,
+                "budget_minutes": config.budget_minutes, "sandbox": config.sandbox, "metric": spec.metric,
+                "repeats": spec.repeats})
+            loop = Loop(session_id=session_id, config=config, spec=spec, store=life.store, tracker=life.tracker,
+                        repo=repo, trees=trees, parallel=parallel, home=settings.home, parent_run=parent,
+                        llm=llm or LLMClient.from_settings(settings, model=config.model, **config.llm),
+                        notify=life.wake(), say=say, on_usage=life.on_usage())
+            state = loop.run()
+            summary = summarise(session_id, config, spec, state, trees.trials(session_id), parallel)
+            best = summary.get("best") or {}
+            return life.finish(parent, summary, verdict=headline(summary), step=summary["trials"],
+                               tags={"autoresearch.branch": summary["branch"]},
+                               metrics={"best_mean": best.get("value"), "baseline_mean": summary.get("baseline"),
+                                        "device_seconds": summary["device_seconds"]})
     finally:
-        notifier.close()
         trees.close()
-        if service is not None:
-            service.stop()
 
 
 def summarise(session_id: str, config: ProgramConfig, spec: specs.ProgramSpec, state: dict[str, Any],

@@ -8,7 +8,7 @@
     direction = "minimize"
     time_limit = "5m"
 
-Optional keys (extensions of Contract 4): `pattern` (the output line regex, `{metric}` filled in; default
+Optional keys (extensions of the program format): `pattern` (the output line regex, `{metric}` filled in; default
 `^{metric}:\\s*<number>`), `repeats` (runs per commit for the noise gate, default 3), `max_debug` (debug
 attempts per crashed trial, default 2), `max_edit_chars` (size limit of one proposal's replacement text),
 `max_failures` and `patience` (the governor's limits), `image` (a container image every run uses, pinned to its
@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from orchestrator.core.direction import Direction
 from orchestrator.core.durations import parse_duration
 from orchestrator.core.errors import BadInput
 
@@ -66,7 +67,7 @@ class ProgramSpec:
     protected: tuple[str, ...]
     run: str
     metric: str
-    direction: str = "minimize"
+    direction: Direction = Direction.MINIMIZE
     time_limit: float = 300.0
     pattern: str = DEFAULT_PATTERN
     repeats: int = 3
@@ -80,8 +81,10 @@ class ProgramSpec:
     holdout_metric: str | None = None  # what it prints (default: metric)
 
     def __post_init__(self) -> None:
-        if self.direction not in ("minimize", "maximize"):
-            raise BadInput(f"{CONFIG}: direction must be minimize or maximize, got {self.direction!r}")
+        try:
+            object.__setattr__(self, "direction", Direction.of(self.direction))
+        except ValueError as exc:
+            raise BadInput(f"{CONFIG}: {exc}") from None
         if not re.fullmatch(r"[A-Za-z0-9_.\-/ ]{1,250}", self.metric):
             raise BadInput(f"{CONFIG}: metric {self.metric!r} is not a valid MLflow metric name")
         overlap = set(self.edit) & set(self.protected)
@@ -130,7 +133,7 @@ class ProgramSpec:
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric value `a` beats `b` in this program's direction."""
-        return a < b if self.direction == "minimize" else a > b
+        return self.direction.better(a, b)
 
     def repo_path(self, file: str) -> str:
         """A program-relative file name as a path in the repository."""

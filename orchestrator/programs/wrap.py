@@ -2,11 +2,13 @@
 
     python -m orchestrator.programs.wrap --metric val_bpb [--pattern REGEX] [--log] -- python train.py
 
-Unmodified scripts (karpathy/autoresearch prints `val_bpb: 0.9979`) then report like runtime jobs. When the
-command ends with exit 0 (a crashed run's partial numbers are not its result), the values of the matching lines
-are written to `metric.json` in the job's checkpoint directory, from where the session logs them to the job's
-MLflow run (`read_values`); `--log` logs them to the run (`MLFLOW_RUN_ID`) from here instead. The default keeps
-MLflow's seconds of import and store set-up off the time the job holds its device.
+Unmodified scripts (karpathy/autoresearch prints `val_bpb: 0.9979`) then report like runtime jobs. Each matching
+line of a queue job is recorded as it appears, in the one result format every job-side wrapper writes
+(`orchestrator.core.outputmetrics`: `.autoresearch-metric.jsonl` in the job's checkpoint directory, as the
+config-file wrapper `orchestrator.executors.scriptjob` does), from where the session logs them to the job's MLflow
+run; a session takes them only from a job that SUCCEEDED (a crashed run's partial numbers are not its result).
+`--log` logs them to the run (`MLFLOW_RUN_ID`) from here instead, after an exit 0. The default keeps MLflow's
+seconds of import and store set-up off the time the job holds its device.
 The wrapper shares the job's process group, so the queue's SIGTERM reaches the command directly; the wrapper
 waits for it and exits with its code. `--time-limit` stops the command (SIGTERM, SIGKILL after `--grace`).
 """
@@ -14,7 +16,6 @@ waits for it and exits with its code. `--time-limit` stops the command (SIGTERM,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
+from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
 
 TIME_LIMIT_EXIT = 124  # as timeout(1)
@@ -68,21 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_limit:
         threading.Thread(target=_limit, args=(proc, args.time_limit, args.grace, timed_out), daemon=True).start()
     out = sys.stdout.buffer
+    record = os.environ.get("AUTORESEARCH_CHECKPOINT_DIR") if not args.log else None  # a queue job's reports
     for raw in iter(proc.stdout.readline, b""):
         out.write(raw)
         out.flush()
-        reader.feed(raw.decode("utf-8", errors="replace"))
+        report = reader.feed(raw.decode("utf-8", errors="replace"))
+        if report is not None and record:
+            outputmetrics.append(record, *report)
     values = [v for _, v in reader.values]
     code = proc.wait()
     if timed_out.is_set():
         print(f"autoresearch: {TIME_LIMIT_MESSAGE} ({args.time_limit:g} s); the run was stopped", flush=True)
         return TIME_LIMIT_EXIT
-    if code == 0 and values:
-        if args.log and os.environ.get("MLFLOW_RUN_ID"):
-            warm.join()
-            _log(client[0] if client else _client(), args.metric, values)
-        elif os.environ.get("AUTORESEARCH_CHECKPOINT_DIR"):  # a queue job: the session reads them from there
-            _record(args.metric, values)
+    if code == 0 and values and args.log and os.environ.get("MLFLOW_RUN_ID"):
+        warm.join()
+        _log(client[0] if client else _client(), args.metric, values)
     if code < 0:  # killed by a signal: report it the way a shell would
         return 128 - code
     return code
@@ -122,31 +124,6 @@ def log_tail(path: str | os.PathLike | None, chars: int = 3000) -> str:
             return fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def values_file(checkpoint_dir: str | os.PathLike) -> Path:
-    """Where a run's metric values are recorded: its job's checkpoint directory."""
-    return Path(checkpoint_dir) / "metric.json"
-
-
-def _record(metric: str, values: list[float]) -> None:
-    path = values_file(os.environ["AUTORESEARCH_CHECKPOINT_DIR"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"metric": metric, "values": values}))
-    os.replace(tmp, path)  # whole or absent: a reader never sees half a file
-
-
-def read_values(checkpoint_dir: str | None, metric: str) -> list[float]:
-    """The values a finished run's wrapper recorded for `metric` ([] when none)."""
-    if not checkpoint_dir:
-        return []
-    try:
-        data = json.loads(values_file(checkpoint_dir).read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(data, dict) or data.get("metric") != metric or not isinstance(data.get("values"), list):
-        return []
-    return [float(v) for v in data["values"] if isinstance(v, (int, float))]
 
 
 def _client():

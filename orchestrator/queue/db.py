@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -60,7 +61,36 @@ def make_engine(url: str) -> Engine:
             if not os.path.isdir(parent):
                 raise StoreUnavailable(f"cannot open queue database {url}: directory {parent} does not exist")
         return _sqlite_engine(url)
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    return _ride_through_restarts(create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5))
+
+
+RECONNECT_S = 60.0  # how long a process that has reached its PostgreSQL server waits for it to come back
+
+
+def _ride_through_restarts(engine: Engine, seconds: float = RECONNECT_S) -> Engine:
+    """New connections to a server that answered before are retried for `seconds` (backing off to 2 s), so that a
+    restart of PostgreSQL (an upgrade, a failover, `pg_ctl restart`: refused or "shutting down" for a few
+    seconds) is a pause for the services and sessions holding this engine, not their death with a traceback.
+    The first connection is not retried: a server that never answered is a clear error at once."""
+    reached = threading.Event()
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(dialect, _record, cargs, cparams):  # noqa: ANN001
+        deadline = time.monotonic() + (seconds if reached.is_set() else 0.0)
+        delay = 0.1
+        while True:
+            try:
+                conn = dialect.loaded_dbapi.connect(*cargs, **cparams)
+            except dialect.loaded_dbapi.OperationalError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            reached.set()
+            return conn
+
+    return engine
 
 
 class Database:

@@ -77,7 +77,8 @@ class HostRecords:
                 session.add(dev)
 
     def heartbeat(self, host: str, pid: int, home: str, devices: Sequence[str], started_at: float,
-                  preempt_after: Optional[float] = None, disk: Optional[str] = None) -> None:
+                  preempt_after: Optional[float] = None, disk: Optional[str] = None,
+                  executor: Optional[str] = None) -> None:
         """Upsert this service's liveness row (with the minimum runtime it preempts after, when given; `disk`:
         why it starts no job for want of space, else None)."""
         with self.db.tx() as session:
@@ -86,6 +87,8 @@ class HostRecords:
             rec.started_at, rec.disk = started_at, disk
             if preempt_after is not None:
                 rec.preempt_after = preempt_after
+            if executor is not None:
+                rec.executor = executor
             session.add(rec)
 
     def services(self, max_age: Optional[float] = None) -> list[ServiceRecord]:
@@ -95,6 +98,10 @@ class HostRecords:
             if max_age is not None:
                 stmt = stmt.where(ServiceRecord.heartbeat_at >= time.time() - max_age)
             return list(session.exec(stmt))
+
+    def live_executors(self, max_age: float) -> list[str]:
+        """The executors of the services whose heartbeat is `max_age` fresh (those of older releases: local)."""
+        return [rec.executor or "local" for rec in self.services(max_age)]
 
     def live_capacities(self, max_age: float) -> list[int]:
         """How many devices each service whose heartbeat is `max_age` fresh has (what a submit checks; read

@@ -116,9 +116,15 @@ def counts(conn: Connection, *, finished: bool = False, owner: Optional[str] = N
     return {s: found[s] for s in sorted(found, key=_state_rank)}
 
 
-def phase_counts(conn: Connection, owner: str) -> list[tuple[Optional[str], str, int]]:
-    """(phase, state, how many) of the jobs `owner` submitted: an agent session's trials, in one GROUP BY."""
-    stmt = select(_c.phase, _c.state, func.count()).where(_c.owner == owner).group_by(_c.phase, _c.state)
+def phase_counts(conn: Connection, owner: str, *, skip_cancelled: Optional[str] = None
+                 ) -> list[tuple[Optional[str], str, int]]:
+    """(phase, state, how many) of the jobs `owner` submitted: an agent session's trials, in one GROUP BY.
+    `skip_cancelled`: leave out CANCELLED jobs whose reason starts with it (trials a session runs again)."""
+    stmt = select(_c.phase, _c.state, func.count()).where(_c.owner == owner)
+    if skip_cancelled:
+        stmt = stmt.where(not_(and_(_c.state == JobState.CANCELLED.value, _c.reason.startswith(skip_cancelled,
+                                                                                              autoescape=True))))
+    stmt = stmt.group_by(_c.phase, _c.state)
     return [(phase, state, n) for phase, state, n in conn.execute(stmt).all()]
 
 

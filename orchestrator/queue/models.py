@@ -14,6 +14,7 @@ from sqlmodel import Field, SQLModel
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
 from orchestrator.core.gpushare import gpu_request, parse_gpus
+from orchestrator.queue.plantypes import check_preemptible
 from orchestrator.queue.states import FINISHED, JobState, StopCause
 from orchestrator.queue.policy import DEFAULT_PROJECT
 from runtime import protocol
@@ -23,6 +24,7 @@ from runtime import protocol
 PRIORITY_RANGE = (-1_000_000, 1_000_000)
 MAX_GPUS = 1_000_000
 MAX_ATTEMPTS = 1_000
+MAX_NODES = 10_000
 KEEP_MODES = ("all", "latest", "none")  # what a finished job keeps of its checkpoint dir (--keep-checkpoint)
 
 
@@ -70,6 +72,10 @@ class JobSpec:
     # for agent trials, the phase (baseline | search | confirm) that decides what of them is kept.
     keep_checkpoint: Optional[str] = None
     phase: Optional[str] = None
+    # A job across nodes (`--nodes N [--min-nodes M]`): `gpus` is then per node, and a cluster executor (Slurm)
+    # places all N nodes at once; with `min_nodes` it may start on fewer (its checkpoint reshards on load).
+    nodes: int = 1
+    min_nodes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0].strip():
@@ -109,13 +115,18 @@ class JobSpec:
                            "pass the value another way, e.g. --param or a variable of your own")
         if self.mounts and not self.image:
             raise BadInput("--mount needs --image (a job without an image sees the host's files already)")
-        if self.scavenger and not self.preemptible:
-            raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
+        check_preemptible(self.preemptible, self.scavenger)
         if not isinstance(self.project, str) or not self.project.strip():
             raise BadInput("--project must be a non-empty name")
         if self.deadline is not None and not (isinstance(self.deadline, (int, float))
                                               and not isinstance(self.deadline, bool)):
             raise BadInput(f"--deadline must be a time, got {self.deadline!r}")
+        if not _int_in(self.nodes, 1, MAX_NODES):
+            raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
+        if self.min_nodes is not None and not _int_in(self.min_nodes, 1, self.nodes):
+            raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({self.nodes}), got {self.min_nodes!r}")
+        if self.nodes > 1 and self.gpu_share is not None:
+            raise BadInput("a share of one GPU runs on one node: drop --nodes or give whole GPUs per node")
         if self.keep_checkpoint is not None and self.keep_checkpoint not in KEEP_MODES:
             raise BadInput(f"--keep-checkpoint must be one of {', '.join(KEEP_MODES)}, got {self.keep_checkpoint!r}")
 
@@ -193,6 +204,10 @@ class Job(SQLModel, table=True):
     score: Optional[float] = None
     checkpoint_gc_at: Optional[float] = None
     checkpoint_gc: Optional[str] = None
+    # A job across nodes: how many (None: one) and the fewest it may start on (None: all of them). `gpus` is then
+    # what the job holds in all (nodes x per node: what the queue counts); `gpus_per_node` what each node gives.
+    nodes: Optional[int] = None
+    min_nodes: Optional[int] = None
 
     state: str = Field(default=JobState.QUEUED.value, index=True)
     reason: str = ""
@@ -226,6 +241,16 @@ class Job(SQLModel, table=True):
         return self.gpu_share is not None and self.gpu_share < 1
 
     @property
+    def node_count(self) -> int:
+        """The nodes the job asks for (1 for a job on one host)."""
+        return int(self.nodes or 1)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The devices each of the job's nodes gives it."""
+        return max(1, int(self.gpus) // self.node_count)
+
+    @property
     def gpu_request(self) -> Union[int, float]:
         """Whole devices, or the share of one (what projects, quotas and the usage ledger count)."""
         return gpu_request(self.gpus, self.gpu_share)
@@ -234,7 +259,7 @@ class Job(SQLModel, table=True):
 
     @property
     def retrying(self) -> bool:
-        """FAILED with attempts left: it goes back in line after its backoff (Contract 2)."""
+        """FAILED with attempts left: it goes back in line after its backoff (the job states)."""
         return self.state == JobState.FAILED.value and self.failures < self.max_attempts
 
     @property
@@ -273,12 +298,12 @@ class Job(SQLModel, table=True):
         return text(RETRYING_SQL)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first)."""
+        """The JSON shape of `queue --json` / `show --json` (the CLI's documented fields first)."""
         return job_dict({name: getattr(self, name) for name in self.__table__.columns.keys()})
 
 
 def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON shape of `queue --json` / `show --json` (Contract 1 fields first) from the jobs table's column
+    """The JSON shape of `queue --json` / `show --json` (the CLI's documented fields first) from the jobs table's column
     values by name: a `Job`'s, or a SQLAlchemy Core row's as a plain dict (listings read those: at 10,000 jobs
     an ORM object, or even attribute access on a Core row, per job cost more than the query)."""
     return {
@@ -301,6 +326,7 @@ def job_dict(job: Mapping[str, Any]) -> dict[str, Any]:
         "project": job["project"] or DEFAULT_PROJECT, "scavenger": bool(job["scavenger"]), "deadline": job["deadline"],
         "keep_checkpoint": job.get("keep_checkpoint"), "phase": job.get("phase"), "score": job.get("score"),
         "checkpoint_gc": job.get("checkpoint_gc"), "checkpoint_gc_at": job.get("checkpoint_gc_at"),
+        "nodes": job.get("nodes") or 1, "min_nodes": job.get("min_nodes"),
     }
 
 
@@ -372,6 +398,7 @@ class ServiceRecord(SQLModel, table=True):
     # The service's --preempt-after: what `top` and `queue` plan with for its devices (None: an older release).
     preempt_after: Optional[float] = Field(default=None, nullable=True)
     disk: Optional[str] = None  # why no job starts for want of disk space (orchestrator.service.diskspace), else None
+    executor: Optional[str] = None  # where it runs jobs (local, ray, slurm): a submit across nodes needs slurm
 
 
 # The GPU busy share's tables live in their own module; importing it here registers them on SQLModel.metadata

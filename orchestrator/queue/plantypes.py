@@ -8,7 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from orchestrator.core.errors import BadInput
 from orchestrator.queue.states import JobState
+
+
+def is_preemptible(preemptible: Any, scavenger: Any) -> bool:
+    """Whether a job may be preempted: as it asked, and a scavenger always (it runs on idle devices only, first
+    to go). The one place the rule lives: the policy, the listing and submit checks all ask here."""
+    return bool(preemptible) or bool(scavenger)
+
+
+def check_preemptible(preemptible: Any, scavenger: Any) -> None:
+    """BadInput for a job that asks to be a scavenger and never preempted (the two contradict)."""
+    if scavenger and not preemptible:
+        raise BadInput("--scavenger jobs are always preemptible: drop --no-preempt")
 
 DEFAULT_PROJECT = "default"  # the project of a job submitted without one
 _RELEASING = (JobState.PREEMPTING.value, JobState.CANCELLING.value)  # being stopped: devices free soon
@@ -100,7 +113,7 @@ class Running:
         adapter the service and `top` both plan with. A scavenger is always preemptible."""
         started = job.started_at or now
         return cls(job.id, job.priority, tuple(job.devices or ()), started,
-                   bool(job.preemptible) or bool(job.scavenger), job.state in _RELEASING,
+                   is_preemptible(job.preemptible, job.scavenger), job.state in _RELEASING,
                    job.project or DEFAULT_PROJECT, bool(job.scavenger),
                    started + job.time_limit if job.time_limit else None, share_of(job),
                    getattr(job, "gpu_memory", None))

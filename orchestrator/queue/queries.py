@@ -108,10 +108,12 @@ class JobQueries:
         with self.db.reading() as conn:
             return listings.counts(conn, finished=finished, owner=owner)
 
-    def phase_counts(self, owner: str) -> list[tuple[Optional[str], str, int]]:
-        """(phase, state, how many) of `owner`'s jobs (an agent session's trials by phase), counted in SQL."""
+    def phase_counts(self, owner: str, *, skip_cancelled: Optional[str] = None
+                     ) -> list[tuple[Optional[str], str, int]]:
+        """(phase, state, how many) of `owner`'s jobs (an agent session's trials by phase), counted in SQL;
+        CANCELLED ones whose reason starts with `skip_cancelled` left out."""
         with self.db.reading() as conn:
-            return listings.phase_counts(conn, owner)
+            return listings.phase_counts(conn, owner, skip_cancelled=skip_cancelled)
 
     def line(self, limit: int) -> list:
         """The first `limit` QUEUED jobs in line order, as read-only rows with the Job's column attributes."""

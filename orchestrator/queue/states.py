@@ -1,4 +1,4 @@
-"""Contract 2: job states and the transitions allowed between them.
+"""Job states and the transitions allowed between them.
 
     QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
     RUNNING -> PREEMPTING -> QUEUED          (back in line, same priority and submit time, preemptions += 1)
@@ -70,5 +70,5 @@ class StopCause(str, Enum):
 
 
 def allowed(src: JobState, dst: JobState) -> bool:
-    """Whether Contract 2 allows `src -> dst` (the retry rule on FAILED is the job's: `Job.retrying`)."""
+    """Whether the job states allow `src -> dst` (the retry rule on FAILED is the job's: `Job.retrying`)."""
     return dst in ALLOWED[src]

@@ -98,9 +98,11 @@ class JobStore:
         """Unfinished jobs (every job with `finished`) by state, counted in SQL."""
         return self.queries.state_counts(finished=finished, owner=owner)
 
-    def phase_counts(self, owner: str) -> list[tuple[Optional[str], str, int]]:
-        """(phase, state, how many) of `owner`'s jobs, counted in SQL."""
-        return self.queries.phase_counts(owner)
+    def phase_counts(self, owner: str, *, skip_cancelled: Optional[str] = None
+                     ) -> list[tuple[Optional[str], str, int]]:
+        """(phase, state, how many) of `owner`'s jobs, counted in SQL (CANCELLED ones whose reason starts with
+        `skip_cancelled` left out)."""
+        return self.queries.phase_counts(owner, skip_cancelled=skip_cancelled)
 
     def line(self, limit: int) -> list:
         """The first `limit` QUEUED jobs in line order, as read-only rows."""

@@ -1,7 +1,7 @@
 """Transitions: the only code that changes a job's state (`JobStore` offers each of them).
 
 Every transition runs in one transaction that re-reads the row under a write lock (SQLite `BEGIN IMMEDIATE`;
-PostgreSQL `SELECT ... FOR UPDATE`), checks Contract 2 allows it, updates the job and appends one event row.
+PostgreSQL `SELECT ... FOR UPDATE`), checks the job states allow it, updates the job and appends one event row.
 Methods that act on many jobs (the dispatcher's starts, the reaper's finishes) take a batch and still give each
 job its own checked transition and event, but share one commit, and their rows are written with SQLAlchemy Core
 in a few executemany statements (`rows.Writes`) rather than by the ORM's unit of work. Whether a job is final or
@@ -121,7 +121,7 @@ class Transitions:
             if existing is not None:
                 return existing
         values = dict(new_job_values(), argv=list(spec.argv), env=dict(spec.env), cwd=spec.cwd, track=spec.track,
-                      name=spec.name or _default_name(spec), priority=spec.priority, gpus=spec.gpus,
+                      name=spec.name or _default_name(spec), priority=spec.priority, gpus=spec.gpus * spec.nodes,
                       max_attempts=spec.max_attempts, grace=float(spec.grace), preemptible=spec.preemptible,
                       owner=spec.owner, experiment=spec.experiment, params=spec.params,
                       mlflow_run_id=spec.mlflow_run_id, idempotency_key=spec.idempotency_key,
@@ -130,6 +130,7 @@ class Transitions:
                       project=spec.project, scavenger=spec.scavenger, deadline=spec.deadline,
                       keep_checkpoint=spec.keep_checkpoint, phase=spec.phase,
                       gpu_share=spec.gpu_share, gpu_memory=spec.gpu_memory,
+                      nodes=spec.nodes if spec.nodes > 1 else None, min_nodes=spec.min_nodes,
                       state=S.QUEUED.value, reason="submitted", submitted_at=now, devices=[])
         try:
             with self.db.tx() as session:
@@ -239,8 +240,8 @@ class Transitions:
         if state is S.CANCELLING and job.timed_out:  # stopped by expire(): a failure, never retried
             return self._move(writes, job, S.FAILED, f"{TIME_LIMIT} ({how})", host, now, exit_code=code,
                               failures=job.max_attempts, not_before=None)
-        if state is S.CANCELLING:
-            return self._move(writes, job, S.CANCELLED, f"cancelled ({how})", host, now, exit_code=code)
+        if state is S.CANCELLING:  # why it was cancelled stays its reason ("cancelled by user (exit code -15)")
+            return self._move(writes, job, S.CANCELLED, f"{job.reason} ({how})", host, now, exit_code=code)
         if state is S.PREEMPTING:
             # Slurm's PreemptMode=REQUEUE: back in line whatever the exit code (a plain SIGTERM handler that
             # saves and exits 0 has not finished its training), unless the job told the runtime that this
@@ -299,7 +300,7 @@ class Transitions:
             job = self._lock(session, job_id)
             state = job.job_state
             if state is S.CANCELLING:
-                return self._move(writes, job, S.CANCELLED, f"cancelled ({reason})", host, now)
+                return self._move(writes, job, S.CANCELLED, f"{job.reason} ({reason})", host, now)
             if state is S.PREEMPTING:
                 return self._move(writes, job, S.QUEUED, f"preempted ({reason})", host, now, devices=[],
                                   preemptions=job.preemptions + 1, stop_sent_at=None)
@@ -308,10 +309,17 @@ class Transitions:
             return job
 
     def requeue_due(self, now: Optional[float] = None) -> list[Job]:
-        """FAILED jobs whose backoff has elapsed and that have attempts left -> QUEUED."""
+        """FAILED jobs whose backoff has elapsed and that have attempts left -> QUEUED.
+
+        Every service on a shared queue runs this each second: on PostgreSQL the rows are locked as they are
+        read, and those another service holds are skipped (it is requeueing them). A plain read let two
+        services requeue one job, each writing its own FAILED -> QUEUED event, and the later write could land
+        after the first requeue had already been claimed, putting a starting job back in line."""
         now = time.time() if now is None else now
         with self._moving() as (session, writes):
             stmt = select(Job).where(Job.retrying_sql(), Job.not_before <= now)
+            if self.db.is_postgres:
+                stmt = stmt.with_for_update(skip_locked=True)
             return [self._move(writes, job, S.QUEUED, f"retry {job.failures + 1}/{job.max_attempts}", None,
                                now, devices=[], not_before=None) for job in session.exec(stmt)]
 

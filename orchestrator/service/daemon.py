@@ -54,6 +54,7 @@ from runtime.protocol import EX_TEMPFAIL
 
 log = logging.getLogger(__name__)
 HEARTBEAT_EVERY = 2.0
+FULL_DISK_RETRY_S = 2.0  # a service started on a full disk tries its first writes again this often
 SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval) in `autoresearch serve`; see serve_forever
 # Seconds a started attempt may wait for a pass to record it RUNNING: soon, not at once (a pass right away
 # takes the CPU from the jobs starting up; any wake-up meanwhile, an exit or a submit, records it sooner).
@@ -82,7 +83,7 @@ class Service:
         self.settings = settings
         self.home = Path(settings.home)
         self.store = JobStore.from_settings(settings)
-        self.host = node_name(self.home)
+        self.host = node_name(self.home, settings.node)
         self.preempt_after = settings.preempt_after
         self.tick = tick
         self.device_spec = settings.devices
@@ -151,10 +152,7 @@ class Service:
             inventory = self.executor.inventory()
             if inventory is not None:
                 self.device_names = inventory
-            self.store.hosts.sync_devices(self.host, self.device_names)
-            self.store.hosts.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                       preempt_after=self.preempt_after, disk=self.disk.line())
-            self.supervisor.reconcile()
+            self._through_full_disk(self._take_over)
             self.projects.refresh_if_due()  # the first pass plans with the projects
             threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
             self._capacity = len(self.device_names)
@@ -171,6 +169,36 @@ class Service:
             raise
         log.info("service %s on %s: devices %s", self.host, self.home, ",".join(self.device_names))
         return self
+
+    def _take_over(self) -> None:
+        """The start's writes: this host's devices and first heartbeat, then what the last service left."""
+        self.store.hosts.sync_devices(self.host, self.device_names)
+        self.store.hosts.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
+                                   preempt_after=self.preempt_after, disk=self.disk.line(),
+                                   executor=self.executor.name)
+        self.supervisor.reconcile()
+
+    def _through_full_disk(self, write: Callable[[], None]) -> None:
+        """Run the start's `write`; while it fails for a full disk, say so once and try again every
+        FULL_DISK_RETRY_S (a service started on a full disk, by hand or by systemd, comes up once space returns
+        instead of exiting; each try is a transaction of its own, rolled back whole). A stop meanwhile ends the
+        wait with the error."""
+        said = False
+        while True:
+            try:
+                write()
+                break
+            except Exception as exc:
+                if not self.disk.write_failed(exc):
+                    raise
+                if not said:
+                    log.warning("the disk under %s is full (%s); the service starts once a write succeeds",
+                                self.home, str(exc).splitlines()[0][:160])
+                    said = True
+                if self._stop.wait(FULL_DISK_RETRY_S):
+                    raise
+        if said:
+            log.warning("the queue database takes writes again; the service starts")
 
     def _make_executor(self) -> Executor:
         if self._executor_factory is not None:
@@ -265,6 +293,7 @@ class Service:
         # Announced once the caller's transaction has committed (`notices.flush`): a pass rolled back records
         # these exits again later.
         self.notices.ended(list(ended or []) + list(self.supervisor.record(exits) or []))
+        self.notices.nodes_failed(exits)
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
 
@@ -408,7 +437,8 @@ class Service:
             self.projects.refresh_if_due()
             self.device_names = self.supervisor.fresh_inventory(self.device_names)  # a Slurm partition resized
             self.store.hosts.heartbeat(self.host, os.getpid(), str(self.home), self.device_names, self._started_at,
-                                       preempt_after=self.preempt_after, disk=self.disk.line())
+                                       preempt_after=self.preempt_after, disk=self.disk.line(),
+                                       executor=self.executor.name)
             if requeued:
                 self.wake()
             if self.supervisor.reap(SERVICE_STALE_AFTER):  # a crashed host's jobs

@@ -58,6 +58,13 @@ class ServiceNotices:
         """`device.quarantined`, from the device guard."""
         self.notifier.emit("device.quarantined", device=device, host=self._host, reason=why)
 
+    def nodes_failed(self, exits: Iterable[Any]) -> None:
+        """`node.failed` for each failed node of a multi-node attempt among `exits` (the executor's `Exit`s)."""
+        for ex in exits:
+            for node, why in getattr(ex, "failed_nodes", ()) or ():
+                self.notifier.emit("node.failed", node=node, job=ex.job_id, attempt=ex.attempt, host=self._host,
+                                   reason=why)
+
     def disk_low(self, short: Shortage) -> None:
         """`disk.low`, from the disk gate (`short`: its `Shortage`)."""
         self.notifier.emit("disk.low", host=self._host, path=short.path, free_bytes=short.free,

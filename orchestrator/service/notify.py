@@ -10,7 +10,8 @@ command = "/usr/local/bin/page-me"             # the event as JSON on its standa
 events = ["device.quarantined"]
 ```
 Events: job.failed (a job failed for good), job.succeeded (a person's job), session.finished (with its
-verdict), session.paused (interrupted, resumable), device.quarantined, disk.low. `events` left out: all.
+verdict), session.paused (interrupted, resumable), device.quarantined, disk.low, node.failed (a node of a
+multi-node job lost, failing its preflight or faulty: excluded from the job's next attempts). `events` left out: all.
 
 Delivery never blocks the caller: `Notifier.emit` puts the event on a bounded queue per entry and returns; one
 thread per entry delivers (a hanging endpoint delays only its own entry), retrying with doubling backoff.
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
     from orchestrator.queue.models import Job
 
 log = logging.getLogger(__name__)
-EVENTS = ("job.failed", "job.succeeded", "session.finished", "session.paused", "device.quarantined", "disk.low")
+EVENTS = ("job.failed", "job.succeeded", "session.finished", "session.paused", "device.quarantined", "disk.low",
+          "node.failed")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.I)
 QUEUE_SIZE = 1000  # events waiting per entry; beyond it new ones are dropped (and logged), never waited for
 

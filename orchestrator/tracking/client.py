@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.core.config import Settings
+from orchestrator.core.direction import Direction
 from orchestrator.core.schemalock import schema_lock
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ def best_so_far(values: Iterable[float | None], direction: str) -> list[float | 
     out: list[float | None] = []
     best: float | None = None
     for v in values:
-        if v is not None and (best is None or (v < best if direction == "minimize" else v > best)):
+        if v is not None and (best is None or Direction.of(direction).better(v, best)):
             best = v
         out.append(best)
     return out
@@ -357,8 +358,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
             entry.sources.append(str(row["source"]))
         if row.get("job_id") is not None:
             entry.job_ids.append(int(row["job_id"]))
-    sign = 1.0 if direction == "minimize" else -1.0
-    entries = sorted(groups.values(), key=lambda e: (sign * e.mean, -e.n))
+    d = Direction.of(direction)
+    entries = sorted(groups.values(), key=lambda e: (d.key(e.mean), -e.n))
     base = max((e for e in entries if e.baseline_runs), key=lambda e: (e.baseline_runs, e.n), default=None)
     lead = noise = None
     within: bool | None = None
@@ -394,8 +395,8 @@ def leaderboard(rows: Iterable[Mapping[str, Any]], direction: str, seed_keys: Se
     for i, e in enumerate(entries):
         out_entries.append({
             "rank": i + 1, "params": e.params, "diff": _diff(e.params, reference), "n": e.n, "mean": e.mean,
-            "spread": e.spread, "best": (min if direction == "minimize" else max)(e.values), "values": e.values,
-            "gap": None if base is None else -sign * (e.mean - base.mean), "baseline": e is base,
+            "spread": e.spread, "best": d.best(e.values), "values": e.values,
+            "gap": None if base is None else d.score(e.mean - base.mean), "baseline": e is base,
             "winner": e is winner, "job_ids": e.job_ids, "sources": sorted(set(e.sources)),
             "n_fresh": len(e.fresh), "gated": any(e is c for c in confirmed)})
     summary = (lambda e: None if e is None else {"params": e.params, "n": e.n, "mean": e.mean, "spread": e.spread,

@@ -1,4 +1,4 @@
-"""MLflow runs of queued jobs: one run per job, shared by every attempt (Contract 3's MLFLOW_RUN_ID).
+"""MLflow runs of queued jobs: one run per job, shared by every attempt (the job protocol's MLFLOW_RUN_ID).
 
 A run is described by a plain request (`run_request`: what the service knows about the job, JSON-ready) and
 made from it by `create_run` in the process that holds the MLflow client (the tracking worker,

@@ -14,24 +14,22 @@ from __future__ import annotations
 import os
 import random
 import time
-import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import get_worker_info
 
 from runtime.data.cache import FileCache, Pin
 from runtime.errors import VolumeError
 from runtime.data.sources import FileInfo, open_source
-from runtime.data.loader import (_dist_rank_world, _Spec, epoch_order, rank_length, rank_order, samples_per_rank,
-                            worker_positions)
+from runtime.data.loader import _dist_rank_world, epoch_order, rank_order, samples_per_rank, worker_positions
+from runtime.data.position import EpochPosition
 
 __all__ = ["VolumeConfig", "VolumeDataset", "FileInfo", "WarmReport", "warm", "epoch_order", "rank_order",
            "samples_per_rank", "worker_positions"]
 
-STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -76,13 +74,16 @@ def _suffix(rel: str) -> str:
     return os.path.splitext(rel)[1][:16]  # the cached copy keeps the extension, for decoders that look
 
 
-class VolumeDataset(IterableDataset):
+class VolumeDataset(EpochPosition):
     """Yields local cached paths (or `transform(path)`) of the files under `source`, partitioned by rank
     and worker, with the next `lookahead` files copied to the cache in background threads.
 
     Accepts `VolumeDataset(VolumeConfig(...))` or `VolumeDataset(source, **options)`. The file list is
     taken once, here; a missing or unreadable volume raises VolumeError naming the path.
     """
+
+    COUNT_KEY = "num_files"
+    KIND = "VolumeDataset"
 
     def __init__(self, source: str | os.PathLike | VolumeConfig, **options: Any):
         self.config = source if isinstance(source, VolumeConfig) else VolumeConfig(source=source, **options)
@@ -99,54 +100,15 @@ class VolumeDataset(IterableDataset):
         self.files: list[FileInfo] = self.source.list(cfg.pattern, threads=cfg.copy_threads)
         if not self.files:
             raise VolumeError(f"no files match {cfg.pattern!r} under {cfg.source}")
-        self._epoch = 0
-        self._consumed = 0  # global samples consumed in this epoch (all ranks)
-        self._spec = _Spec()  # set by runtime.data.loader.DataLoader, which then keeps the position
+        self._init_position()
         self._cache: FileCache | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._owner_pid = -1
         self._held: Any = None  # pins a worker keeps after its last sample (see _stream)
 
-    # -- position -------------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        """Samples this rank gets per epoch."""
-        return samples_per_rank(len(self.files), _dist_rank_world()[1], self.config.drop_last)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Move to `epoch` (a new order from (seed, epoch)); a no-op for the current epoch, so a resumed
-        training loop that calls set_epoch(start_epoch) continues mid-epoch instead of restarting it."""
-        if epoch != self._epoch:
-            self._epoch, self._consumed = int(epoch), 0
-
-    def state_dict(self) -> dict[str, int]:
-        """The position as plain ints: epoch and samples consumed globally, plus what must match to resume."""
-        return {"version": STATE_VERSION, "epoch": self._epoch, "samples_consumed": self._consumed,
-                "seed": self.config.seed, "num_files": len(self.files), "world_size": _dist_rank_world()[1]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`: the rest of that epoch is exactly the samples not yet consumed."""
-        try:
-            epoch, consumed = int(state["epoch"]), int(state["samples_consumed"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a VolumeDataset state: {state!r}") from exc
-        for key, now in (("seed", self.config.seed), ("num_files", len(self.files))):
-            if key in state and int(state[key]) != now:
-                warnings.warn(f"resuming data with {key}={now}, saved with {state[key]}: the order differs, "
-                              "so the rest of the epoch is not exactly the unseen samples", stacklevel=2)
-        self._epoch, self._consumed = epoch, consumed
-
-    # -- hooks for runtime.data.loader.DataLoader ----------------------------------------------------------
-    def _begin(self, block: int, trail: int) -> int:
-        """Publish this iteration's spec for the workers; returns the samples this rank will deliver."""
-        rank, world = _dist_rank_world()
-        self._spec.set(epoch=self._epoch, start=self._consumed, block=block, trail=trail, rank=rank, world=world)
-        return rank_length(len(self.files), self._consumed, rank, world, self.config.drop_last)
-
-    def _advance(self, start: int, delivered: int, world: int) -> None:
-        self._consumed = start + delivered * world
-
-    def _end_epoch(self) -> None:
-        self._epoch, self._consumed = self._epoch + 1, 0
+    # -- position (runtime.data.position) -------------------------------------------------------------------
+    def _samples(self) -> int:
+        return len(self.files)
 
     def _rank_order(self, spec: dict[str, int]) -> list[int]:
         order = epoch_order(len(self.files), self.config.seed, spec["epoch"], self.config.shuffle)

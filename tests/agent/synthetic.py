@@ -1,6 +1,6 @@
 """A cheap synthetic experiment for agent tests: a noisy 2-D bowl "trained" for a few fast steps.
 
-Run as a real queue job (`python -m tests.agent.synthetic`) following Contract 3: params from
+Run as a real queue job (`python -m tests.agent.synthetic`) following the job protocol: params from
 AUTORESEARCH_PARAMS, metrics to MLFLOW_RUN_ID, progress kept in AUTORESEARCH_CHECKPOINT_DIR, SIGTERM ->
 save and exit 75 (so a demoted trial resumes where it stopped). STEP_SECONDS sets the pace. It logs
 `total_steps` like the bundled experiments, so a run that reached its full budget is known to be complete, and

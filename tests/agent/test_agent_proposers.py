@@ -114,10 +114,10 @@ def test_non_retryable_4xx_is_asked_once_then_the_sampler_fills_in(llm_env, code
 
 
 def test_retry_after_is_honoured_up_to_30_seconds(llm_env, monkeypatch):
-    from orchestrator.agent.proposers import llm as llm_module
+    from orchestrator.agent import llmclient
 
     waits: list[float] = []
-    monkeypatch.setattr(llm_module, "_sleep", waits.append)  # record the waits instead of sitting them out
+    monkeypatch.setattr(llmclient, "_sleep", waits.append)  # record the waits instead of sitting them out
     with FakeLLM([status(429, retry_after="2"), status(429, retry_after="3600"), status(429, retry_after="soon"),
                   ok(good(1))]) as fake:
         llm_env(fake)
@@ -192,6 +192,24 @@ def test_default_is_llm_only_when_configured(monkeypatch):
     assert default_name() == "tpe"
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
     assert default_name() == "llm"
+
+
+def test_the_endpoint_model_and_price_in_config_toml_are_the_ones_used(tmp_path, monkeypatch):
+    from orchestrator.core.config import Settings
+
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "AUTORESEARCH_LLM_MODEL", "AUTORESEARCH_LLM_PRICE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AUTORESEARCH_HOME", str(tmp_path))
+    with FakeLLM([ok(good(1))]) as fake:
+        (tmp_path / "config.toml").write_text(f'llm_base_url = "{fake.base_url}"\nllm_model = "local-7b"\n'
+                                              'llm_price = "1000000,0"\n')
+        settings = Settings.load()
+        assert default_name(settings) == "llm"  # the file's endpoint alone turns the LLM on
+        p = LLMProposer(SPEC, "g", fallback=SamplerProposer(SPEC, "tpe", seed=1), settings=settings, timeout=5.0)
+        out = p.propose(1, [])
+    assert out[0].proposer == "llm" and len(fake.requests) == 1  # it went to the file's endpoint
+    assert fake.requests[0]["body"]["model"] == "local-7b"
+    assert p.usage["cost_usd"] == p.usage["prompt_tokens"]  # $1 per prompt token, as the file's price says
 
 
 def test_space_rejects_injection_directly():

@@ -176,8 +176,11 @@ def test_a_member_stopped_mid_segment_resumes_it_and_reports_each_interval_once(
     deadline = time.time() + 60
     while [s for s, _ in outputmetrics.read(ck)] != [20, 40] and time.time() < deadline:
         time.sleep(0.02)
-    time.sleep(0.1)  # inside the segment to step 60
-    os.killpg(proc.pid, signal.SIGTERM)  # the queue's cancel or preemption: the whole group
+    # Inside the segment to step 60: frozen at once (not after a guessed sleep, which a busy machine stretches
+    # past step 60), then the queue's cancel or preemption reaches the whole group as it resumes.
+    os.killpg(proc.pid, signal.SIGSTOP)
+    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGCONT)
     log = proc.communicate(timeout=60)[0]
     assert proc.returncode == 75, log  # the script exited 0 on SIGTERM, but its segment did not finish
     assert "the segment to step 60 was stopped" in log

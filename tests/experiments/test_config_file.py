@@ -80,6 +80,10 @@ BAD = [  # (what is wrong, the toml's text, what the one line must say)
     ("fixed and searched", GOOD.replace('direction =', 'fixed = { lr = 1 }\ndirection ='),
      "fixed lr is also in [space]"),
     ("not toml", "[experiment\n", "not valid TOML"),
+    ("unknown placeholder in resume", GOOD.replace('direction =', 'resume = "--from={ckpt}"\ndirection ='),
+     "resume has an unknown placeholder {ckpt}"),
+    ("dotted key unquoted", GOOD + 'model.lr = { type = "float", low = 0.1, high = 1.0 }\n',
+     '[space] model: TOML read model.lr as a table inside model: quote a dotted name, "model.lr"'),
 ]
 BAD[5] = ("pattern without value", GOOD.replace('direction =', "pattern = 'val (\\d+)'\ndirection ="),
           "pattern needs a (?P<value>...) group")
@@ -172,18 +176,19 @@ def test_the_wrapper_restarts_from_scratch_without_a_resume_flag_and_continues_w
     assert first.returncode == 0, first.stdout + first.stderr
     assert 'params {"lr": 0.5, "steps": 2}' in first.stdout  # the fixed ones travel too
     again = wrapper(spec, {}, ckpt)
-    assert "attempt 2 starts again from scratch: it declares no resume flag" in again.stdout
+    assert "attempt 2: no resume flag; the checkpoint dir holds what the script left there (step)" in again.stdout
     assert "it 1 loss=0.5" in again.stdout
     from orchestrator.core import outputmetrics
 
     assert [s for s, _ in outputmetrics.read(ckpt)] == [1, 2, 1, 2]
 
-    resumable = registry.get(str(folder(tmp_path, toml.replace("fixed", 'resume = "--resume"\nfixed'),
-                                        COUNTER, name="resumable")))
+    resume = 'resume = "--resume --ckpt={checkpoint_dir}"\nfixed'  # its placeholders filled in as in run
+    resumable = registry.get(str(folder(tmp_path, toml.replace("fixed", resume), COUNTER, name="resumable")))
     ckpt2 = tmp_path / "ck2"
     wrapper(resumable, {}, ckpt2)
     second = wrapper(resumable, {}, ckpt2)
     assert "resuming from the checkpoint dir" in second.stdout and "it 3 loss=1.5" in second.stdout
+    assert f"added '--resume --ckpt={ckpt2}'" in second.stdout
     assert [s for s, _ in outputmetrics.read(ckpt2)] == [1, 2, 3, 4]
 
 
@@ -196,6 +201,7 @@ def test_a_run_with_no_metric_line_fails_instead_of_scoring(tmp_path, home):
     run = tracker.trial_run(None, "x", key="k", name="n", params={}, tags={})
     out = wrapper(spec, {}, tmp_path / "ck", MLFLOW_RUN_ID=run)
     assert out.returncode == 1 and "no result: the run printed no line matching" in out.stdout
+    assert f"the job's run {run} has no metric" in out.stdout and "MLFlowLogger(run_id=...)" in out.stdout
 
 
 def test_a_sweep_yaml_is_read_through_the_sweep_module(tmp_path, home, monkeypatch):
@@ -269,3 +275,46 @@ def test_bools_are_written_as_the_toml_says(tmp_path):
         (folder / "autoresearch.toml").write_text(body.replace("BOOLS", bad))
         with pytest.raises(config_file.ConfigError, match="bools"):
             config_file.load(folder)
+
+
+def test_a_command_is_read_as_sh_reads_it():
+    """Leading assignments stay before `exec` (`exec A=1 python` is no command); the warm path expands the words
+    and assignments with /bin/sh itself: parameters in the caller's variables, assignments in order."""
+    from experiments.command import exec_form, expand, with_interpreter
+
+    command = with_interpreter("OMP_NUM_THREADS=1 X='a b' python t.py --id=$JOB \"$X\"", "/py")
+    assert command == "OMP_NUM_THREADS=1 X='a b' /py t.py --id=$JOB \"$X\""
+    assert exec_form(command) == "OMP_NUM_THREADS=1 X='a b' exec /py t.py --id=$JOB \"$X\""
+    assert exec_form("python a.py | tee log") == "python a.py | tee log"
+    argv, assigned = expand(command, {"JOB": "7", "X": "outer", "PATH": os.environ["PATH"]})
+    assert argv == ["/py", "t.py", "--id=7", "outer"] and assigned == {"OMP_NUM_THREADS": "1", "X": "a b"}
+    with pytest.raises(ValueError):
+        expand("python a.py && echo done", {})
+
+
+MAKES_ITS_OWN_RUNS = '''
+import mlflow
+with mlflow.start_run():  # the job's run (MLFLOW_RUN_ID), which MLflow then forgets
+    mlflow.log_metric("train_loss", 1.0, step=1)
+with mlflow.start_run():  # a run of its own, as the Trainer's evaluate() after train() makes
+    mlflow.log_metric("val_loss", 0.25, step=7)
+'''
+
+
+def test_metrics_a_script_logs_to_runs_of_its_own_land_in_the_job_run(tmp_path, home):
+    from orchestrator.core.config import Settings
+    from orchestrator.tracking.client import Tracker
+
+    spec = registry.get(str(folder(tmp_path, GOOD, MAKES_ITS_OWN_RUNS)))
+    tracker = Tracker.from_settings(Settings.load())
+    run = tracker.trial_run(None, "x", key="k", name="n", params={}, tags={})
+    uri = Settings.load().tracking_uri
+    out = wrapper(spec, {}, tmp_path / "ck", MLFLOW_RUN_ID=run, MLFLOW_TRACKING_URI=uri)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the script made MLflow runs of its own" in out.stdout and "copied val_loss" in out.stdout
+    assert tracker.history(run, "val_loss") == [(7, 0.25)] and tracker.history(run, "train_loss") == [(1, 1.0)]
+    import sqlite3
+
+    with sqlite3.connect(uri[len("sqlite:///"):]) as db:
+        live = db.execute("SELECT COUNT(*) FROM runs WHERE lifecycle_stage = 'active'").fetchone()[0]
+    assert live == 1  # the job's run only: the one the script made was deleted

@@ -77,10 +77,14 @@ import sys, time
 from pathlib import Path
 from experiments.common import prepare_once
 log = Path(sys.argv[2])
+with log.open("a") as fh:
+    fh.write("arrived\\n")
 def build(out):
     with log.open("a") as fh:
         fh.write("build\\n")
-    time.sleep(0.5)  # long enough that the second process arrives mid-build
+    deadline = time.time() + 30
+    while log.read_text().count("arrived") < 2 and time.time() < deadline:
+        time.sleep(0.02)  # the other process is on its way into prepare_once: it arrives mid-build
     (out / "data").write_text("ok")
     return {}
 print(prepare_once("race", 1, build, Path(sys.argv[1])))

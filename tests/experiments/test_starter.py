@@ -120,9 +120,9 @@ def test_argparse_script_becomes_a_starter_toml(argparse_toml):
     assert exp["description"] == "Train a tiny MLP on digits."
     assert exp["run"] == f"{PY} train.py --out_dir={{checkpoint_dir}} {{args}}"
     assert exp["args"] == "--{name}={value}"
-    assert exp["fixed"] == {"epochs": 5, "seed": 0} and exp["seed"] == "seed"
-    assert "metric" not in exp and "direction" not in exp  # left for the user, commented
-    assert '# metric = "val_loss"' in text and "# direction = " in text and "# pattern = " in text
+    assert exp["fixed"] == {"epochs": 5} and exp["seed"] == "seed"  # the seed is the product's to give, not fixed
+    assert (exp["metric"], exp["direction"]) == ("val_loss", "minimize")  # guessed from its print, to review
+    assert "# pattern = " in text
     assert {k: v["type"] for k, v in space.items()} == {
         "lr": "float", "width": "int", "layers": "int", "dropout": "float", "activation": "choice", "heads": "int"}
     assert {k: v["default"] for k, v in space.items()} == {
@@ -191,7 +191,7 @@ def test_options_given_in_the_command_stay_as_given(tmp_path):
     toml = tomllib.loads(starter.text)
     assert starter.path == folder / "src" / "autoresearch.toml"  # next to the script; `run` runs there
     assert toml["experiment"]["run"] == f"{PY} train.py --epochs 2 --lr=0.01 --out_dir={{checkpoint_dir}} {{args}}"
-    assert "lr" not in toml["space"] and "epochs" not in toml["experiment"]["fixed"]
+    assert "lr" not in toml["space"] and "epochs" not in toml["experiment"].get("fixed", {})
 
 
 def test_sub_commands_are_followed_or_named(tmp_path):
@@ -269,3 +269,16 @@ def test_cli_end_to_end(tmp_path):
         "autoresearch: empty.py ended without building an argparse, click or typer parser: write autoresearch.toml "
         "by hand (see docs/guides/init-and-sweeps.md)"]
     assert traces(tmp_path) == set()
+
+
+def test_the_starter_is_accepted_as_is(tmp_path):
+    """What init writes loads as an experiment without an edit: a --seed option is the seed, not also fixed."""
+    from experiments.config_file import load
+
+    script(tmp_path, "import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', type=float, "
+                     "default=0.1)\np.add_argument('--seed', type=int, default=1)\n"
+                     "p.add_argument('--adam_beta2', type=float, default=0.999)\np.parse_args()\n")
+    spec = load(write_starter([PY, "train.py"], tmp_path))
+    assert spec.seed_param == "seed" and "seed" not in spec.fixed and spec.metric == "val_loss"
+    beta = spec.space.dims["adam_beta2"]
+    assert 0 < beta.low < 0.999 < beta.high < 1  # a beta stays below 1

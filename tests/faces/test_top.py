@@ -215,8 +215,13 @@ def test_live_view_in_80x24_under_tmux_exits_on_a_key_and_restores_the_terminal(
         assert any("cpu:0" in line and "long-a" in line for line in lines)
         assert any("cpu:1" in line and "long-b" in line for line in lines)
         assert any("#3 urgent" in line and "will preempt #" in line for line in lines), screen  # cut at 80 columns
-        time.sleep(1.2)  # a few refreshes later it still shows one frame, not frames stacked or scrolled
-        again = tmux.screen().rstrip("\n").split("\n")
+
+        def later_frame():  # the clock in the header has moved on
+            now = tmux.screen().rstrip("\n").split("\n")
+            return now if now[0] != lines[0] else None
+
+        # Frames later it still shows one frame, not frames stacked or scrolled.
+        again = wait_for(later_frame, timeout=30, what="a later frame")
         assert again[0].startswith("autoresearch top") and sum("autoresearch top" in x for x in again) == 1
         tmux.run("send-keys", "-t", "top", key)
         done = tmux.wait_for("EXITED rc=", timeout=30)

@@ -126,6 +126,25 @@ def test_a_malformed_config_file_is_one_line_exit_2_from_every_command(home, com
     assert count() == 1 and json.loads(cli("queue", "--json").stdout)[0]["state"] == "QUEUED"
 
 
+def test_process_tracking_and_the_node_name_are_settings_like_any_other(home, monkeypatch):
+    from orchestrator.core.layout import node_name
+    from orchestrator.executors.local.executor import LocalExecutor
+    from orchestrator.core.layout import Layout
+
+    monkeypatch.delenv("AUTORESEARCH_CGROUP", raising=False)
+    monkeypatch.delenv("AUTORESEARCH_NODE", raising=False)
+    (home / "config.toml").write_text('cgroup = "off"\nnode = "rack2-a"\n')
+    settings = Settings.load()
+    assert node_name(home, settings.node) == "rack2-a"
+    executor = LocalExecutor.create(settings, Layout(home), lambda *a: None)
+    try:
+        assert executor.tracking == "psutil"  # the file's `off`, where the environment says nothing
+    finally:
+        executor.close()
+    monkeypatch.setenv("AUTORESEARCH_NODE", "rack3-b")  # the environment wins over the file
+    assert Settings.load().node == "rack3-b"
+
+
 def test_settings_come_from_flags_then_env_then_config_file(home, monkeypatch):
     (home / "config.toml").write_text('devices = "cpu:3"\npreempt_after = 5\nhang_timeout = 7\nllm_model = "m"\n')
     monkeypatch.setenv("AUTORESEARCH_PREEMPT_AFTER", "6")

@@ -44,8 +44,8 @@ def test_an_unknown_config_key_or_table_is_one_line_exit_2_from_every_command(ho
     cfg.write_text('[serve]\ndevices = "cpu:2"\n')
     assert f"{cfg}: unknown table [serve]" in one_line(cli("queue"))
     assert store.count() == 0  # nothing was queued through either path
-    cfg.write_text('cgroup = "off"\npreempt_after = 5\n')  # a key a part reads itself is known
-    assert Settings.load().extra == {"cgroup": "off"} and Settings.load().preempt_after == 5
+    cfg.write_text('cgroup = "off"\npreempt_after = 5\n')  # known keys: both are settings
+    assert Settings.load().cgroup == "off" and Settings.load().preempt_after == 5
     assert cli("submit", "--", "true", fast=True).returncode == 0 and store.count() == 1
 
 
@@ -141,6 +141,8 @@ def test_a_job_that_will_preempt_says_when_and_its_victim_names_the_job_it_yield
     assert said.search(queue), queue
     shown = cli("show", str(high.id)).stdout
     assert re.search(r"next: " + said.pattern, shown), shown
+    as_json = json.loads(cli("show", str(high.id), "--json").stdout)  # scripts read the same words
+    assert said.fullmatch(as_json["next"]) and as_json["state"] == "QUEUED", as_json
     assert service.store.get(low.id).state == "RUNNING"  # nothing was preempted early
 
     service.preempt_after = 0  # the victim comes of age now: the next pass preempts it for the waiting job

@@ -102,16 +102,18 @@ def test_preflight_runs_retention_then_waits_with_the_reason_and_resumes(home, m
     wait_for(lambda: not [s for s in store.hosts.services() if s.disk], what="the banner to clear")
 
 
-def test_a_full_disk_refuses_writes_whole_and_the_service_stays_up(home, make_service, monkeypatch):
+def test_a_full_disk_refuses_writes_whole_and_the_service_stays_up(home, make_service, monkeypatch, tmp_path):
     monkeypatch.setenv("AUTORESEARCH_DISK_MIN_FREE_MB", "0")  # no preflight: the writes themselves fail
     service = make_service(devices="cpu:1")
     store = service.store
     ok = store.submit(JobSpec(argv=["true"], track=False))
     wait_for(lambda: store.get(ok.id).state == "SUCCEEDED", what="a job before the disk fills")
     before = store.count()
-    # A job that writes its output and a checkpoint file, then would succeed: its writes fail on the full disk.
+    # A job that writes its output and a checkpoint file once the disk is full (told by a file outside the small
+    # filesystem), then would succeed: its writes fail on the full disk.
+    go = tmp_path / "disk-is-full"
     writer = store.submit(JobSpec(argv=[sys.executable, "-c",
-                                        "import os,time; time.sleep(1.5); "
+                                        f"import os,time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
                                         "open(os.environ['AUTORESEARCH_CHECKPOINT_DIR']+'/w','wb').write(b'x'*4*2**20)"],
                                   track=False))
     wait_for(lambda: store.get(writer.id).state == "RUNNING", what="the writer to start")
@@ -121,6 +123,7 @@ def test_a_full_disk_refuses_writes_whole_and_the_service_stays_up(home, make_se
         for _ in range(200):  # the WAL may have a little room left: keep writing until it has none
             store.submit(JobSpec(argv=["echo", "x" * 4000], track=False))
     assert "full" in str(refused.value).lower()
+    go.touch()
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
              timeout=60, what="the writer's process to end")
     assert service._dispatcher.is_alive()
@@ -239,4 +242,43 @@ def test_a_full_mlflow_disk_loses_no_result_says_why_and_recovers(small_fs, tmp_
         if ballast is not None:
             ballast.unlink()
         kill_leftovers(store)
+        service.stop()
+
+
+def test_a_service_started_on_a_full_disk_comes_up_once_space_returns(home, make_service, monkeypatch):
+    import threading
+
+    from orchestrator.service.daemon import Service
+
+    monkeypatch.setenv("AUTORESEARCH_DISK_MIN_FREE_MB", "0")  # no preflight: the writes themselves fail
+    first = make_service(devices="cpu:1")
+    store = first.store
+    done = store.submit(JobSpec(argv=["true"], track=False))
+    wait_for(lambda: store.get(done.id).state == "SUCCEEDED", what="a job before the disk fills")
+    first.stop()
+    ballast = fill(home, 0)
+    with pytest.raises(Exception):  # the WAL may have a little room left: write until it has none
+        for _ in range(200):
+            store.submit(JobSpec(argv=["echo", "x" * 4000], track=False))
+    service = Service(Settings.load(), devices="cpu:1", preempt_after=0.0, tick=0.2)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            service.start()
+        except BaseException as exc:  # reported by the test below
+            failed.append(exc)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    wait_for(lambda: service.disk.full_error or failed, timeout=30, what="the start meeting the full disk")
+    assert not failed, failed
+    assert starter.is_alive()  # waiting for space, not gone
+    ballast.unlink()
+    starter.join(timeout=60)
+    assert not starter.is_alive() and not failed, failed
+    try:
+        late = store.submit(JobSpec(argv=["true"], track=False))
+        wait_for(lambda: store.get(late.id).state == "SUCCEEDED", timeout=60, what="a job once space returned")
+    finally:
         service.stop()

@@ -121,6 +121,7 @@ def start_service(home, kind, request, monkeypatch):
 
     address = request.getfixturevalue("ray_head") if kind == "ray" else None
     if kind == "slurm":
+        request.getfixturevalue("slurm_exclusive")
         request.getfixturevalue("slurm_cluster")
     started = []
 
@@ -185,7 +186,7 @@ def test_exit_codes_retries_and_exit_75(start_service, tmp_path):
     done = ("SUCCEEDED", "FAILED", "CANCELLED")
     wait_for(lambda: all(state(service, j) in done for j in (ok, bad, temp)), timeout=60, what="three jobs")
     assert (state(service, ok), service.store.get(ok).exit_code) == ("SUCCEEDED", 0)
-    assert env_out.read_text().strip() == f"{ok}:1:[]:bar"  # Contract 3 env and overrides reach the job
+    assert env_out.read_text().strip() == f"{ok}:1:[]:bar"  # the job protocol's env and overrides reach the job
     assert "hello" in log_of(service, ok)
     assert (state(service, bad), service.store.get(bad).exit_code) == ("FAILED", 3)
     job = service.store.get(temp)
@@ -268,6 +269,26 @@ def test_a_config_file_experiment_runs_its_python_script_warm(request, kind, tmp
     assert state(service, job_id) == "SUCCEEDED" and "preloaded" in text
     warm = kind == "local"  # its wrapper forked from the pool, and the script from the wrapper
     assert text.count("(warm)") == int(warm) and f"preloaded {warm} ['--lr=0.02']" in text
+
+
+def test_a_run_command_is_read_as_sh_reads_it_warm_or_cold(request, kind, tmp_path):
+    """Leading assignments, `$VARS` and quotes in `run`: the script sees what /bin/sh gives it, whether it
+    is forked from the warm pool or started through the shell."""
+    (tmp_path / "train.py").write_text(
+        "import json, os, sys\nprint('saw', json.dumps([sys.argv[1:], os.environ.get('OMP_NUM_THREADS'), "
+        "os.environ.get('GREETING'), os.environ.get('AUTORESEARCH_JOB_ID')]))\nprint('val_loss: 0.5')\n")
+    run = """OMP_NUM_THREADS=3 GREETING='hi there' python train.py --id=$AUTORESEARCH_JOB_ID "two words" {args}"""
+    (tmp_path / "autoresearch.toml").write_text(f'[experiment]\nrun = {json.dumps(run)}\nmetric = "val_loss"\n'
+                                                'direction = "minimize"\n[space]\nlr = { type = "float", '
+                                                'low = 0.001, high = 0.1, default = 0.01 }\n')
+    service = local_service(request, kind)()
+    job_id = submit(api.experiment_spec(str(tmp_path), {"lr": 0.02}, track=False))
+    wait_for(lambda: state(service, job_id) in ("SUCCEEDED", "FAILED"), timeout=60, what="the experiment's run")
+    text = log_of(service, job_id)
+    assert state(service, job_id) == "SUCCEEDED", text
+    saw = json.loads(text.split("saw ", 1)[1].splitlines()[0])
+    assert saw == [[f"--id={job_id}", "two words", "--lr=0.02"], "3", "hi there", str(job_id)]
+    assert text.count("(warm)") == int(kind == "local")
 
 
 def test_cancel_queued_and_running_and_sigkill_after_grace(start_service):

@@ -1,7 +1,7 @@
 """What a job's process really sees: it dumps its own environment, and the agent's LLM key is not in it.
 
 The service needs OPENAI_API_KEY for the agent's proposer, and a job inherits the service's environment
-(Contract 3); the executor must drop the key on the way. Scanning files under the home would not notice a
+(the job protocol); the executor must drop the key on the way. Scanning files under the home would not notice a
 job that could read the key but did not write it anywhere, so the job itself reports what it got.
 """
 

@@ -48,7 +48,7 @@ def test_batched_runs_are_the_runs_the_client_makes(tracker):
         by_client = jobruns.create_run(tracker, req)
         assert comparable(tracker, run_id) == comparable(tracker, by_client)
         assert tracker.client.get_run(run_id).info.experiment_id == tracker.experiment_id(req["experiment"])
-    # The job's side of Contract 3: it logs into its run and ends it.
+    # The job's side of the job protocol: it logs into its run and ends it.
     run_id = dict(made)[2]
     tracker.client.log_metric(run_id, "loss", 0.5, step=1)
     tracker.client.set_terminated(run_id, "FINISHED")

@@ -260,3 +260,38 @@ def _stop(services: dict, store) -> None:
                 proc.kill()
     kill_leftovers(store)
     store.close()
+
+
+def test_two_services_requeueing_one_failed_job_requeue_it_once(pg_url):
+    """Every service requeues the retries that are due each second; on a shared queue, while one service's
+    requeue holds a failed job, another's skips it: before, both moved it (two FAILED -> QUEUED events, and the
+    later write could put a job the first service had meanwhile claimed back in line)."""
+    from sqlalchemy import text
+
+    a, b = JobStore(pg_url), JobStore(pg_url)
+    job = a.submit(JobSpec(argv=["true"], max_attempts=3))
+    a.claim([(job.id, ["cpu:0"])], "A")
+    a.mark_running(job.id, 4242, None, "A")
+    failed = a.finish(job.id, 1, "A")
+    assert failed.retrying
+    with a.db.engine.connect() as held:  # service A's requeue of this job, in flight: it holds the job's row
+        me = held.execute(text("SELECT pg_backend_pid()")).scalar()
+        held.execute(text("SELECT id FROM jobs WHERE id = :id FOR UPDATE"), {"id": job.id})
+        moved = []
+        other = threading.Thread(target=lambda: moved.extend(b.requeue_due(now=failed.not_before + 1)))
+        other.start()
+
+        def waits_on_a() -> bool:
+            with a.db.engine.connect() as conn:
+                return bool(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE "
+                                              ":me = ANY(pg_blocking_pids(pid))"), {"me": me}).scalar())
+
+        wait_for(lambda: not other.is_alive() or waits_on_a(), timeout=30, what="service B's requeue pass")
+        held.execute(text("UPDATE jobs SET state = 'QUEUED', not_before = NULL WHERE id = :id"), {"id": job.id})
+        held.execute(text("INSERT INTO job_events (job_id, at, src, dst, reason, host) "
+                          "VALUES (:id, :at, 'FAILED', 'QUEUED', 'retry 2/3', 'A')"), {"id": job.id, "at": time.time()})
+        held.commit()
+    other.join(30)
+    assert moved == []
+    assert [(e.src, e.dst) for e in a.events(job.id)].count(("FAILED", "QUEUED")) == 1
+    assert a.get(job.id).state == "QUEUED"

@@ -137,3 +137,21 @@ def test_notify_test_command(home, hooks):
 def test_payload_is_slack_compatible():
     body = payload("disk.low", {"reason": "12 MB free on /data"})
     assert body["text"].startswith("autoresearch: ") and body["event"] == "disk.low"
+
+
+def test_a_failed_node_of_a_multi_node_attempt_is_announced_as_node_failed(home, hooks):
+    from orchestrator.core.config import Settings
+    from orchestrator.executors.base import Exit
+    from orchestrator.queue.store import JobStore
+    from orchestrator.service.notices import ServiceNotices
+
+    hook = hooks()
+    _config(home, ["[[notify]]", f'url = "{hook.url}"', 'events = ["node.failed"]'])
+    settings = Settings.load()
+    notices = ServiceNotices(settings, JobStore.from_settings(settings), "box")
+    notices.nodes_failed([Exit(4, 2, 75, "lost", (("node2", "node node2 lost: no heartbeat for 7s"),)),
+                          Exit(5, 1, 0, "exit code 0")])
+    assert notices.notifier.flush(10)
+    notices.close()
+    assert [(b["event"], b["node"], b["job"], b["attempt"]) for b in hook.bodies] == [("node.failed", "node2", 4, 2)]
+    assert "no heartbeat" in hook.bodies[0]["reason"]

@@ -115,7 +115,7 @@ def test_preemption_frees_the_devices_only_once_every_rank_is_gone(make_service,
 
 def test_a_ranks_exit_75_requeues_the_job_without_spending_an_attempt(make_service, tmp_path, monkeypatch):
     """torchrun reports any failed rank as exit 1; a rank asking to be requeued must not use up the job's
-    only attempt. The ranks see Contract 3, not the wrapper's own variables."""
+    only attempt. The ranks see the job protocol's variables, not the wrapper's own variables."""
     monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
     service = make_service("cpu:2")
     spec = JobSpec(argv=[sys.executable, RANK_JOB, "tempfail", str(tmp_path)], gpus=2, max_attempts=1,
@@ -188,7 +188,10 @@ def test_stop_reaches_a_helper_in_another_session_and_adoption_finds_the_tree_ag
     job = _job(tmp_path, _daemonizing(pidfile, "trap '' TERM; sleep 300"))
     launched = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
     wait_for(pidfile.exists, timeout=30, what="the helper")
-    time.sleep(0.6)  # one refresh of the watcher sees the helper (psutil mode)
+    helper = int(pidfile.read_text())
+    watch = first._watcher.get((job.id, job.attempts))  # what the service knows of the attempt's tree
+    wait_for(lambda: helper in {p.pid for p in watch.tree.members(refresh=False)}, timeout=30,
+             what="the watcher's refresh to know the helper (psutil mode)")
     first.close()  # the service goes away; the job keeps running
     job.pid, job.proc_start = launched.pid, launched.proc_start
     second = LocalExecutor(layout, exits.put, cgroup=mode)

@@ -1,5 +1,5 @@
 """The queue service end to end with real processes on cpu slots: preemption, cancel, retries, exit 75,
-torchrun for multi-device jobs, leftover processes, and the Contract 3 environment."""
+torchrun for multi-device jobs, leftover processes, and the job protocol's environment."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def test_a_plain_sigterm_handler_that_exits_0_is_requeued_and_resumes(make_servi
     plain = JobSpec(argv=[sys.executable, str(SCRIPTS / "plain_sigterm_job.py"), "400"], priority=0, track=False)
     low = [api.submit(plain)[0].id for _ in range(2)]
     wait_for(lambda: all("starts at step" in log_of(service, j) for j in low), what="both low jobs running")
-    time.sleep(1.0)  # some training to lose if the preemption dropped it
+    wait_for(lambda: all("trained 10 steps" in log_of(service, j) for j in low),
+             what="some training to lose if the preemption dropped it")
     high = api.submit(ckpt_job(10, priority=50, name="high"))[0].id
     wait_for(lambda: any(service.store.get(j).preemptions for j in low), what="a low job to be preempted")
     [victim] = [j for j in low if service.store.get(j).preemptions == 1]

@@ -22,6 +22,8 @@ from orchestrator.queue.states import HOLDING
 from tests.orchestrator.helpers import ckpt_job, wait_for
 from tests.support import slurm as cluster
 
+pytestmark = pytest.mark.usefixtures("slurm_exclusive")  # the shared cluster, one test at a time
+
 FINISHED = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -262,7 +264,7 @@ def test_a_job_larger_than_a_node_is_refused_in_one_line(service):
     job_id = api.submit(JobSpec(argv=["true"], gpus=5, max_attempts=1, track=False))[0].id
     wait_for(lambda: svc.store.get(job_id).state in FINISHED, timeout=30, what="the refusal")
     job = svc.store.get(job_id)
-    assert job.state == "FAILED" and "multi-node jobs are not supported" in job.reason
+    assert job.state == "FAILED" and "needs 5 CPUs on one node" in job.reason and "--nodes" in job.reason
     assert "\n" not in job.reason
 
 

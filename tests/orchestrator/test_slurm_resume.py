@@ -16,6 +16,8 @@ from orchestrator.queue.states import HOLDING
 from tests.experiments.test_experiment_resume import history, log_text, preempt_and_resume
 from tests.support import slurm as cluster
 
+pytestmark = pytest.mark.usefixtures("slurm_exclusive")  # the shared cluster, one test at a time
+
 
 @pytest.mark.slow
 def test_preempted_digits_trial_resumes_bitwise_through_slurm(home, monkeypatch):

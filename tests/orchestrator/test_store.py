@@ -1,4 +1,4 @@
-"""JobStore contract: every backend (SQLite, PostgreSQL) enforces Contract 2 the same way."""
+"""JobStore contract: every backend (SQLite, PostgreSQL) enforces the job states the same way."""
 
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def test_devices_keep_their_state_across_syncs(store):
 
 
 def test_every_contract_transition_is_known():
-    # Contract 2's named edges must all be allowed (extensions may add more, never remove these).
+    # The job states' named edges must all be allowed (extensions may add more, never remove these).
     required = {(S.QUEUED, S.STARTING), (S.STARTING, S.RUNNING), (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED),
                 (S.RUNNING, S.CANCELLED), (S.RUNNING, S.PREEMPTING), (S.PREEMPTING, S.QUEUED),
                 (S.RUNNING, S.CANCELLING), (S.CANCELLING, S.CANCELLED), (S.FAILED, S.QUEUED)}

@@ -1,4 +1,4 @@
-"""Program-mode fixtures: a small real git repository holding a program, and answers in Contract 4's shape.
+"""Program-mode fixtures: a small real git repository holding a program, and answers in the program format's shape.
 
 The program is plain Python (no torch) so a run takes a fraction of a second: `prepare.py` (protected) scores
 a learning rate, `train.py` (editable) prints `score: <number>` with seed noise, as karpathy/autoresearch's

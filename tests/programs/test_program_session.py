@@ -1,5 +1,5 @@
 """Program sessions end to end: a real git repository, the real queue service and processes, real MLflow, and
-the OpenAI-compatible fake LLM answering from a script of Contract 4 answers."""
+the OpenAI-compatible fake LLM answering from a script of program-format answers."""
 
 from __future__ import annotations
 

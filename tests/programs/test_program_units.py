@@ -148,19 +148,31 @@ def test_start_program_bad_input_is_one_line_and_exit_2(home, program):
     assert not (home / "agent" / "agent.db").exists() or "s-" not in _cli("sessions", "--json").stdout
 
 
-class _Judged(Judge):
-    """The judge on a hand-built tree: real spec, repo and governor; no jobs, no tracker (no run ids)."""
+class _Session:
+    """A hand-built session for the judge: real spec, repo and governor; no jobs, no tracker (no run ids)."""
 
     def __init__(self, program, trials):
         self.spec = specs.load(program)
         self.repo, self.sid, self.trials = Repo(self.spec.repo), "s-judge", trials
         self.gov, self.state = Governor(), {"incumbent": 0, "pending_debug": [], "stop_reason": ""}
+        self.parallel, self.tracker = 1, None
 
     def say(self, text):
         pass
 
+    def _add(self, t):
+        self.trials.append(t)
+        return t
+
     def _save(self, t=None):
         pass
+
+
+def _judged(program, trials) -> _Session:
+    """The session after its judge has ruled on every node it can."""
+    session = _Session(program, trials)
+    Judge(session)()
+    return session
 
 
 def _tree(program, children: list[list[float]]) -> list[ProgramTrial]:
@@ -182,19 +194,16 @@ def test_judge_corrects_for_several_children_of_one_parent(program):
     # 0.025 better than a baseline of 1.00 ± 0.01 on 3 seeds each: kept at 95% when it is the parent's only
     # child, but with a sibling judged against the same parent both are gated at 97.5% (Bonferroni) and it is not.
     close, clear = [0.975, 0.985, 0.965], [0.95, 0.96, 0.94]
-    alone = _Judged(program, _tree(program, [close]))
-    alone._judge()
+    alone = _judged(program, _tree(program, [close]))
     assert alone.trials[3].verdict is Verdict.KEPT and "95% CI" in alone.trials[3].verdict_text
-    pair = _Judged(program, _tree(program, [close, clear]))
-    pair._judge()
+    pair = _judged(program, _tree(program, [close, clear]))
     assert pair.trials[3].verdict is Verdict.DISCARDED and "97.5% CI" in pair.trials[3].verdict_text
     assert pair.trials[6].verdict is Verdict.KEPT and pair.state["incumbent"] == 6
     # A crashed sibling was never tested: it does not widen the others' intervals.
     crashed = _tree(program, [close])
     crashed.append(tree.new_trial("s", 6, kind=Kind.VARIANT, step="draft", parent=None, parent_node=0)
                    .update(status=S.FAILED, error="boom"))
-    one = _Judged(program, crashed)
-    one._judge()
+    one = _judged(program, crashed)
     assert one.trials[3].verdict is Verdict.KEPT and one.trials[6].verdict is Verdict.CRASHED
 
 

@@ -1,4 +1,4 @@
-"""JobContext: Contract 3 environment, signals, heartbeat, MLflow logging (real sqlite tracking store)."""
+"""JobContext: the job protocol's environment, signals, heartbeat, MLflow logging (real sqlite tracking store)."""
 
 from __future__ import annotations
 

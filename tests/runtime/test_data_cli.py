@@ -55,3 +55,26 @@ def test_the_cache_commands_do_not_import_torch():
     code = "import sys, orchestrator.faces.cli.cache; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", "registering the cache commands must keep `submit` fast"
+
+
+def test_pack_shows_files_and_bytes_then_reports_and_bad_input_is_one_line(home, data_dir, tmp_path, capsys):
+    write_files(data_dir, 12, size=4096)
+    done = cli(capsys, "data", "pack", str(data_dir), str(tmp_path / "shards"), "--shard-size", "16KiB", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["files"], report["samples"], report["bytes"]) == (12, 12, 12 * 4096) and report["shards"] >= 3
+    assert (tmp_path / "shards" / "index.json").exists()
+    shown = cli(capsys, "data", "pack", str(data_dir), str(tmp_path / "shards2"), "--shard-size", "16KiB")
+    assert shown.returncode == 0 and "12/12 files" in shown.stderr, "the bar counts files and bytes"
+    for args, message in ((["nowhere", "x"], "data volume not found"),
+                          ([str(data_dir), str(tmp_path / "y"), "--shard-size", "big"], "not a size: 'big'"),
+                          ([str(data_dir), str(data_dir / "d0")], "is inside source")):
+        bad = cli(capsys, "data", "pack", *args)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and message in bad.stderr, bad.stderr
+    assert not (tmp_path / "y").exists()
+
+
+def test_the_data_commands_do_not_import_torch():
+    code = "import sys, orchestrator.faces.cli.data; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False"

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from runtime import preflight as pf
 from runtime.devices import DeviceSpecError, job_device, normalize_uuid, parse_devices
 from runtime.nvml import Nvml
+from tests.orchestrator.helpers import wait_for
 from tests.support.fake_nvml import FakeNvml
 
 A, B = "GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000"
@@ -86,8 +88,7 @@ def test_a_hung_nvml_call_times_out_and_does_not_queue_more():
         status, _, _, message = nv.ecc("0")  # still hung: fails at once
         assert "still hung" in message and time.monotonic() - t0 < 1.5
         gate.set()
-        time.sleep(0.1)
-        assert nv.ecc("0")[0] == "pass"
+        wait_for(lambda: nv.ecc("0")[0] == "pass", timeout=10, what="calls to pass once the hung one returned")
     finally:
         gate.set()
         nv.close()
@@ -123,6 +124,10 @@ def test_an_mps_server_on_the_gpu_is_not_a_foreign_process(tmp_path):
     server = subprocess.Popen([str(server_exe), "30"])
     other = subprocess.Popen(["sleep", "30"])
     try:
+        # Popen can return before the kernel has renamed the child (the exec's close-on-exec comes first): wait
+        # for the name NVML's caller reads, as a real server has it from its start.
+        wait_for(lambda: Path(f"/proc/{server.pid}/comm").read_text().strip() == server_exe.name[:15],
+                 what="the stand-in server's process name")
         with Nvml(FakeNvml([A], pids=[server.pid])) as nv:
             assert nv.foreign_processes("0")[0] == "pass"
         with Nvml(FakeNvml([A], pids=[server.pid, other.pid])) as nv:

@@ -77,3 +77,87 @@ def resume(node: str) -> None:
                           text=True, timeout=30)
     if done.returncode != 0 and not node_state(node).startswith(("idle", "mixed", "alloc")):
         raise RuntimeError(f"could not resume node {node}: {done.stderr.strip()}")
+
+
+# -- the emulated nodes of partition multi (node1..node3: `slurmd -N` daemons on this machine) ------------------
+
+MULTI = "multi"
+MULTI_LOCK = "/tmp/autoresearch-slurm-multi.lock"
+
+
+def multi_states() -> dict[str, str]:
+    """The state of each node of partition multi as sinfo prints it (`idle`, `mixed`, `down*` ...); {} if none."""
+    if shutil.which("sinfo") is None:
+        return {}
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", MULTI, "-o", "%N|%T"], capture_output=True, text=True,
+                         timeout=20)
+    return dict(line.split("|", 1) for line in out.stdout.splitlines() if "|" in line)
+
+
+def multi_idle(nodes: list[str]) -> bool:
+    """Whether all of `nodes` are idle (no job left completing on them)."""
+    states = multi_states()
+    return all(states.get(node) == "idle" for node in nodes)
+
+
+def multi_nodes() -> list[str]:
+    """The emulated nodes of partition multi once all are up, or skip (fail under CI) with the reason."""
+    states = multi_states()
+    up = [node for node, state in states.items() if state.rstrip("~#") in ("idle", "mixed", "allocated", "completing")]
+    reason = None if len(up) >= 3 else (
+        f"partition {MULTI} has {len(up)} of 3 emulated nodes up (sinfo: {states or 'nothing'}; run "
+        ".ci/slurm-setup.sh)")
+    require("a Slurm cluster with emulated nodes (partition multi)", reason)
+    return sorted(up)
+
+
+def slurmd_pid(node: str) -> int | None:
+    """The pid of an emulated node's slurmd (its pid file), None when it does not run."""
+    import os
+
+    try:
+        pid = int(open(f"/run/slurmd-{node}.pid").read().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def kill_node(node: str) -> list[int]:
+    """What losing a machine does to an emulated node: SIGKILL to its slurmd, to every process Slurm started
+    there (they carry SLURMD_NODENAME=node) and to their slurmstepd. Returns the pids killed."""
+    import os
+    import signal
+
+    import psutil
+
+    killed = []
+    pid = slurmd_pid(node)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    victims: set[psutil.Process] = set()
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.environ().get("SLURMD_NODENAME") == node:
+                victims.add(proc)
+                parent = proc.parent()
+                if parent is not None and parent.name() == "slurmstepd":
+                    victims.add(parent)
+        except psutil.Error:
+            continue
+    for proc in victims:
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.Error:
+            pass
+    return killed
+
+
+def revive_node(node: str) -> None:
+    """Start an emulated node's slurmd again (if a test killed it) and return the node to service."""
+    if slurmd_pid(node) is None:
+        subprocess.run(["slurmd", "-N", node], capture_output=True, timeout=30)
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, text=True,
+                   timeout=30)

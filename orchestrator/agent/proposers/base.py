@@ -9,7 +9,6 @@ proposer, and every proposer imports this module).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -50,6 +49,9 @@ class Proposer(Protocol):
         ...
 
 
-def llm_configured() -> bool:
-    """Whether an OpenAI-compatible endpoint or key is configured in the environment."""
-    return bool(os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_KEY"))
+def llm_configured(settings: Any = None) -> bool:
+    """Whether an OpenAI-compatible endpoint (`llm_base_url`: flag, environment or config.toml) or a key is
+    configured."""
+    from orchestrator.core.config import Settings
+
+    return (settings or Settings.load()).llm_configured

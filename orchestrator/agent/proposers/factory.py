@@ -9,20 +9,21 @@ from orchestrator.agent.proposers.base import Proposer, llm_configured
 from orchestrator.agent.proposers.hybrid import HybridProposer
 from orchestrator.agent.proposers.llm import LLMProposer
 from orchestrator.agent.proposers.optuna_ import SamplerProposer
+from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
 
 NAMES = ("llm", "tpe", "cmaes", "random", "hybrid", "pbt")  # pbt: orchestrator.agent.pbt
 __all__ = ["NAMES", "default_name", "llm_configured", "make"]
 
 
-def default_name() -> str:
+def default_name(settings: Settings | None = None) -> str:
     """`llm` when an endpoint or key is configured, else `tpe`."""
-    return "llm" if llm_configured() else "tpe"
+    return "llm" if llm_configured(settings) else "tpe"
 
 
 def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: str | None = None,
          llm_options: dict[str, Any] | None = None, hybrid_share: float = 0.3,
-         baseline: dict[str, Any] | None = None) -> Proposer:
+         baseline: dict[str, Any] | None = None, settings: Settings | None = None) -> Proposer:
     """Build the proposer called `name` for experiment `spec`; samplers start near `baseline` (params of
     `spec`'s space). BadInput for an unknown name."""
     if name not in NAMES:
@@ -30,7 +31,7 @@ def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: st
     if name in ("tpe", "cmaes", "random", "pbt"):  # pbt's agent copies and perturbs; a sampler stands by
         return SamplerProposer(spec, "random" if name == "pbt" else name, seed=seed, baseline=baseline)
     sampler = SamplerProposer(spec, "tpe", seed=seed, baseline=baseline)
-    llm = LLMProposer(spec, goal, model=model, fallback=sampler, **(llm_options or {}))
+    llm = LLMProposer(spec, goal, model=model, fallback=sampler, settings=settings, **(llm_options or {}))
     if name == "llm":
         return llm
     return HybridProposer(sampler, llm, share=hybrid_share)

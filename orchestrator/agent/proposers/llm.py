@@ -6,29 +6,24 @@ unknown keys, out-of-range or mistyped values, repeats of tried configurations) 
 and re-asked at most `max_reasks` times; slots still empty then fall back to the sampler. Only the validated,
 coerced params leave this module (plus a clipped, printable rationale): nothing the model says is ever run.
 
-The client reads `OPENAI_API_KEY`/`OPENAI_BASE_URL` itself; the key is never copied into state, logs or runs.
-Rate limits, server errors, timeouts and dropped connections are retried here with exponential backoff.
+The endpoint, retries, usage and budget are `orchestrator.agent.llmclient`'s, shared with program mode.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import random
-import re
-import time
 from typing import Any, Sequence
 
 from experiments.registry import ExperimentSpec
 from experiments.space import SpaceError
-from orchestrator.agent.budget import DEFAULT_MODEL, PRICES  # noqa: F401 - the prices live with the budget
+from orchestrator.agent.llmclient import LLMClient, LLMUnavailable, ask, clean, load_json, proposals_of
 from orchestrator.agent.proposers.base import Observation, Proposal, Proposer
+from orchestrator.core.config import Settings
 
+__all__ = ["LLMProposer", "LLMUnavailable", "baseline_line", "parse_answer"]
 log = logging.getLogger(__name__)
 
-MAX_RETRY_AFTER = 30.0  # seconds: a server asking for longer gets this (a session should not stall for minutes)
-_sleep = time.sleep  # the wait between retries (tests record it instead of waiting)
 SYSTEM = (
     "You are a careful ML research assistant choosing the next hyperparameter configurations to try. "
     "Reply with a single JSON object and nothing else: "
@@ -38,98 +33,33 @@ SYSTEM = (
 )
 
 
-class LLMUnavailable(RuntimeError):
-    """The endpoint kept failing after every retry."""
-
-
 class LLMProposer:
-    """Proposals from a chat model, with bounded re-asks and a sampler fallback."""
+    """Proposals from a chat model (through `LLMClient`), with bounded re-asks and a sampler fallback."""
 
     name = "llm"
 
     def __init__(self, spec: ExperimentSpec, goal: str, *, model: str | None = None, fallback: Proposer,
-                 max_reasks: int = 2, retries: int = 4, backoff: float = 0.5, timeout: float = 60.0,
-                 history_rows: int = 30):
+                 max_reasks: int = 2, history_rows: int = 30, settings: Settings | None = None,
+                 client: LLMClient | None = None, **options: Any):
         self.spec = spec
         self.goal = goal
-        self.model = model or os.environ.get("AUTORESEARCH_LLM_MODEL") or DEFAULT_MODEL
+        self.client = client or LLMClient.from_settings(settings, model=model, **options)
         self.fallback = fallback
         self.max_reasks = max_reasks
-        self.retries = retries
-        self.backoff = backoff
-        self.timeout = timeout
         self.history_rows = history_rows
-        self.usage = _zero_usage()
-        self._client: Any = None
-        self.price: str | None = None  # "in,out" USD per million tokens (the llm_price setting); else PRICES
-        # The session's cap (orchestrator.agent.budget.LLMBudget) and what it had spent before this proposer's
-        # own counter; checked before every call. `budget_hit` says why the last propose stopped short.
-        self.budget: Any = None
-        self.spent: dict[str, float] = {}
-        self.budget_hit: str | None = None
+        self.budget_hit: str | None = None  # why the last propose stopped short (the session's LLM budget)
 
-    # -- the endpoint ----------------------------------------------------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.client.model
 
-    def client(self) -> Any:
-        """The openai client (built once; its own retries off, because ours log and count them)."""
-        if self._client is None:
-            import openai
-
-            # Local OpenAI-compatible servers often need no key, but the client insists on one.
-            key = None if os.environ.get("OPENAI_API_KEY") else "unused"
-            self._client = openai.OpenAI(api_key=key, max_retries=0, timeout=self.timeout)
-        return self._client
-
-    def _chat(self, messages: list[dict[str, str]]) -> str:
-        import openai
-
-        for attempt in range(self.retries + 1):
-            try:
-                resp = self.client().chat.completions.create(
-                    model=self.model, messages=messages, response_format={"type": "json_object"},
-                    temperature=0.7)
-            except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
-                    openai.APIConnectionError) as exc:
-                if attempt == self.retries:
-                    raise LLMUnavailable(f"{type(exc).__name__} after {attempt + 1} tries") from None
-                self.usage["retries"] += 1
-                _sleep(self._delay(attempt, exc))
-                continue
-            except openai.APIStatusError as exc:  # other 4xx: retrying will not help
-                raise LLMUnavailable(f"HTTP {exc.status_code}") from None
-            self.usage["calls"] += 1
-            if resp.usage is not None:
-                self.usage["prompt_tokens"] += resp.usage.prompt_tokens or 0
-                self.usage["completion_tokens"] += resp.usage.completion_tokens or 0
-                self.usage["cost_usd"] = self.cost(self.usage["prompt_tokens"], self.usage["completion_tokens"])
-            choice = resp.choices[0] if resp.choices else None
-            return (choice.message.content or "") if choice else ""
-        raise LLMUnavailable("no answer")  # unreachable; keeps type checkers content
-
-    def _delay(self, attempt: int, exc: Exception) -> float:
-        """Exponential backoff with jitter; a server's Retry-After is honoured up to `MAX_RETRY_AFTER` s."""
-        response = getattr(exc, "response", None)
-        retry_after = response.headers.get("retry-after") if response is not None else None
-        try:
-            if retry_after is not None:
-                return min(MAX_RETRY_AFTER, max(0.0, float(retry_after)))
-        except ValueError:
-            pass
-        return self.backoff * (2 ** attempt) * (0.5 + random.random() / 2)
-
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """Estimated USD for the tokens used (0 for a model with no known price)."""
-        price = self.price or os.environ.get("AUTORESEARCH_LLM_PRICE")
-        try:
-            p_in, p_out = (float(x) for x in price.split(",")) if price else PRICES[self.model]
-        except (KeyError, ValueError):
-            return 0.0
-        return (prompt_tokens * p_in + completion_tokens * p_out) / 1e6
+    @property
+    def usage(self) -> dict[str, float]:
+        return self.client.usage
 
     def take_usage(self) -> dict[str, float]:
         """Usage since the last call (calls, tokens, cost, retries, rejected answers, fallbacks), then reset."""
-        out, self.usage = self.usage, _zero_usage()
-        return out
+        return self.client.take_usage()
 
     # -- proposing -------------------------------------------------------------------------------------------------
 
@@ -137,35 +67,20 @@ class LLMProposer:
         """`n` proposals: as many valid ones as the model gives within the re-asks, the rest from the sampler."""
         if n <= 0:
             return []
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": self.prompt(n, history, context)}]
-        tried = [self.spec.space.validate(o.params) for o in history if _fits(self.spec, o.params)]
-        got: list[Proposal] = []
-        self.budget_hit = None
-        for round_ in range(self.max_reasks + 1):
-            if self.budget is not None:
-                from orchestrator.agent.budget import added
+        seen = [self.spec.space.validate(o.params) for o in history if _fits(self.spec, o.params)]
 
-                self.budget_hit = self.budget.reached(added(self.spent, self.usage))
-                if self.budget_hit:  # no call past the cap, and no sampler fallback: the session pauses
-                    return got
-            try:
-                text = self._chat(messages)
-            except LLMUnavailable as exc:
-                log.warning("LLM unavailable (%s); the sampler fills %d slot(s)", exc, n - len(got))
-                break
-            accepted, errors = parse_answer(text, self.spec, n - len(got), tried + [p.params for p in got])
-            got += accepted
-            if len(got) >= n:
-                break
-            if errors:
-                self.usage["rejected"] += 1
-            if round_ < self.max_reasks:
-                why = ("That answer was rejected: " + "; ".join(errors)[:2000] if errors
-                       else f"That answer had {len(accepted)} usable proposal(s)")
-                messages += [{"role": "assistant", "content": text[:4000]},
-                             {"role": "user", "content": why + f". Reply again with JSON only, "
-                              f"{n - len(got)} more proposal(s)."}]
+        def parse(text: str, wanted: int) -> tuple[list[Proposal], list[str]]:
+            accepted, errors = parse_answer(text, self.spec, wanted, seen)
+            seen.extend(p.params for p in accepted)  # a re-ask must not repeat what an earlier round gave
+            return accepted, errors
+
+        asked = ask(self.client, SYSTEM, self.prompt(n, history, context), parse, n, max_reasks=self.max_reasks)
+        got = asked.got
+        self.budget_hit = asked.budget_hit
+        if asked.budget_hit:  # no call past the cap, and no sampler fallback: the session pauses
+            return got
+        if asked.unavailable:
+            log.warning("LLM unavailable (%s); the sampler fills %d slot(s)", asked.unavailable, n - len(got))
         if len(got) < n:
             self.usage["fallbacks"] += n - len(got)
             fallback = self.fallback.propose(n - len(got), list(history) + [
@@ -178,8 +93,7 @@ class LLMProposer:
         """The user message: goal, space, baseline and its noise, history table, best so far, recent failures."""
         spec = self.spec
         done = [o for o in history if o.state == "complete" and o.value is not None]
-        sign = 1 if spec.direction == "minimize" else -1
-        ranked = sorted(done, key=lambda o: sign * o.value)
+        ranked = sorted(done, key=lambda o: spec.direction.key(o.value))
         shown = ranked[: self.history_rows // 2] + [o for o in history if o not in ranked[: self.history_rows // 2]][
             -self.history_rows // 2:]
         rows = [f"{json.dumps(o.params, sort_keys=True)} | {'' if o.value is None else f'{o.value:.6g}'} | {o.state}"
@@ -223,16 +137,10 @@ def baseline_line(history: Sequence[Observation], metric: str) -> str:
 def parse_answer(text: str, spec: ExperimentSpec, n: int, tried: Sequence[dict[str, Any]]
                  ) -> tuple[list[Proposal], list[str]]:
     """Valid proposals in `text` (at most `n`) and the reasons the rest were rejected."""
-    body = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", text or "")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
-        return [], ["the answer is not valid JSON"]
-    if isinstance(data, dict) and "params" in data and "proposals" not in data:
-        data = {"proposals": [data]}
-    items = data.get("proposals") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        return [], ['expected an object with a "proposals" list']
+    data, error = load_json(text)
+    items, error = (None, error) if error else proposals_of(data, "params")
+    if items is None:
+        return [], [error or ""]
     out: list[Proposal] = []
     errors: list[str] = []
     seen = list(tried)
@@ -251,16 +159,8 @@ def parse_answer(text: str, spec: ExperimentSpec, n: int, tried: Sequence[dict[s
             errors.append(f"proposal {i}: this configuration was already tried")
             continue
         seen.append(params)
-        out.append(Proposal(params=params, proposer="llm", rationale=_clean(item.get("rationale"))))
+        out.append(Proposal(params=params, proposer="llm", rationale=clean(item.get("rationale"))))
     return out, errors
-
-
-def _clean(rationale: Any) -> str:
-    """A short, printable, single-line rationale (it is shown to people and stored as a tag, never run)."""
-    if not isinstance(rationale, str):
-        return ""
-    text = "".join(ch if ch.isprintable() else " " for ch in rationale)
-    return " ".join(text.split())[:500]
 
 
 def _fits(spec: ExperimentSpec, params: dict[str, Any]) -> bool:
@@ -270,7 +170,3 @@ def _fits(spec: ExperimentSpec, params: dict[str, Any]) -> bool:
     except SpaceError:
         return False
 
-
-def _zero_usage() -> dict[str, float]:
-    return {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "retries": 0,
-            "rejected": 0, "fallbacks": 0}

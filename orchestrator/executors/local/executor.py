@@ -29,7 +29,7 @@ from typing import Optional, Sequence, Union
 from orchestrator.executors import container
 from orchestrator.executors.local import procs
 from orchestrator.executors.base import (Executor, Launched, Liveness, OnExit, Probe, StartLost, describe,
-                                         job_argv)
+                                         job_argv, refuse_multinode)
 from orchestrator.executors.local.mps import MpsControl
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
 from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
@@ -69,7 +69,7 @@ class LocalExecutor(Executor):
 
     @classmethod
     def create(cls, settings, layout: Layout, on_exit: OnExit) -> "LocalExecutor":
-        mode = os.environ.get("AUTORESEARCH_CGROUP") or str(settings.extra.get("cgroup", "auto"))
+        mode = settings.cgroup
         mps = None
         if settings.mps:
             from orchestrator.core.devices import parse
@@ -96,6 +96,7 @@ class LocalExecutor(Executor):
         prepared: dict[bool, list] = {False: [], True: []}  # cold and warm starts: (index, job, cgroup, request, how)
         for i, (job, env) in enumerate(batch):
             try:
+                refuse_multinode(job, self.name)
                 request, cgroup, how = self._request(job, env)
             except Exception as exc:  # reported as a failed start
                 outcomes[i] = exc

@@ -8,7 +8,7 @@ still known to be the job's) and removes the cgroups of attempts the service has
 dispatch pass need not wait for).
 
 `scan` finds an attempt's live processes by environment: its wrapper (a session leader whose environment
-names the attempt's exit file) and any process started with the attempt's Contract 3 variables.
+names the attempt's exit file) and any process started with the attempt's job-protocol variables.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class ExitWatcher:
         """Settle the attempts whose leaders ended in one round, with one look for orphans among them."""
         inexact = [watch for watch in ended if not watch.tree.exact()]
         if inexact:
-            # Without a cgroup, a process orphaned since the last refresh is found by its Contract 3 env
+            # Without a cgroup, a process orphaned since the last refresh is found by its job-protocol env
             # (the leader is gone, so no new descendant can be reached from it). One scan serves the round.
             found = scan(self.layout)
             for watch in inexact:
@@ -216,7 +216,7 @@ class ExitWatcher:
 def scan(layout: Layout) -> dict[tuple[int, int], Found]:
     """Live processes of `layout`'s attempts on this machine, by (job id, attempt), found by environment:
     the wrapper (a session leader whose environment names an exit file there) and any process started with
-    the attempt's Contract 3 variables, which a worker keeps even after its wrapper and parent are gone."""
+    the attempt's job-protocol variables, which a worker keeps even after its wrapper and parent are gone."""
     found: dict[tuple[int, int], Found] = {}
     home = str(layout.home)
     for proc in psutil.process_iter():

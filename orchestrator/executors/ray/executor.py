@@ -10,7 +10,7 @@ Ray decides where a job runs:
   rather than a custom resource, so any stock cluster works and jobs spread by free cores; N above the
   cluster's CPU count only makes the extra jobs wait in Ray.
 
-Environment. The runtime env carries the Contract 3 variables and the job's own overrides, not the
+Environment. The runtime env carries the job protocol's variables and the job's own overrides, not the
 service's whole environment (that belongs to another machine). The job's grace period is passed as
 `RAY_JOB_STOP_WAIT_TIME_S`, which the job's supervisor reads when it stops it: stop = SIGTERM to every
 process of the job, SIGKILL after the grace.
@@ -37,7 +37,8 @@ from typing import Any, Optional
 
 from orchestrator.core import devices as devspec
 from orchestrator.core.errors import BadInput
-from orchestrator.executors.base import Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv
+from orchestrator.executors.base import (Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv,
+                                         refuse_multinode)
 from orchestrator.executors.ray.jobs import (PREFIX, WRAPPER, client_for, exit_of, normalize_address,
                                              parse_handle, submission_id)
 from orchestrator.core.layout import Layout
@@ -118,6 +119,7 @@ class RayExecutor(Executor):
         return [dict(n.resources_total or {}) for n in nodes if str(n.state) in ("ALIVE", "NodeState.ALIVE")]
 
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
+        refuse_multinode(job, self.name)
         sid = submission_id(job)
         argv = job_argv(job)
         log_path = Path(job.log_path) if job.log_path else None

@@ -12,11 +12,17 @@ Placement. The service plans with slots as on one host; Slurm decides where a jo
   each time, so a partition that grows or shrinks is seen without a restart), and a job asks `--gres=gpu:N`
   on one node (`-N1`);
 - `--devices cpu:N`: N slots of one Slurm CPU each; a job of `--gpus K` asks `--cpus-per-task=K`;
-- a job that needs more than the largest node has is refused with one line: multi-node is not supported.
+- a job that needs more than the largest node has is refused with one line; a job across nodes (`--nodes N`)
+  is one gang: `sbatch --nodes=N --ntasks-per-node=1` whose `srun` starts a launcher on every node
+  (`orchestrator.executors.slurm.nodelaunch`: the node's preflight, then torchrun with a c10d rendezvous).
+  Its nodes are watched through their launchers' records (`orchestrator.executors.slurm.nodes`): a lost node
+  (silent launcher), a failed preflight or device fault, or a node Slurm reports failed ends the attempt as 75
+  with the node excluded from the job's next attempts (`--exclude`); a silent node's gang is cancelled at once,
+  so no rank outlives it.
 
 Each attempt: job name `autoresearch-ID-ATTEMPT-TAG` (how it is found again), `--output` appended to the
 job's log under the home (the home must be on a filesystem the nodes share, as for checkpoints), the
-Contract 3 environment exported by sbatch, `--time` from the job's time limit plus its grace (the service
+job protocol's environment exported by sbatch, `--time` from the job's time limit plus its grace (the service
 stops a job at its limit itself; Slurm's limit is the backstop), `--signal=B:TERM@GRACE` so Slurm's own end
 of a job is announced like ours, and `--requeue` so Slurm may preempt it (`PreemptMode=REQUEUE`).
 
@@ -33,7 +39,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +51,7 @@ from typing import Any, Optional
 from orchestrator.core import devices as devspec
 from orchestrator.core.errors import BadInput
 from orchestrator.executors.slurm import jobs as sj
+from orchestrator.executors.slurm import nodes as sn
 from orchestrator.executors.base import Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
@@ -60,6 +69,8 @@ class _Watch:
     attempt: int
     slurm_id: str
     restarts: int = 0  # Slurm's restart count when we started watching
+    nodes: int = 1  # the nodes the job asked for: above 1, its nodes' records are watched too
+    checked: float = 0.0  # when the nodes' heartbeats were last read (monotonic)
 
 
 class SlurmExecutor(Executor):
@@ -125,25 +136,31 @@ class SlurmExecutor(Executor):
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
         if job.image:
             raise BadInput(f"job {job.id}: --image jobs are not supported with --executor slurm yet")
-        if job.gpus > self._per_node():
+        per_node = job.gpus_per_node if job.node_count > 1 else job.gpus
+        if per_node > self._per_node():
             unit = "CPUs" if self.cpu_slots else "GPUs"
-            raise BadInput(f"job {job.id} needs {job.gpus} {unit} on one node; the largest node of "
-                           f"{self._describe_target()} has {self._per_node()}: multi-node jobs are not supported")
+            fix = "; ask for fewer per node" if job.node_count > 1 else "; spread it across nodes with --nodes"
+            raise BadInput(f"job {job.id} needs {per_node} {unit} on one node; the largest node of "
+                           f"{self._describe_target()} has {self._per_node()}{fix}")
+        if job.node_count > len(self.nodes) and not job.min_nodes:
+            raise BadInput(f"job {job.id} needs {job.node_count} nodes; {self._describe_target()} has "
+                           f"{len(self.nodes)}")
         name = sj.job_name(job)
-        argv = job_argv(job)
+        argv = job_argv(job) if job.node_count == 1 else self._gang_argv(job)
         log_path = Path(job.log_path or self.layout.log_path(job.id))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
+            log_from = out.tell()  # where this attempt's part of the log starts (srun's word on failed nodes)
             out.write(f"=== autoresearch: attempt {job.attempts} of job {job.id} on slurm ({name}, "
                       f"{','.join(job.devices) or '-'}): {describe(argv)}\n".encode())
         if job.checkpoint_dir:
             os.makedirs(job.checkpoint_dir, exist_ok=True)  # visible to the nodes on a shared home
         exit_file = self.layout.exit_file(job.id, job.attempts)
         exit_file.unlink(missing_ok=True)
-        options = [*self._placement_options(), "-J", name, "-N1", "-n1", f"--output={log_path}",
+        options = [*self._placement_options(), "-J", name, *self._shape(job), f"--output={log_path}",
                    f"--error={log_path}", "--open-mode=append", "--requeue", "--export=ALL",
                    f"--signal=B:TERM@{max(1, int(math.ceil(job.grace)))}"]
-        options += [f"--cpus-per-task={job.gpus}"] if self.cpu_slots else [f"--gres=gpu:{job.gpus}"]
+        options += [f"--cpus-per-task={per_node}"] if self.cpu_slots else [f"--gres=gpu:{per_node}"]
         if job.time_limit:
             options.append(f"--time={max(1, math.ceil((job.time_limit + job.grace + 30) / 60))}")
         cwd = job.cwd if job.cwd and os.path.isdir(job.cwd) else str(Path.home())
@@ -154,7 +171,11 @@ class SlurmExecutor(Executor):
             if found is None:
                 raise RuntimeError(f"sbatch refused job {job.id}: {exc}") from None
             slurm_id = sj.parse_handle(found.proc_start) or ""
-        self._watch(_Watch(job.id, job.attempts, slurm_id))
+        if job.node_count > 1:
+            sn.note_attempt(self.layout.home, job.id, job.attempts, slurm=slurm_id, asked=job.node_count,
+                            per_node=per_node, log=str(log_path), log_from=log_from,
+                            min=job.min_nodes or job.node_count, excluded=sn.excluded(self.layout.home, job.id))
+        self._watch(_Watch(job.id, job.attempts, slurm_id, nodes=job.node_count))
         return Launched(0, sj.handle(slurm_id))
 
     def signal(self, job: Job, sig: int, layout: Optional[Layout] = None) -> None:
@@ -164,11 +185,12 @@ class SlurmExecutor(Executor):
         try:
             row = sj.queue([slurm_id]).get(slurm_id)
             if sig == signal.SIGKILL or (row is not None and row.state == "PENDING"):
-                # Slurm's end of the job: every process on the node, however it forked; a pending job has no
+                # Slurm's end of the job: every process on every node, however it forked; a pending job has no
                 # shell to signal and is simply cancelled.
                 sj.cancel(slurm_id)
             elif row is not None and not row.terminal:
-                sj.cancel(slurm_id, sig)
+                # A gang: the signal goes to every node's step (each node's launcher and ranks), not the batch shell.
+                sj.cancel(slurm_id, sig, steps=job.node_count > 1)
         except sj.SlurmError as exc:  # the watcher reports what became of it
             log.warning("scancel of slurm job %s (job %s): %s", slurm_id, job.id, exc)
 
@@ -188,6 +210,9 @@ class SlurmExecutor(Executor):
         if row is not None and not row.terminal and row.restarts == 0:
             return Probe(Liveness.RUNNING, found=found)
         code, detail = self._ending(job.id, job.attempts, slurm_id, row, layout)
+        if job.node_count > 1 and layout.home == self.layout.home:  # a gang: a failed node's end is a requeue
+            code, detail = self._gang_failure(_Watch(job.id, job.attempts, slurm_id, nodes=job.node_count),
+                                              ended=True, fallback=(code, detail))
         if code is None:
             return Probe(Liveness.GONE, detail=detail)
         return Probe(Liveness.ENDED, code, detail, found=found)
@@ -201,6 +226,7 @@ class SlurmExecutor(Executor):
             log.warning("slurm: cannot look up job %s now (%s); watching it", job.id, exc)
             self._watch(watch)
             return True
+        watch.nodes = job.node_count
         if row is not None and not row.terminal:
             self._watch(watch)  # a restart count above 0 is noticed (a requeue) by the watcher
             return True
@@ -243,6 +269,8 @@ class SlurmExecutor(Executor):
             for watch in watches:
                 row = rows.get(watch.slurm_id)
                 if row is not None and not row.terminal and row.restarts <= watch.restarts:
+                    if watch.nodes > 1 and self._gang_lost(watch):
+                        self._settle_lost(watch)
                     continue
                 with self._lock:
                     self._watches.pop(watch.slurm_id, None)
@@ -251,6 +279,69 @@ class SlurmExecutor(Executor):
                 except Exception:  # (scancel of a requeued job failed): try again on the next poll
                     log.exception("slurm: could not settle job %s (slurm job %s)", watch.job_id, watch.slurm_id)
                     self._watch(watch)
+
+    def _gang_lost(self, watch: _Watch) -> bool:
+        """Whether a running gang lost a node (read at most once a heartbeat); notes the attempt's nodes."""
+        now = time.monotonic()
+        if now - watch.checked < sn.BEAT:
+            return False
+        watch.checked = now
+        recs = sn.records(self.layout.home, watch.job_id, watch.attempt)
+        return bool(recs and sn.lost(recs, {}, ended=False, silent_only=True))
+
+    def _settle_lost(self, watch: _Watch) -> None:
+        """A running gang lost a node: the whole Slurm job is ended (no rank outlives it: Slurm stops every
+        node's processes) and the attempt reported as a node failure."""
+        with self._lock:
+            if self._watches.pop(watch.slurm_id, None) is None:
+                return
+        try:
+            sj.cancel(watch.slurm_id)
+        except sj.SlurmError as exc:
+            log.warning("slurm: could not cancel job %s after a lost node: %s", watch.slurm_id, exc)
+        self._report(watch, *self._gang_failure(watch, ended=False, fallback=(protocol.EX_TEMPFAIL, "")))
+
+    def _failed_nodes(self, watch: _Watch) -> tuple[tuple[str, str], ...]:
+        """The nodes the attempt's settling found failed (for the service's `node.failed`)."""
+        failed = (sn.job_state(self.layout.home, watch.job_id).get("attempts") or {}).get(str(watch.attempt), {})
+        return tuple(sorted((failed.get("failed") or {}).items()))
+
+    def _gang_failure(self, watch: _Watch, *, ended: bool, fallback: tuple[int, str]) -> tuple[int, str]:
+        """(code, detail) of a gang's attempt: its failed nodes (lost, failed preflight, down in Slurm)
+        excluded from the job's later attempts and the attempt requeued (75); else `fallback`. Nodes it ended
+        well on start their failures in a row again."""
+        home = self.layout.home
+        settled = (sn.job_state(home, watch.job_id).get("attempts") or {}).get(str(watch.attempt), {})
+        if settled.get("detail"):  # settled already (the watcher, or a probe): the same answer, counted once
+            return protocol.EX_TEMPFAIL, settled["detail"]
+        recs = sn.records(home, watch.job_id, watch.attempt)
+        ran_on = sorted(recs)
+        if ran_on:
+            sn.note_attempt(home, watch.job_id, watch.attempt, nodes=ran_on)
+        failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended)
+        if ended:  # a node Slurm found failed and may have returned to service at once (ReturnToService=2)
+            for node in sn.srun_node_failures(settled.get("log"), int(settled.get("log_from") or 0)):
+                failed.setdefault(node, f"node {node} failed (Slurm: node failure)")
+        if not failed:
+            if fallback[0] == 0:
+                sn.record_success(home, ran_on)
+            return fallback
+        sn.exclude(home, watch.job_id, failed)
+        drained = sn.record_failures(home, failed, watch.job_id)
+        detail = "; ".join(failed.values())
+        detail += f"; excluded from its next attempts (--exclude={','.join(sn.excluded(home, watch.job_id))})"
+        if drained:
+            detail += f"; drained {', '.join(drained)} (failed {sn.DRAIN_AFTER} times in a row)"
+        detail = f"slurm job {watch.slurm_id}: {detail}; back in our queue"
+        sn.note_attempt(home, watch.job_id, watch.attempt, failed=failed, detail=detail)
+        return protocol.EX_TEMPFAIL, detail
+
+    def _report(self, watch: _Watch, code: int, detail: str) -> None:
+        failed = self._failed_nodes(watch) if watch.nodes > 1 else ()
+        try:
+            self._on_exit(Exit(watch.job_id, watch.attempt, code, detail, failed))
+        except Exception:  # the service logs and recovers on its next reconcile
+            log.exception("on_exit failed for job %s", watch.job_id)
 
     def _settle(self, watch: _Watch, row: Optional[sj.Row]) -> None:
         """Report how a watched attempt ended (a requeued one is cancelled in Slurm first)."""
@@ -262,10 +353,9 @@ class SlurmExecutor(Executor):
             code, detail = self._ending(watch.job_id, watch.attempt, watch.slurm_id, row, self.layout)
             if code is None:
                 code = -signal.SIGKILL
-        try:
-            self._on_exit(Exit(watch.job_id, watch.attempt, code, detail))
-        except Exception:  # the service logs and recovers on its next reconcile
-            log.exception("on_exit failed for job %s", watch.job_id)
+        if watch.nodes > 1:
+            code, detail = self._gang_failure(watch, ended=True, fallback=(code, detail))
+        self._report(watch, code, detail)
 
     def _ending(self, job_id: int, attempt: int, slurm_id: str, row: Optional[sj.Row],
                 layout: Layout) -> tuple[Optional[int], str]:
@@ -290,6 +380,33 @@ class SlurmExecutor(Executor):
         return None, f"slurm job {slurm_id} is gone without an exit record"
 
     # ---- internals --------------------------------------------------------------------------------------
+
+    def _shape(self, job: Job) -> list[str]:
+        """sbatch's node options: one task on one node, or a gang of one launcher per node without the nodes this
+        job excludes. A job that may start on fewer nodes (`min_nodes`) asks for as many as the partition has
+        usable now (not excluded, down or drained), at least its minimum: Slurm, given a range, picks the fewest
+        that fit one task each, and a fixed task count could never start on fewer."""
+        if job.node_count == 1:
+            return ["-N1", "-n1"]
+        skip = sn.excluded(self.layout.home, job.id)
+        count = job.node_count
+        if job.min_nodes and job.min_nodes < count:
+            states = sn.slurm_states(n[0] for n in self.nodes)
+            usable = [n for n, state in states.items() if n not in skip and not sn.is_bad(state)]
+            count = max(job.min_nodes, min(count, len(usable)))
+        shape = [f"--nodes={count}", "--ntasks-per-node=1"]
+        return shape + ([f"--exclude={','.join(skip)}"] if skip else [])
+
+    def _gang_argv(self, job: Job) -> list[str]:
+        """A gang's command: `srun` starts one launcher per node (orchestrator.executors.slurm.nodelaunch), which
+        runs torchrun with the job's ranks there; a failed node ends the step everywhere (--kill-on-bad-exit)."""
+        records = sn.records_dir(self.layout.home, job.id, job.attempts)
+        if records.exists():
+            shutil.rmtree(records, ignore_errors=True)
+        records.mkdir(parents=True, exist_ok=True)
+        return ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, "-m",
+                "orchestrator.executors.slurm.nodelaunch", str(records), str(job.gpus_per_node), str(job.grace),
+                "--", *[str(a) for a in job.argv]]
 
     def _placement_options(self) -> list[str]:
         return placement_options(self.partition, self.account, self.qos)

@@ -177,12 +177,14 @@ def exit_of_show(fields: dict[str, str]) -> Optional[int]:
     return -sig_i if sig_i else code_i
 
 
-def cancel(slurm_id: str, sig: Optional[int] = None) -> None:
-    """`scancel`: with `sig`, that signal to the batch shell only (the wrapper forwards it to the job);
-    without, Slurm's own end of the job (SIGTERM to every process, SIGKILL after its KillWait)."""
+def cancel(slurm_id: str, sig: Optional[int] = None, *, steps: bool = False) -> None:
+    """`scancel`: with `sig`, that signal to the batch shell only (the wrapper forwards it to the job), or with
+    `steps` to every job step on every node instead (a multi-node job's launchers and ranks); without `sig`,
+    Slurm's own end of the job (SIGTERM to every process, SIGKILL after its KillWait)."""
     argv = ["scancel"]
     if sig is not None:
-        argv += ["--batch", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}"]
+        argv += [] if steps else ["--batch"]
+        argv += [f"--signal={signal.Signals(sig).name.removeprefix('SIG')}"]
     try:
         run([*argv, slurm_id])
     except SlurmError as exc:

@@ -58,15 +58,14 @@ def progress(event: dict) -> None:
     info(f"{head} {line} | {tally}")
 
 
-def _proposer_note(name: str) -> str:
-    from orchestrator.agent.proposers.factory import llm_configured
-
+def _proposer_note(name: str, settings: Any) -> str:
     if name in ("llm", "hybrid"):
-        where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
+        where = settings.llm_base_url or "api.openai.com"
         return f"proposer: {name} (OpenAI-compatible endpoint at {where})"
-    if llm_configured():
+    if settings.llm_configured:
         return f"proposer: {name}"
-    return f"proposer: {name} (no LLM endpoint configured; set OPENAI_BASE_URL or OPENAI_API_KEY to use llm)"
+    return (f"proposer: {name} (no LLM endpoint configured; set llm_base_url (OPENAI_BASE_URL) or OPENAI_API_KEY "
+            "to use llm)")
 
 
 def _print_summary(summary: dict) -> None:
@@ -163,50 +162,34 @@ def start(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run an agent session: propose, run, stop losers early, re-run the best, rank."""
-    from orchestrator.api import jobs as api
     from orchestrator.agent import runner
-    from orchestrator.agent.proposers.factory import default_name
-    from orchestrator.agent.session import SessionConfig, new_id
-    from orchestrator.core.config import Settings
+    from orchestrator.agent.session import new_id
+    from orchestrator.faces.cli.common import settings as load_settings
+    from orchestrator.faces.pyapi.sessionapi import experiment_config, program_config
 
     if (program is None) == (experiment is None):
         raise BadInput("give exactly one of --experiment NAME or --program DIR")
+    settings = load_settings()
     if program is not None:
         from orchestrator.faces.cli import programs
 
-        return programs.start(goal=goal, program=program, trials=trials, parallel=parallel, devices=devices,
-                              budget_minutes=budget_minutes, priority=priority, sandbox=sandbox, as_json=as_json,
-                              model=model or Settings.load().llm_model, project=_project(project))
-    name = proposer or default_name()
-    settings = Settings.load()
-    config = SessionConfig(goal=goal, experiment=experiment, proposer=name, trials=trials,
-                           budget_minutes=budget_minutes, target=target, parallel=parallel, priority=priority,
-                           model=model or settings.llm_model, fixed=api.parse_params(param),
-                           confirm_seeds=confirm_seeds, confirm_top=confirm_top,
-                           baseline=api.parse_params(baseline), baseline_seeds=baseline_seeds,
-                           early_stopping=not no_early_stop, project=_project(project),
-                           population=population, perturbation_interval=perturbation_interval,
-                           trials_per_gpu=trials_per_gpu,
-                           llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
-                           llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
-                                              else llm_budget_tokens))
-    runner.check(config, devices=devices)
+        config = program_config(program, goal=goal, trials=trials, parallel=parallel, budget_minutes=budget_minutes,
+                                priority=priority, model=model, sandbox=sandbox, project=project,
+                                settings=settings)
+        return programs.start(config, devices=devices, as_json=as_json)
+    config = experiment_config(experiment, goal=goal, trials=trials, parallel=parallel, proposer=proposer,
+                               population=population, perturbation_interval=perturbation_interval,
+                               budget_minutes=budget_minutes, target=target, priority=priority, model=model,
+                               params=param, confirm_seeds=confirm_seeds, confirm_top=confirm_top,
+                               baseline=baseline, baseline_seeds=baseline_seeds, no_early_stop=no_early_stop,
+                               trials_per_gpu=trials_per_gpu, project=project, llm_budget_usd=llm_budget_usd,
+                               llm_budget_tokens=llm_budget_tokens, settings=settings)
+    runner.check(config, settings, devices=devices)
     session_id = new_id()
-    info(f"session {session_id} on {experiment}; {_proposer_note(name)}")
+    info(f"session {session_id} on {experiment}; {_proposer_note(config.proposer, settings)}")
     info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
-    summary = runner.start(config, session_id=session_id, devices=devices, on_event=progress)
+    summary = runner.start(config, settings=settings, session_id=session_id, devices=devices, on_event=progress)
     print_json(summary) if as_json else _print_summary(summary)
-
-
-def _project(name: Optional[str]) -> str:
-    """The session's project, checked like a submit's (an undeclared one while projects exist: exit 2)."""
-    from orchestrator.api import jobs as api
-    from orchestrator.faces.cli.common import settings
-    from orchestrator.api.sharing import resolve_project
-
-    if not name:
-        return "default"
-    return resolve_project(name, settings(), api.open_store(settings()))
 
 
 @app.command()
@@ -281,14 +264,9 @@ def leaderboard(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Configurations ranked by mean metric over seeds, agent-made and hand-submitted runs together."""
-    from orchestrator.agent import runner
+    from orchestrator.faces.pyapi.resultapi import boards as read_boards
 
-    if experiment and experiment.startswith("program:"):  # a program session's commits (see `tree`)
-        from orchestrator.programs.session import leaderboard as program_board
-
-        boards = [program_board(experiment)]
-    else:
-        boards = runner.leaderboard(experiment)
+    boards = read_boards(experiment)
     if as_json:
         print_json(boards)
         return

@@ -1,6 +1,8 @@
-"""`autoresearch data export-delta TABLE DEST`: a Delta table to Parquet files on a volume, for ParquetDataset.
+"""`autoresearch data export-delta TABLE DEST`: a Delta table to Parquet files on a volume, for ParquetDataset;
+`autoresearch data pack SRC DEST`: small files into tar shards with an index, for ShardDataset.
 
-The work is runtime.data.parquet_export.export_delta; this parses, shows a progress bar on stderr, and prints.
+The work is runtime.data.parquet_export.export_delta and runtime.data.packing.pack; this parses, shows a
+progress bar on stderr, and prints.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_json
 from orchestrator.core.errors import BadInput, OrchestratorError
 
-data_app = typer.Typer(help="Tabular data: export Delta tables to Parquet files on a volume.", no_args_is_help=True)
+data_app = typer.Typer(help="Data on volumes: export Delta tables to Parquet files, pack small files into shards.",
+                       no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 
@@ -72,3 +75,60 @@ def export_delta_cmd(
     else:
         info(f"exported {manifest['rows']:,} rows of {table} (version {manifest['table_version']}) to "
              f"{len(manifest['files'])} files in {dest}")
+
+
+@data_app.command("pack")
+def pack_cmd(
+    src: str = typer.Argument(..., help="The files to pack: a local/mounted directory or an fsspec URL."),
+    dest: str = typer.Argument(..., help="A directory for the shards and index.json (new, or an earlier pack to "
+                                         "resume or replace)."),
+    shard_size: str = typer.Option("1GiB", "--shard-size", help="About this many bytes per shard (1GiB, 256MiB)."),
+    split_by: Optional[str] = typer.Option(None, "--split-by", help="Shards per split: 'dir' (the top-level "
+                                                                    "folder) or a regex whose first group names "
+                                                                    "the split, e.g. '^(train|val)-'."),
+    pattern: str = typer.Option("*", "--pattern", help="Only files whose relative path matches this glob."),
+    threads: int = typer.Option(64, "--threads", min=1, help="Parallel reads of SRC."),
+    json: bool = typer.Option(False, "--json", help="Print a summary as JSON."),
+) -> None:
+    """Pack the files under SRC into WebDataset-style tar shards in DEST, with index.json written last.
+
+    Run again, a killed pack resumes from its complete shards; a pack of changed files replaces those shards.
+    """
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from runtime.data.packing import PackConfig, pack
+    from runtime.errors import PackError, PackInputError
+
+    t0 = time.perf_counter()
+    try:
+        cfg = PackConfig(src, dest, shard_size=shard_size, split_by=split_by, pattern=pattern, threads=threads)
+        bar = Progress(TextColumn("packing"), BarColumn(), TextColumn("{task.fields[files]} files"), DownloadColumn(),
+                       TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=json)
+        task = bar.add_task("pack", total=None, start=False, files="0")
+
+        def progress(files_done: int, files_total: int, bytes_done: int, bytes_total: int) -> None:
+            if not bar.live.is_started:  # from the first shard: a rejected input prints its one line only
+                bar.start()
+                bar.start_task(task)
+            bar.update(task, completed=bytes_done, total=bytes_total, files=f"{files_done:,}/{files_total:,}")
+
+        try:
+            index = pack(cfg, progress=progress)
+        finally:
+            if bar.live.is_started:
+                bar.stop()
+    except PackInputError as exc:
+        raise BadInput(str(exc)) from None
+    except PackError as exc:
+        raise OrchestratorError(str(exc)) from None
+    summary = {"source": src, "dest": dest, "files": index["files"], "bytes": index["bytes"],
+               "samples": index["samples"], "shards": len(index["shards"]),
+               "seconds": round(time.perf_counter() - t0, 3)}
+    if json:
+        print_json(summary)
+    else:
+        info(f"packed {index['files']:,} files ({index['samples']:,} samples, {index['bytes'] / 2**20:,.1f} MiB) "
+             f"into {len(index['shards'])} shards in {dest}")

@@ -18,7 +18,7 @@ def _resolve(store, idx: str):
     from orchestrator.core.errors import BadInput
     from orchestrator.core.layout import node_name
 
-    host = node_name(settings().home)
+    host = node_name(settings().home, settings().node)
     names = {d.name for d in store.hosts.devices(host)}
     if not names:
         raise BadInput("no devices known for this home yet: start `autoresearch serve` first")
@@ -49,6 +49,18 @@ def gpus(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> N
                  for d in devs])
     if devs and not api.live_services(store):
         info("no service is running for this home: these are the last known states")
+    _slurm_nodes()
+
+
+def _slurm_nodes() -> None:
+    """The Slurm nodes this home's multi-node jobs saw fail: failures in a row, drained or not, the last reason."""
+    from orchestrator.executors.slurm import nodes as slurm_nodes
+
+    health = slurm_nodes.health(settings().home)
+    rows = [(node, entry.get("failures", 0), "drained" if entry.get("drained") else "in service",
+             entry.get("drained") or entry.get("last", "")) for node, entry in sorted(health.items())]
+    if rows:
+        print_table("slurm nodes", ["node", "failures in a row", "state", "reason"], rows)
 
 
 @gpus_app.command()

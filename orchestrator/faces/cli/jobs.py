@@ -12,12 +12,11 @@ import typer
 
 from orchestrator.api import jobs as api
 from orchestrator.api import submitflags
-from orchestrator.api.submitflags import BY_NAME, spec_options
+from orchestrator.api.submitflags import BY_NAME
 from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_columns, print_json, print_table, settings
 from orchestrator.core.errors import BadInput
-from orchestrator.queue.listing import DEFAULT_LIMIT, Listing, check_limit
-from orchestrator.queue.models import JobSpec
+from orchestrator.queue.listing import DEFAULT_LIMIT, Listing
 
 
 def _when(ts: Optional[float]) -> str:
@@ -45,6 +44,8 @@ def submit(
     priority: int = _flag("--priority"),
     gpus: str = _flag("--gpus"),
     gpu_memory: Optional[str] = _flag("--gpu-memory"),
+    nodes: int = _flag("--nodes"),
+    min_nodes: Optional[int] = _flag("--min-nodes"),
     max_attempts: int = _flag("--max-attempts"),
     grace: float = _flag("--grace"),
     no_preempt: bool = _flag("--no-preempt"),
@@ -64,21 +65,14 @@ def submit(
     as_json: bool = _flag("--json"),
 ) -> None:
     """Queue a command (after `--`) or an experiment run."""
-    options = spec_options(ctx.params)
-    if experiment:
-        if argv:
-            raise BadInput("give either --experiment or a command after `--`, not both")
-        spec = api.experiment_spec(experiment, api.parse_params(param), **options)
-    else:
-        if param:
-            raise BadInput("--param needs --experiment")
-        spec = JobSpec(argv=list(argv or []), **options)
-    job, served = api.submit(spec, settings())
+    from orchestrator.faces.pyapi import jobapi as pyapi  # the Python API: one path for every face
+
+    job = pyapi.submit_values(argv, ctx.params, settings())
     if as_json:
-        print_json({**job.to_dict(), "service_running": served})
+        print_json({**job.to_dict(), "service_running": job.service_running})
     else:
         print(job.id)
-    if not served:
+    if not job.service_running:
         info("note: no service is running for this home; the job waits in the queue until `autoresearch serve`")
 
 
@@ -100,20 +94,21 @@ def queue(
     as_json: bool = typer.Option(False, "--json", help="The jobs as a JSON list (the same first N)."),
 ) -> None:
     """List jobs: running ones, then the waiting line in the order jobs will start (default: not finished)."""
-    store = api.open_store(settings())
-    listed = store.listing(finished=all_jobs, limit=check_limit(limit))
+    from orchestrator.faces.pyapi import jobapi as pyapi  # the Python API: one path for every face
+
+    listed = pyapi.listing(all_jobs, limit, settings=settings())
     if as_json:
         print_json(listed.jobs)
         if listed.more:
             info(listed.more_line())
         return
-    print_listing(listed, _plans(store) if any(j["state"] == "QUEUED" for j in listed.jobs) else {})
+    print_listing(listed, _plans() if any(j["state"] == "QUEUED" for j in listed.jobs) else {})
 
 
-def _plans(store) -> dict[int, str]:
+def _plans() -> dict[int, str]:
     from orchestrator.faces.views.snapshot import line_plans  # the plan `top` shows, for waiting jobs
 
-    return line_plans(settings(), store)
+    return line_plans(settings(), api.open_store(settings()))
 
 
 def print_listing(listed: Listing, plans: Optional[dict] = None) -> None:
@@ -132,16 +127,21 @@ def print_listing(listed: Listing, plans: Optional[dict] = None) -> None:
 @app.command()
 def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")) -> None:
     """One job, with its events."""
-    from orchestrator.faces.views.snapshot import job_record  # `next`: what the plan does, as `queue` says
+    from orchestrator.faces.pyapi import jobapi as pyapi  # the Python API: one path for every face
 
-    job = job_record(settings(), api.open_store(settings()), job_id)
+    job = pyapi.record(job_id, settings())  # with `next`: what the plan does, as `queue` says
     if as_json:
         print_json(job)
         return
     events = job.pop("events")
     for key, value in job.items():
-        if value not in (None, "", [], {}):
-            print(f"{key:>16}: {_date(value) if key.endswith('_at') or key == 'not_before' else value}")
+        if value in (None, "", [], {}):
+            continue
+        if key == "excluded_nodes":  # a job across nodes: node -> why, one line each
+            value = [f"{node}: {why}" for node, why in sorted(value.items())]
+        if key in ("excluded_nodes", "node_attempts"):
+            value = ("\n" + " " * 18).join(value)
+        print(f"{key:>16}: {_date(value) if key.endswith('_at') or key == 'not_before' else value}")
     print_table("events", ["time", "from", "to", "reason"],
                 [(_date(e["at"]), e["from"] or "", e["to"], e["reason"]) for e in events])
 
@@ -149,7 +149,9 @@ def show(job_id: int = typer.Argument(..., metavar="ID"), as_json: bool = typer.
 @app.command()
 def cancel(job_id: int = typer.Argument(..., metavar="ID")) -> None:
     """Cancel a job (a running one gets SIGTERM, then SIGKILL after its grace)."""
-    job = api.cancel(job_id, settings())
+    from orchestrator.faces.pyapi import jobapi as pyapi  # the Python API: one path for every face
+
+    job = pyapi.cancel(job_id, settings=settings())
     print(f"job {job.id}: {job.state}")
 
 

@@ -5,7 +5,7 @@ Thin: parse, call `orchestrator.programs.session`, print.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -17,19 +17,14 @@ def _fmt(value: object) -> str:
     return f"{value:.5g}" if isinstance(value, float) else ("" if value is None else str(value))
 
 
-def start(*, goal: str, program: str, trials: Optional[int], parallel: Optional[int],
-          budget_minutes: Optional[float], priority: int, model: Optional[str], sandbox: bool,
-          devices: Optional[str], as_json: bool, project: str = "default") -> None:
-    """`autoresearch start --program DIR`: run a program session and print its summary."""
+def start(config: Any, *, devices: Optional[str], as_json: bool) -> None:
+    """`autoresearch start --program DIR`: run a program session (a `ProgramConfig`) and print its summary."""
     from orchestrator.agent.session import new_id
-    from orchestrator.programs.session import ProgramConfig, check
+    from orchestrator.programs.session import check
 
-    config = ProgramConfig(goal=goal, program=program, trials=trials, parallel=parallel,
-                           budget_minutes=budget_minutes, priority=priority, model=model, sandbox=sandbox,
-                           project=project)
     check(config, devices)
     session_id = new_id()
-    info(f"session {session_id} on program {program} (branch autoresearch/{session_id})")
+    info(f"session {session_id} on program {config.program} (branch autoresearch/{session_id})")
     info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
     from orchestrator.programs import session
 

@@ -238,6 +238,12 @@ def job_record(settings: Settings, store: JobStore, job_id: int) -> dict[str, An
     does about it (will start, will preempt #N, waits for a quota, for backfill, for a healthy device, for
     disk), in the words `queue` and `top` use."""
     record = store.record(job_id)
+    if (record.get("nodes") or 1) > 1:  # a job across nodes: the nodes of each attempt and those it excludes
+        from orchestrator.executors.slurm import nodes as slurm_nodes
+
+        state = slurm_nodes.job_state(settings.home, job_id)
+        record["excluded_nodes"] = state.get("excluded") or {}
+        record["node_attempts"] = slurm_nodes.describe_attempts(state)
     if record["state"] == "QUEUED":
         plans = line_plans(settings, store)
         if job_id in plans:

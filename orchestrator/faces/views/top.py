@@ -22,6 +22,7 @@ from rich.text import Text
 
 from orchestrator.agent import tally
 from orchestrator.core.config import Settings
+from orchestrator.core.direction import Direction
 from orchestrator.faces.views.snapshot import Snapshot, reserved, take
 
 STATE_STYLE = {"RUNNING": "green", "STARTING": "cyan", "PREEMPTING": "yellow", "CANCELLING": "yellow",
@@ -154,7 +155,7 @@ def sessions_table(snap: Snapshot, limit: Optional[int]) -> Table:
         best, base = s.get("best"), s.get("baseline")
         best_text = Text(_num(best))
         if best is not None and base is not None and s.get("direction") and best != base:
-            better = best > base if s["direction"] == "maximize" else best < base
+            better = Direction.of(s["direction"]).better(best, base)
             best_text.stylize("green" if better else "red")
         held = s.get("holdout") or {}
         # The winner's lead on the holdout (read once, after its session): red when it does not confirm it.

@@ -26,4 +26,6 @@ print(f"attempt {os.environ['AUTORESEARCH_ATTEMPT']} starts at step {step}", flu
 while step < steps:
     time.sleep(0.05)
     step += 1
+    if step % 10 == 0:
+        print(f"trained {step} steps", flush=True)
 print("done", flush=True)

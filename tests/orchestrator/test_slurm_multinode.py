@@ -1,0 +1,275 @@
+"""Jobs across nodes on the emulated nodes of the test cluster (partition multi: node1..node3, each a `slurmd -N`
+daemon on this machine, `.ci/slurm-setup.sh`): a 2-node x 2-rank DDP run through `submit --nodes 2` with its ranks
+on both nodes (from the ranks' own records), a node killed mid-run (its slurmd and job steps) -> the job requeued
+without it and resumed from its DCP checkpoint, bitwise on a third node or resharded on the one node left with
+--min-nodes 1, a preflight failure on one node, cancel leaving no rank anywhere; and the local executor's refusal.
+
+The emulated nodes are one shared resource: every test here holds an exclusive lock on them (and is in one xdist
+group), so two of them never run at once, whatever the workers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.api import jobs as api
+from orchestrator.core.config import Settings
+from orchestrator.executors.slurm import jobs as sj
+from orchestrator.executors.slurm import nodes as sn
+from orchestrator.queue.models import JobSpec
+from orchestrator.queue.states import HOLDING
+from tests.orchestrator.helpers import wait_for
+from tests.support import slurm as cluster
+
+pytestmark = [pytest.mark.multinode, pytest.mark.xdist_group("slurm-multi")]
+SCRIPT = Path(__file__).parent / "scripts" / "gang_train.py"
+
+
+@pytest.fixture
+def nodes():
+    """The emulated nodes, held for this test alone; every one back in service afterwards."""
+    up = cluster.multi_nodes()
+    with open(cluster.MULTI_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # What an earlier test left (a job still completing on a node it killed) is over before this one starts.
+        wait_for(lambda: cluster.multi_idle(up), timeout=90, interval=0.5, what="the emulated nodes idle")
+        try:
+            yield up
+        finally:
+            for node in up:
+                cluster.revive_node(node)
+            wait_for(lambda: cluster.multi_idle(up), timeout=90, interval=0.5, what="the emulated nodes back, idle")
+
+
+@pytest.fixture
+def service(home, nodes, monkeypatch):
+    """service(**env): an in-process service on partition multi (cpu:12 slots: 3 nodes x 4 CPUs)."""
+    from orchestrator.service.daemon import Service
+
+    monkeypatch.setenv("AUTORESEARCH_PREFLIGHT", "off")
+    started = []
+
+    def start(**env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        svc = Service(Settings.load(devices="cpu:12", executor="slurm", slurm_partition=cluster.MULTI),
+                      preempt_after=0, tick=0.2).start()
+        started.append(svc)
+        return svc
+
+    yield start
+    for svc in started:
+        if svc._home_lock.fh is not None:
+            for job in svc.store.list(HOLDING):
+                svc.executor.signal(job, signal.SIGKILL)
+            svc.stop()
+        cluster.cancel_jobs(svc.store)
+
+
+def gang(out: Path, steps: int, every: int, delay: float, **kw) -> JobSpec:
+    kw.setdefault("track", False)
+    kw.setdefault("nodes", 2)
+    kw.setdefault("gpus", 2)
+    return JobSpec(argv=[sys.executable, str(SCRIPT), str(steps), str(every), str(out), str(delay)], **kw)
+
+
+def ranks(out: Path, attempt: int) -> list[dict]:
+    """The ranks' own records of one attempt."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{attempt}.*.json"))]
+
+
+def log_of(svc, job_id) -> str:
+    path = svc.store.get(job_id).log_path
+    return Path(path).read_text(errors="replace") if path and os.path.exists(path) else ""
+
+
+def committed_steps(checkpoint_dir: str) -> list[int]:
+    """The steps of the job's committed DCP checkpoints (those with their .metadata)."""
+    return sorted(int(p.parent.name.split("_")[1]) for p in Path(checkpoint_dir).glob("step_*/.metadata"))
+
+
+def finish(svc, job_id, timeout=120):
+    job = wait_for(lambda: (lambda j: j if j.final else None)(svc.store.get(job_id)), timeout=timeout,
+                   what=f"job {job_id} to finish")
+    assert job.state == "SUCCEEDED", log_of(svc, job_id)
+    return job
+
+
+def test_a_two_node_job_runs_two_ranks_on_each_node(service, tmp_path):
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=12, every=6, delay=0.02))[0]
+    finish(svc, job.id)
+    seen = ranks(tmp_path, 1)
+    assert sorted(r["rank"] for r in seen) == [0, 1, 2, 3] and {r["world"] for r in seen} == {4}
+    by_node = {}
+    for r in seen:
+        by_node.setdefault(r["node"], []).append(r["rank"])
+    assert len(by_node) == 2 and all(len(v) == 2 for v in by_node.values()), by_node
+    assert {r["node_rank"] for r in seen} == {"0", "1"} and all(r["master"] for r in seen)
+    record = svc.store.record(job.id)
+    assert record["nodes"] == 2 and record["gpus"] == 4
+    attempts = sn.job_state(svc.layout.home, job.id)["attempts"]
+    assert sorted(attempts["1"]["nodes"]) == sorted(by_node)
+
+
+def test_a_node_lost_mid_run_is_excluded_and_the_job_resumes_bitwise_on_a_third(service, tmp_path):
+    svc = service()
+    out, ref = tmp_path / "run", tmp_path / "reference"
+    out.mkdir()
+    ref.mkdir()
+    steps, every = 40, 5
+    job = api.submit(gang(out, steps=steps, every=every, delay=0.15))[0]
+    # The same run uninterrupted, 4 ranks on this machine (torchrun --standalone), for the bitwise comparison.
+    env = {**os.environ, "AUTORESEARCH_CHECKPOINT_DIR": str(tmp_path / "ref-ckpt"), "AUTORESEARCH_JOB_ID": "",
+           "MLFLOW_TRACKING_URI": "", "OMP_NUM_THREADS": "1"}
+    reference = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                                  str(SCRIPT), str(steps), str(every), str(ref), "0"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    ckpt = wait_for(lambda: svc.store.get(job.id).checkpoint_dir, timeout=60, what="the job's checkpoint dir")
+    wait_for(lambda: committed_steps(ckpt) and committed_steps(ckpt)[-1] >= 2 * every, timeout=90,
+             what="two committed checkpoints")
+    first = ranks(out, 1)
+    victim = next(r["node"] for r in first if r["node_rank"] == "1")  # not the head: the batch shell lives there
+    cluster.kill_node(victim)
+    job2 = finish(svc, job.id, timeout=150)
+    second = ranks(out, 2)
+    assert job2.attempts == 2 and job2.failures == 0, log_of(svc, job.id)
+    assert victim not in {r["node"] for r in second} and len({r["node"] for r in second}) == 2
+    assert {r["start"] for r in second} == {max(s for s in committed_steps(ckpt) if s <= steps)} or \
+        min(r["start"] for r in second) >= 2 * every  # resumed from a committed checkpoint, not from scratch
+    record = svc.store.record(job.id)
+    reasons = " ".join(e["reason"] for e in record["events"])
+    assert f"node {victim} lost" in reasons and f"--exclude={victim}" in reasons, reasons
+    assert sn.excluded(svc.layout.home, job.id) == [victim]
+    assert reference.wait(timeout=120) == 0
+    assert json.loads((out / "final.json").read_text())["weights"] == json.loads((ref / "final.json").read_text())[
+        "weights"]
+
+
+def test_with_min_nodes_1_a_lost_node_leaves_one_node_and_the_checkpoint_reshards(service, tmp_path, nodes):
+    spare = nodes[2]
+    cluster.scontrol("update", f"nodename={spare}", "state=drain", "reason=autoresearch test: two nodes only")
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=30, every=5, delay=0.15, min_nodes=1))[0]
+    ckpt = wait_for(lambda: svc.store.get(job.id).checkpoint_dir, timeout=60, what="the job's checkpoint dir")
+    wait_for(lambda: committed_steps(ckpt) and committed_steps(ckpt)[-1] >= 10, timeout=90, what="a checkpoint")
+    victim = next(r["node"] for r in ranks(tmp_path, 1) if r["node_rank"] == "1")
+    cluster.kill_node(victim)
+    finish(svc, job.id, timeout=150)
+    second = ranks(tmp_path, 2)
+    assert {r["world"] for r in second} == {2} and len({r["node"] for r in second}) == 1
+    assert min(r["start"] for r in second) >= 10  # resumed, 4 ranks' checkpoint loaded by 2
+    shown = svc.store.record(job.id)
+    from orchestrator.faces.views.snapshot import job_record
+
+    shown = job_record(svc.settings, svc.store, job.id)
+    assert "1 of 2 nodes" in json.dumps(shown["node_attempts"]) and "resharded" in json.dumps(shown["node_attempts"])
+
+
+def test_a_node_failing_preflight_ends_the_attempt_and_is_excluded(service, tmp_path, nodes):
+    svc = service(AUTORESEARCH_FAULTS=f"node@{nodes[1]}:preflight")
+    job = api.submit(gang(tmp_path, steps=6, every=3, delay=0.02))[0]
+    finish(svc, job.id, timeout=150)
+    record = svc.store.record(job.id)
+    reasons = " ".join(e["reason"] for e in record["events"])
+    assert f"preflight failed on node {nodes[1]}" in reasons, reasons
+    assert nodes[1] not in {r["node"] for r in ranks(tmp_path, record["attempts"])}
+    assert record["failures"] == 0  # a bad node is not the job's failure
+
+
+def test_cancel_leaves_no_rank_on_any_node(service, tmp_path):
+    import psutil
+
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=1000, every=100, delay=0.1))[0]
+    seen = wait_for(lambda: len(ranks(tmp_path, 1)) == 4 and ranks(tmp_path, 1), timeout=90, what="4 ranks")
+    assert len({r["node"] for r in seen}) == 2
+    api.cancel(job.id)
+    wait_for(lambda: svc.store.get(job.id).state == "CANCELLED", timeout=60, what="the job cancelled")
+
+    def alive():
+        return [r["pid"] for r in seen if psutil.pid_exists(r["pid"])
+                and psutil.Process(r["pid"]).status() != psutil.STATUS_ZOMBIE]
+
+    wait_for(lambda: not alive(), timeout=30, what="every rank gone")
+    sid = sj.parse_handle(svc.store.get(job.id).proc_start)
+    wait_for(lambda: (lambda row: row is None or row.terminal)(sj.queue([sid]).get(sid)), timeout=30,
+             what="the Slurm job ended")
+
+
+def test_the_local_executor_refuses_a_job_across_nodes_in_one_line(home):
+    done = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "submit", "--nodes", "2", "--gpus", "2",
+                           "--", "true"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--executor slurm" in lines[0] and "local" in lines[0], done.stderr
+
+
+def test_a_node_failing_twice_in_a_row_is_drained_in_slurm_with_its_reason(home, nodes):
+    node = nodes[2]
+    assert sn.record_failures(home, {node: f"node {node} lost: no heartbeat"}, 1) == []
+    sn.record_success(home, [node])  # an attempt that ended well on it: the count starts again
+    assert sn.record_failures(home, {node: f"node {node} lost: no heartbeat"}, 2) == []
+    assert cluster.multi_states()[node] in ("idle", "mixed")
+    assert sn.record_failures(home, {node: f"preflight failed on node {node}: ecc"}, 3) == [node]
+    assert cluster.multi_states()[node].startswith("drain")
+    reason = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%E"], capture_output=True, text=True).stdout
+    assert "failed 2 times in a row" in reason and "job 3: preflight failed" in reason, reason
+    assert sn.health(home)[node]["drained"]
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "gpus"], capture_output=True, text=True,
+                           timeout=120).stdout
+    assert "slurm nodes" in shown and node in shown and "drained" in shown, shown
+
+
+def test_a_device_fault_on_one_node_stops_every_rank_at_one_step_and_requeues_without_it(service, tmp_path, nodes):
+    import re
+
+    svc = service(AUTORESEARCH_FAULTS=f"node@{nodes[1]}:health")
+    job = api.submit(gang(tmp_path, steps=400, every=50, delay=0.05))[0]
+    finish(svc, job.id, timeout=200)
+    log = log_of(svc, job.id)
+    stops = set(re.findall(r"^rank (\d) stopped on request at step (\d+)$", log, re.M))
+    assert len(stops) == 4 and len({step for _, step in stops}) == 1, log[-3000:]  # all 4 ranks, one step
+    step = int(next(iter(stops))[1])
+    reasons = " ".join(e["reason"] for e in svc.store.record(job.id)["events"])
+    assert f"device fault on node {nodes[1]}" in reasons, reasons
+    second = ranks(tmp_path, 2)
+    assert {r["start"] for r in second} == {step} and nodes[1] not in {r["node"] for r in second}
+    assert svc.store.get(job.id).failures == 0
+
+
+def test_a_node_slurm_sets_down_mid_run_is_excluded_and_the_job_resumes_elsewhere(service, tmp_path):
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=60, every=5, delay=0.15))[0]
+    ckpt = wait_for(lambda: svc.store.get(job.id).checkpoint_dir, timeout=60, what="the job's checkpoint dir")
+    wait_for(lambda: committed_steps(ckpt) and committed_steps(ckpt)[-1] >= 5, timeout=90, what="a checkpoint")
+    victim = next(r["node"] for r in ranks(tmp_path, 1) if r["node_rank"] == "1")
+    cluster.scontrol("update", f"nodename={victim}", "state=down", "reason=autoresearch test: node failure")
+    finish(svc, job.id, timeout=150)
+    reasons = " ".join(e["reason"] for e in svc.store.record(job.id)["events"])
+    assert f"node {victim} failed (Slurm: node failure)" in reasons and f"--exclude={victim}" in reasons, reasons
+    second = ranks(tmp_path, 2)
+    assert victim not in {r["node"] for r in second} and min(r["start"] for r in second) >= 5
+    assert svc.store.get(job.id).failures == 0
+
+
+def test_a_gang_never_starts_on_part_of_its_nodes(service, tmp_path, nodes):
+    for node in nodes[1:]:
+        cluster.scontrol("update", f"nodename={node}", "state=drain", "reason=autoresearch test: one node left")
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=4, every=2, delay=0.01))[0]
+    sid = wait_for(lambda: sj.parse_handle(svc.store.get(job.id).proc_start), timeout=60, what="the sbatch")
+    wait_for(lambda: (lambda row: row is not None and row.state == "PENDING")(sj.queue([sid]).get(sid)), timeout=30,
+             what="Slurm holding the gang")
+    assert not ranks(tmp_path, 1) and not sn.records(svc.layout.home, job.id, 1)  # nothing of it runs anywhere
+    cluster.revive_node(nodes[2])
+    finish(svc, job.id, timeout=120)
+    assert {r["node"] for r in ranks(tmp_path, 1)} == {nodes[0], nodes[2]}
