@@ -22,8 +22,9 @@ RECURSION_LIMIT = 1_000_000  # the loop is long by design; the budget, not LangG
 
 def start(config: SessionConfig, *, settings: Settings | None = None, session_id: str | None = None,
           devices: str | None = None, on_event: Callable[[dict], None] | None = None,
-          proposer: Any = None) -> dict[str, Any]:
-    """Run a new session to its end; returns its summary."""
+          proposer: Any = None, on_registered: Callable[[str], None] = lambda session_id: None) -> dict[str, Any]:
+    """Run a new session to its end; returns its summary. `on_registered(id)` once it is in the registry (from
+    then on `resume` can continue it: the CLI names it only then)."""
     settings = settings or Settings.load()
     check(config, settings, devices)
     config = named(config, settings)
@@ -31,6 +32,7 @@ def start(config: SessionConfig, *, settings: Settings | None = None, session_id
     session_id = session_id or new_id()
     registry.create(session_id, config)
     try:
+        on_registered(session_id)
         return through_full_disk(lambda: _run(session_id, config, settings, registry, devices, on_event, proposer),
                                  settings.home, registry, session_id)
     finally:

@@ -109,9 +109,10 @@ def is_program(session_id: str, settings: Settings | None = None) -> bool:
 
 
 def start(config: ProgramConfig, *, settings: Settings | None = None, session_id: str | None = None,
-          devices: str | None = None, say: Callable[[str], None] = lambda s: None, llm: Any = None
-          ) -> dict[str, Any]:
-    """Run a new program session to its end; returns its summary."""
+          devices: str | None = None, say: Callable[[str], None] = lambda s: None, llm: Any = None,
+          on_registered: Callable[[str], None] = lambda session_id: None) -> dict[str, Any]:
+    """Run a new program session to its end; returns its summary. `on_registered(id)` once it is in the
+    registry (from then on `resume` can continue it)."""
     from orchestrator.agent.lifecycle import through_full_disk
     from orchestrator.agent.session import Registry, new_id
 
@@ -122,6 +123,7 @@ def start(config: ProgramConfig, *, settings: Settings | None = None, session_id
     session_id = session_id or new_id()
     registry.create(session_id, config)  # type: ignore[arg-type]  (duck-typed: experiment, goal, proposer)
     try:
+        on_registered(session_id)
         return through_full_disk(lambda: _run(session_id, config, spec, settings, registry, devices, say, llm),
                                  settings.home, registry, session_id)
     finally:

@@ -249,6 +249,31 @@ def test_kill_9_then_resume_without_duplicates_or_overrun(home):
     assert again.returncode == 2 and "already finished" in again.stderr
 
 
+def test_a_session_killed_as_soon_as_it_names_itself_can_be_resumed(home):
+    """`start` names the session (and says how to resume it) only once the registry has it: a kill -9 right after
+    that line leaves a session `resume` continues to its verdict, never "no session"."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(_cli("start", "--goal", "g", "--experiment", EXP, "--trials", "2", "--parallel", "2",
+                                 "--devices", "cpu:2", "--confirm-seeds", "0", "--baseline-seeds", "1", "--json"),
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        line = proc.stderr.readline().decode()
+        while line and not line.startswith("session "):
+            line = proc.stderr.readline().decode()
+        os.killpg(proc.pid, signal.SIGKILL)  # at once: before its first trial, its MLflow run, its checkpoint
+    finally:
+        proc.kill()
+        proc.wait()
+    session_id = line.split()[1]
+    assert Registry(Settings.load().home).get(session_id)["status"] == "interrupted"
+    done = subprocess.run(_cli("resume", session_id, "--devices", "cpu:2", "--json"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["trials"] == 1 + 2 and Registry(Settings.load().home).get(session_id)[
+        "status"] == "finished"
+
+
 def test_submit_after_a_crash_adopts_what_was_already_made(home):
     """The submit node re-run after a crash: a run made but no job, and a job made but not checkpointed."""
     from orchestrator.agent.graph import Agent

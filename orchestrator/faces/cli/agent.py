@@ -185,10 +185,12 @@ def start(
                                trials_per_gpu=trials_per_gpu, project=project, llm_budget_usd=llm_budget_usd,
                                llm_budget_tokens=llm_budget_tokens, settings=settings)
     runner.check(config, settings, devices=devices)
-    session_id = new_id()
-    info(f"session {session_id} on {experiment}; {_proposer_note(config.proposer, settings)}")
-    info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
-    summary = runner.start(config, settings=settings, session_id=session_id, devices=devices, on_event=progress)
+    def registered(session_id: str) -> None:  # named once `resume` can continue it
+        info(f"session {session_id} on {experiment}; {_proposer_note(config.proposer, settings)}")
+        info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
+
+    summary = runner.start(config, settings=settings, session_id=new_id(), devices=devices, on_event=progress,
+                           on_registered=registered)
     print_json(summary) if as_json else _print_summary(summary)
 
 

@@ -23,12 +23,13 @@ def start(config: Any, *, devices: Optional[str], as_json: bool) -> None:
     from orchestrator.programs.session import check
 
     check(config, devices)
-    session_id = new_id()
-    info(f"session {session_id} on program {config.program} (branch autoresearch/{session_id})")
-    info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
     from orchestrator.programs import session
 
-    summary = session.start(config, session_id=session_id, devices=devices, say=info)
+    def registered(session_id: str) -> None:  # named once `resume` can continue it
+        info(f"session {session_id} on program {config.program} (branch autoresearch/{session_id})")
+        info(f"resume it with `autoresearch resume {session_id}` if this process is interrupted")
+
+    summary = session.start(config, session_id=new_id(), devices=devices, say=info, on_registered=registered)
     _summary(summary, as_json)
 
 
