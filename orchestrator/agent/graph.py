@@ -57,6 +57,8 @@ HEARTBEAT = 15.0
 class Agent(Packer):
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
+    proposes = True  # new trials come from a proposer (a sampler, the LLM); population-based training's do not
+
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
                  tracker: Tracker, parallel: int, proposer: Proposer | None = None,
                  notify: Callable[[], None] = lambda: None, on_event: Callable[[dict], None] = lambda e: None,
@@ -79,7 +81,7 @@ class Agent(Packer):
         self.searched = search.reduced(spec, self.fixed)
         self.results = Results(store, self.tracker, spec)
         self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
-        if proposer is None:
+        if proposer is None and self.proposes:
             from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,

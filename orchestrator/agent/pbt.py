@@ -68,10 +68,9 @@ def check(spec: Any) -> None:
 class PBTAgent(Agent):
     """The agent with population-based training's nodes (see the module docstring)."""
 
-    def __init__(self, **kwargs: Any):
-        from orchestrator.agent.proposers.base import Proposal
+    proposes = False  # members are drawn once, then copied and perturbed: no proposer is asked
 
-        kwargs.setdefault("proposer", _NoProposer(Proposal))
+    def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         check(self.spec)
         self.mutable = [m for m in self.spec.mutable if m in self.searched.space]
@@ -410,12 +409,3 @@ def _pick(steps: list[Path], at: int | None, total: int | None) -> Path | None:
 def _step_of(fork: Path) -> int:
     return max(int(p.name.split("_")[1]) for p in fork.glob("step_*"))
 
-
-class _NoProposer:
-    """PBT proposes by copying and perturbing, not through a proposer; the agent still expects one."""
-
-    def __init__(self, proposal: Any):
-        self.proposal = proposal
-
-    def propose(self, n: int, history: Any) -> list:
-        return []

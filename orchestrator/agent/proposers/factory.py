@@ -28,8 +28,11 @@ def make(name: str, spec: ExperimentSpec, goal: str, *, seed: int = 0, model: st
     `spec`'s space). BadInput for an unknown name."""
     if name not in NAMES:
         raise BadInput(f"unknown proposer {name!r}; choose from {', '.join(NAMES)}")
-    if name in ("tpe", "cmaes", "random", "pbt"):  # pbt's agent copies and perturbs; a sampler stands by
-        return SamplerProposer(spec, "random" if name == "pbt" else name, seed=seed, baseline=baseline)
+    if name == "pbt":
+        raise BadInput("pbt is not a proposer: population-based training copies and perturbs its members "
+                       "(orchestrator.agent.pbt runs it)")
+    if name in ("tpe", "cmaes", "random"):
+        return SamplerProposer(spec, name, seed=seed, baseline=baseline)
     sampler = SamplerProposer(spec, "tpe", seed=seed, baseline=baseline)
     llm = LLMProposer(spec, goal, model=model, fallback=sampler, settings=settings, **(llm_options or {}))
     if name == "llm":
