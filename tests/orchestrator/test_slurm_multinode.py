@@ -227,6 +227,9 @@ def test_a_node_failing_twice_in_a_row_is_drained_in_slurm_with_its_reason(home,
     shown = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "gpus"], capture_output=True, text=True,
                            timeout=120).stdout
     assert "slurm nodes" in shown and node in shown and "drained" in shown, shown
+    frame = subprocess.run([sys.executable, "-m", "orchestrator.faces.cli", "top", "--once", "--width", "80"],
+                           capture_output=True, text=True, timeout=120).stdout
+    assert f"! slurm node {node} drained: autoresearch: failed 2 times in a row" in frame, frame
 
 
 def test_a_device_fault_on_one_node_stops_every_rank_at_one_step_and_requeues_without_it(service, tmp_path, nodes):

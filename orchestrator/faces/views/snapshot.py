@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+from pathlib import Path
 
 from orchestrator.api import jobs as api
 from orchestrator.queue import policy as scheduling
@@ -77,6 +78,7 @@ class Snapshot:
     sessions: list[dict] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # unfinished jobs by state, all of them (not only shown)
     projects: list[dict] = field(default_factory=list)  # `projects --json` rows; empty with only the default one
+    drained: dict[str, str] = field(default_factory=dict)  # Slurm node -> why this queue drained it
 
 
 def _heartbeat(layout: Layout, job_id: int) -> tuple[Optional[float], Optional[int]]:
@@ -300,4 +302,12 @@ def take(settings: Settings, *, store: Any = None, with_gpus: bool = True, event
         progress = []
     return Snapshot(at=now, home=str(settings.home), services=services, devices=rows, queue=queue, victims=victims,
                     running=sorted(holding, key=lambda j: j.id), events=[(e, names.get(e.job_id, "")) for e in recent],
-                    sessions=progress, counts=counts, projects=shared)
+                    sessions=progress, counts=counts, projects=shared, drained=_drained(settings.home))
+
+
+def _drained(home: Path) -> dict[str, str]:
+    """The Slurm nodes this queue's multi-node jobs drained (failed `DRAIN_AFTER` times in a row), with why."""
+    from orchestrator.executors.slurm import nodes as slurm_nodes
+
+    return {node: entry["drained"] for node, entry in sorted(slurm_nodes.health(home).items())
+            if entry.get("drained")}

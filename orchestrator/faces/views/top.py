@@ -226,9 +226,12 @@ def budget(snap: Snapshot, height: Optional[int]) -> dict[str, Optional[int]]:
 
 
 def banners(snap: Snapshot) -> list[Text]:
-    """A line per live service that starts no job for want of disk space (or whose disk is full)."""
-    return [Text(f"! {svc.host}: {svc.disk}", style="bold red", no_wrap=True, overflow="ellipsis")
+    """A line per live service that starts no job for want of disk space (or whose disk is full), and one per
+    Slurm node this queue drained (until a person resumes it in Slurm)."""
+    disk = [Text(f"! {svc.host}: {svc.disk}", style="bold red", no_wrap=True, overflow="ellipsis")
             for svc in snap.services if getattr(svc, "disk", None)]
+    return disk + [Text(f"! slurm node {node} drained: {why}", style="bold yellow", no_wrap=True, overflow="ellipsis")
+                   for node, why in snap.drained.items()]
 
 
 def render(snap: Snapshot, height: Optional[int] = None, live: bool = False) -> Group:
