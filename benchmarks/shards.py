@@ -12,8 +12,11 @@ mount in one run, each cold with its own empty cache:
   library over the same shards (it streams them straight from the volume: no cache);
 - a warm ShardDataset epoch against reading the small files from local disk (the page cache: the floor);
 - MosaicML Streaming, from a separate venv (`--streaming-python`; never installed into this one: it downgrades
-  the environment's packages); it imports torchvision, which has no build for every torch (none for a CPU
-  torch 2.13), and is then reported as skipped with the reason.
+  the environment's packages, and it imports torchvision, which has no build for a CPU torch 2.13): MDSWriter
+  over the same files (benchmarks/scripts/streaming_peer.py) against `pack`, and a cold StreamingDataset epoch
+  over its MDS shards on the same volume against ShardDataset's. Such a venv, on x86_64:
+  `python -m venv /tmp/streamvenv && /tmp/streamvenv/bin/pip install torch==2.14.1 torchvision==0.29.1
+  mosaicml-streaming`. Without one (or where it does not import) it is reported as skipped with the reason.
 Every epoch reads every byte of every sample (the transform returns its length) in one process, no workers.
 Each contender runs `--rounds` times, alternating with the others, and its fastest run counts.
 Aims: cold epoch >= 5x VolumeDataset and >= webdataset; packing no slower than the recipe.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -71,6 +75,16 @@ def streaming_reason(python: str) -> str | None:
     return lines[-1] if lines else f"exit {done.returncode}"
 
 
+def streaming_peer(python: str, mode: str, *args: object) -> dict:
+    """One run of benchmarks/scripts/streaming_peer.py under `python` (Streaming's own venv): its JSON line."""
+    script = Path(__file__).resolve().parent / "scripts" / "streaming_peer.py"
+    done = subprocess.run([python, str(script), mode, *map(str, args)], capture_output=True, text=True,
+                          timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"streaming_peer {mode} failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=5000)
@@ -101,6 +115,7 @@ def main() -> None:
         r[name] = min(sec, r.get(name, sec))
         return out
 
+    peer = streaming_reason(args.streaming_python) if args.streaming_python else "no --streaming-python given"
     try:
         import webdataset as wds
 
@@ -136,7 +151,17 @@ def main() -> None:
             assert vol.stats()["opens"] == opens, "a warm epoch never touches the volume"
             local = sorted(str(p) for p in (vol_dir / "files").rglob("*.jpg"))
             best("local reads", lambda: sum(map(file_len, local)))
-        peer = streaming_reason(args.streaming_python) if args.streaming_python else "no --streaming-python given"
+
+            if peer is None:
+                print("  MosaicML Streaming: MDSWriter, then a cold StreamingDataset epoch ...", flush=True)
+                shutil.rmtree(vol_dir / "mds", ignore_errors=True)
+                shutil.rmtree(work / "cache-mds", ignore_errors=True)
+                packed = streaming_peer(args.streaming_python, "pack", mnt / "files", vol_dir / "mds",
+                                        args.shard_mib << 20)
+                r["streaming pack"] = min(packed["seconds"], r.get("streaming pack", packed["seconds"]))
+                epoch = streaming_peer(args.streaming_python, "read", mnt / "mds", work / "cache-mds")
+                assert epoch["bytes"] == nbytes and epoch["samples"] == args.files, epoch
+                r["streaming cold"] = min(epoch["seconds"], r.get("streaming cold", epoch["seconds"]))
     finally:
         vol.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -156,7 +181,13 @@ def main() -> None:
           f"{r['local reads'] / r['ShardDataset warm']:6.2f}x")
     print(f"  packing vs the xargs recipe on the same files:                "
           f"{r['xargs recipe'] / r['pack']:6.2f}x  (aim >= 1)")
-    print(f"  MosaicML Streaming: {'skipped: ' + peer if peer else 'imports (not yet compared)'}")
+    if peer:
+        print(f"  MosaicML Streaming: skipped: {peer}")
+    else:
+        print(f"  cold epoch, ShardDataset vs MosaicML Streaming (MDS shards):  "
+              f"{r['streaming cold'] / r['ShardDataset cold']:6.2f}x  (aim >= 1)")
+        print(f"  packing vs MosaicML Streaming's MDSWriter on the same files:  "
+              f"{r['streaming pack'] / r['pack']:6.2f}x")
 
 
 if __name__ == "__main__":
