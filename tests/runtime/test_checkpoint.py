@@ -266,6 +266,39 @@ def test_retention_never_deletes_the_only_loadable(tmp_path):
     assert CheckpointManager(tmp_path / "ck").load_latest(_state()) == 3
 
 
+def test_an_interval_in_minutes_saves_about_that_often_by_the_pace_of_the_steps(tmp_path, monkeypatch):
+    from runtime.checkpoint import manager
+
+    clock = [0.0]
+    monkeypatch.setattr(manager, "_now", lambda: clock[0])
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=10, interval_minutes=0.5)
+    state, saved = _state(), []
+    for step in range(1, 101):  # a step takes one second, then two from step 50
+        clock[0] += 1.0 if step <= 50 else 2.0
+        if mgr.maybe_save(step, state):
+            saved.append(step)
+    mgr.wait()
+    # Timed from step 1 (t = 1 s): every save 30 s (within a step) after the one before, across the change of pace.
+    times = [s if s <= 50 else 50 + 2 * (s - 50) for s in saved]  # each saved step's time on the clock
+    gaps = [b - a for a, b in zip([1, *times], times)]
+    assert saved[0] == 31 and len(saved) == 4 and all(29 <= g <= 32 for g in gaps), (saved, gaps)
+    assert mgr.complete_steps() == saved
+    with pytest.raises(ValueError, match="interval_minutes must be > 0"):
+        CheckpointManager(tmp_path / "ck2", interval_minutes=0)
+
+
+@pytest.mark.slow
+def test_with_ranks_on_different_clocks_every_rank_saves_the_steps_rank_0s_clock_says(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(SCRIPT.parent / "clock_ranks.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = (json.loads((tmp_path / f"clock-rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["saved"] == r1["saved"] == [31, 61, 91]  # 30 s apart on rank 0's clock (rank 1's says 210 s)
+    assert r0["complete"] == [31, 61, 91]
+
+
 def test_cross_filesystem_stage_is_copied_and_committed(tmp_path):
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
