@@ -54,7 +54,7 @@ S, P = TrialStatus, Phase
 HEARTBEAT = 15.0
 
 
-class Agent(Packer):
+class Agent:
     """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
 
     proposes = True  # new trials come from a proposer (a sampler, the LLM); population-based training's do not
@@ -74,7 +74,7 @@ class Agent(Packer):
         # which refuses the holdout; the holdout is read after the graph ends (orchestrator.agent.holdout).
         self.tracker = search_view(tracker, spec)
         # k trials per device (`orchestrator.agent.packer`): `parallel` and `capacity` follow from it.
-        self._init_packing(parallel, devices, settings.pack_target_busy if settings is not None else 0.8)
+        self.packer = Packer(self, parallel, devices, settings.pack_target_busy if settings is not None else 0.8)
         self.notify = notify
         self.on_event = on_event
         self.fixed = search.fixed_params(spec, config.fixed, config.seed)
@@ -100,6 +100,31 @@ class Agent(Packer):
         self.progress_metric = spec.progress_metric or spec.metric
         self.outcomes = Outcomes(store, self.tracker, spec, self.asha)
         self._tick = time.time()
+
+    # -- packing (orchestrator.agent.packer) --------------------------------------------------------------------
+
+    @property
+    def k(self) -> int:
+        """Trials per device now."""
+        return self.packer.k
+
+    @property
+    def parallel(self) -> int:
+        """Trials in flight: --parallel when given, else k x devices."""
+        return self.packer.parallel
+
+    @property
+    def capacity(self) -> int:
+        """Trials the session keeps proposed or in flight (one more than `parallel` waits in the queue)."""
+        return self.packer.capacity
+
+    def gpus(self) -> float | int:
+        """What a trial submitted now asks for."""
+        return self.packer.gpus()
+
+    def packed(self, name: str, node: Callable[[State], State]) -> Callable[[State], State]:
+        """`node` wrapped by the packer (k restored before it, decided anew after `analyse`)."""
+        return self.packer.packed(name, node)
 
     # -- helpers ---------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Packing a session's trials onto its GPUs (`start --trials-per-gpu auto|N`): the I/O around `packing`.
 
-A mixin of `orchestrator.agent.graph.Agent`. It keeps k (trials per device) in the checkpointed
-state under `packing`, so a resumed session continues with the k it had:
+A collaborator of `orchestrator.agent.graph.Agent`, handed the agent as its `host` (what it reads and calls there
+is declared by `Host`). It keeps k (trials per device) in the checkpointed state under `packing`, so a resumed
+session continues with the k it had:
 
 - `N` (an integer): k = N from the first trial on, whatever the devices (on `cpu:N` slots too: the CPU tests
   pack that way). `auto` on cpu slots: k = 1 (there is no GPU to measure).
@@ -20,7 +21,7 @@ The trials' budget (steps, seeds) never depends on k: packing changes where a tr
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from runtime.protocol import DEVICE_MEMORY_METRIC, PEAK_MEMORY_METRIC, UTILIZATION_METRIC
 from orchestrator.queue.gpuuse import GpuUse
@@ -52,24 +53,35 @@ def summary(state: dict) -> dict[str, Any] | None:
     return {"mode": pack["mode"], "trials_per_gpu": pack["k"], "decisions": list(pack.get("log", []))}
 
 
+class Host(Protocol):
+    """What packing needs of the agent it serves (`orchestrator.agent.graph.Agent`)."""
+
+    cfg: Any  # SessionConfig: parallel, trials_per_gpu
+    store: Any  # JobStore: the trials' jobs and their events, the devices' samples
+    tracker: Any  # Tracker: the baseline runs' system metrics, the session run's metric and tag
+
+    def _event(self, kind: str, state: State, **data: Any) -> None: ...
+
+
 class Packer:
     """k, the in-flight count that follows from it, and the node wrapper that decides it; see the module doc."""
 
-    def _init_packing(self, parallel: int, devices: list[str] | None, target_busy: float = 0.8) -> None:
+    def __init__(self, host: Host, parallel: int, devices: list[str] | None, target_busy: float = 0.8) -> None:
         """`parallel`: trials in flight at k = 1 (--parallel, else the device count); `devices`: the session's
         device names (None: unknown, and then nothing is packed unless --trials-per-gpu N says so)."""
+        self.host = host
         self._base_parallel = parallel
         self.devices = list(devices or [])
         self.n_devices = len(self.devices) or parallel
         self.target_busy = target_busy
-        wanted = packing.parse(getattr(self.cfg, "trials_per_gpu", AUTO))
+        wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
         self.k = 1 if wanted == AUTO else wanted
         self.pack: dict[str, Any] = {}
 
     @property
     def parallel(self) -> int:
         """Trials in flight: --parallel when given, else k x devices."""
-        return self.cfg.parallel or max(self._base_parallel, self.k * self.n_devices)
+        return self.host.cfg.parallel or max(self._base_parallel, self.k * self.n_devices)
 
     @property
     def capacity(self) -> int:
@@ -99,7 +111,7 @@ class Packer:
             if lines:
                 merged = {**state, **out}
                 for line in lines:
-                    self._event("packing", merged, message=f"packing: {line}", k=self.k)
+                    self.host._event("packing", merged, message=f"packing: {line}", k=self.k)
             return {**out, "packing": dict(self.pack)} if lines or "packing" not in state else out
 
         run.__name__ = name
@@ -111,7 +123,7 @@ class Packer:
             self.pack = dict(state["packing"])
             self.k = int(self.pack["k"])
             return []
-        wanted = packing.parse(getattr(self.cfg, "trials_per_gpu", AUTO))
+        wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
         if wanted != AUTO:
             mode, why = "fixed", f"k={wanted} (--trials-per-gpu {wanted}): each trial asks for 1/{wanted} of a device"
         elif not self.devices:
@@ -138,8 +150,8 @@ class Packer:
             lines = self._oom_check(trials) + self._round(trials)
         if lines and state.get("parent_run"):
             try:
-                self.tracker.log_metrics(state["parent_run"], {"trials_per_gpu": self.k}, step=len(trials))
-                self.tracker.set_tags(state["parent_run"], {"autoresearch.packing": lines[-1]})
+                self.host.tracker.log_metrics(state["parent_run"], {"trials_per_gpu": self.k}, step=len(trials))
+                self.host.tracker.set_tags(state["parent_run"], {"autoresearch.packing": lines[-1]})
             except Exception:  # a record for people: not worth failing the session over
                 pass
         return lines
@@ -171,7 +183,7 @@ class Packer:
             if t.status not in IN_FLIGHT or t.ended or t.job_id is None or t.job_id in seen:
                 continue
             k_at = self._k_of(t.n)
-            if k_at <= 1 or not any(packing.is_oom(ev.reason) for ev in self.store.events(t.job_id)):
+            if k_at <= 1 or not any(packing.is_oom(ev.reason) for ev in self.host.store.events(t.job_id)):
                 continue
             seen.add(t.job_id)
             decision = ctl.oom(k_at, f"trial {t.n} (job {t.job_id})")
@@ -221,26 +233,26 @@ class Packer:
 
     def _parallel_cap(self) -> int:
         """The most k that --parallel leaves room for (16 without it)."""
-        if not self.cfg.parallel:
+        if not self.host.cfg.parallel:
             return packing.K_MAX
-        return max(1, math.ceil(self.cfg.parallel / max(1, self.n_devices)))
+        return max(1, math.ceil(self.host.cfg.parallel / max(1, self.n_devices)))
 
     def _measure(self, t: Trial) -> Measurement:
         """A baseline run's use: its peak and its device's memory as the runtime logged them, and the device's
         busy share while it ran, from the service's samples in the queue (on its MLflow run too, but only some
         seconds after the job ended: the session decides at once)."""
-        got = self.tracker.system_metrics(t.run_id, SYSTEM_METRICS)
+        got = self.host.tracker.system_metrics(t.run_id, SYSTEM_METRICS)
         busy, peak, total = got.get(UTILIZATION_METRIC), got.get(PEAK_MEMORY_METRIC), got.get(DEVICE_MEMORY_METRIC)
         if t.job_id is not None and None in (busy, peak, total):
             # A script without the runtime logs no memory figures: the samples of its device (it ran alone there,
             # so the device's peak use is its own) say the same.
-            gpus = GpuUse(self.store.db)
+            gpus = GpuUse(self.host.store.db)
             use = gpus.jobs([t.job_id]).get(t.job_id)
             if use is not None and use.held_seconds > 0:
                 busy = 100.0 * use.busy_seconds / use.held_seconds if busy is None else busy
                 peak = use.peak_memory / 1e6 if peak is None and use.peak_memory else peak
             if total is None:
-                job = self.store.get(t.job_id)
+                job = self.host.store.get(t.job_id)
                 totals = [d.mem_total for d in gpus.devices(job.host) if d.device in (job.devices or ())]
                 total = max(totals) / 1e6 if totals and max(totals) else None
         return Measurement(peak_memory_mb=peak, device_memory_mb=total, busy_pct=busy)
@@ -249,5 +261,5 @@ class Packer:
         """Seconds the trial's job held its device (every attempt; 0 while it is unknown)."""
         if t.job_id is None:
             return 0.0
-        return sum(end - start for start, end in held_intervals(self.store, self.store.get(t.job_id))
+        return sum(end - start for start, end in held_intervals(self.host.store, self.host.store.get(t.job_id))
                    if end is not None)
