@@ -21,7 +21,9 @@
 - pause: the LLM budget (orchestrator.agent.budget) was reached and the trials in flight have ended; the run
   of the graph ends here, and `resume` with a higher cap starts it again at `propose` from the same state.
 
-State is plain JSON-able data (the checkpoint); live resources (store, tracker, proposer) live on `Agent`.
+State is plain JSON-able data (the checkpoint); live resources (store, tracker, proposer) live on `Agent`. What
+the nodes propose, analyse and decide is the agent's strategy (`orchestrator.agent.strategy`): `Search`, as above,
+or population-based training (`orchestrator.agent.pbt`).
 """
 
 from __future__ import annotations
@@ -29,23 +31,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from orchestrator.core import outputmetrics
 from orchestrator.core.config import Settings
 from orchestrator.agent import budget, search
 from orchestrator.agent.history import Results, device_seconds
 from orchestrator.agent.holdout import search_view
-from orchestrator.agent.outcome import Outcomes, reports
+from orchestrator.agent.outcome import Outcomes
 from orchestrator.agent.packer import Packer
 from orchestrator.agent.phases import ACTIVE, FINAL, Phases
-from orchestrator.agent.proposers.base import Observation
 from orchestrator.agent.stopping import ASHA
+from orchestrator.agent.strategy import Search, Strategy
 from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
 
 if TYPE_CHECKING:  # heavy or cyclic at import time; the annotations only
     from experiments.registry import ExperimentSpec
     from orchestrator.agent.proposers.base import Proposer
     from orchestrator.agent.session import SessionConfig
-    from orchestrator.queue.models import Job
     from orchestrator.queue.store import JobStore
     from orchestrator.tracking.client import Tracker
 
@@ -55,15 +55,17 @@ HEARTBEAT = 15.0
 
 
 class Agent:
-    """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one."""
+    """The nodes of the graph plus the live resources they use. See `orchestrator.agent.runner` to run one.
 
-    proposes = True  # new trials come from a proposer (a sampler, the LLM); population-based training's do not
+    How the session searches is its `strategy` (`orchestrator.agent.strategy`): `Search` (a proposer, ASHA,
+    confirmation re-runs) unless another is given (`orchestrator.agent.pbt.PBT`); the agent keeps what every
+    strategy shares: queueing trials, watching their jobs, recording how they ended, pausing and finishing."""
 
     def __init__(self, *, session_id: str, config: SessionConfig, spec: ExperimentSpec, store: JobStore,
                  tracker: Tracker, parallel: int, proposer: Proposer | None = None,
                  notify: Callable[[], None] = lambda: None, on_event: Callable[[dict], None] = lambda e: None,
                  settings: Settings | None = None, on_usage: Callable[[dict], None] = lambda u: None,
-                 devices: list[str] | None = None):
+                 devices: list[str] | None = None, strategy: type[Strategy] = Search):
         self.session_id = session_id
         self.on_usage = on_usage  # told the session's LLM spend in all after each proposal round
         self.settings = settings
@@ -81,7 +83,7 @@ class Agent:
         self.searched = search.reduced(spec, self.fixed)
         self.results = Results(store, self.tracker, spec)
         self.baseline = search.baseline_params(spec, config.baseline, self.fixed)
-        if proposer is None and self.proposes:
+        if proposer is None and strategy.proposes:
             from orchestrator.agent.proposers.factory import make
 
             proposer = make(config.proposer, self.searched, config.goal, seed=config.seed, model=config.model,
@@ -100,6 +102,7 @@ class Agent:
         self.progress_metric = spec.progress_metric or spec.metric
         self.outcomes = Outcomes(store, self.tracker, spec, self.asha)
         self._tick = time.time()
+        self.strategy = strategy(self)
 
     # -- packing (orchestrator.agent.packer) --------------------------------------------------------------------
 
@@ -159,83 +162,32 @@ class Agent:
     # -- nodes -----------------------------------------------------------------------------------------------------
 
     def propose(self, state: State) -> State:
-        """The baseline first; then fill free slots: promoted paused trials, new proposals, or re-runs (confirm).
-        Nothing once the time budget is spent (the session's setup counts: it may use it all on a busy host)."""
-        self._elapsed(state)
-        if self._time_up(state):
-            return {"trials": state["trials"], "elapsed": state["elapsed"], "usage": state.get("usage", {})}
-        trials = load(state["trials"])
-        if not any(t.phase is P.BASELINE for t in trials):
-            # Every later result is judged against these runs, so they go in before any proposal, all at once.
-            for seed in self.seeds[: self.cfg.baseline_seeds]:
-                trials.append(self._record(len(trials), "baseline", search.seeded(self.spec, self.baseline, seed),
-                                           "baseline", "the baseline: the experiment's defaults"))
-        free = self.capacity - sum(1 for t in trials if t.status in ACTIVE)
-        search_max, n_confirm = self.cfg.split()
-        candidates = list(state.get("candidates") or [])
-        if state["phase"] == "search" and free > 0:
-            new_room = free
-            if self.cfg.early_stopping:
-                if self.phases.winding_down(state, trials):
-                    resume, new_room = self.phases.to_finish(trials, free)
-                    why = "promoted to finish: only the time for one whole trial and the re-runs is left"
-                else:
-                    paused = [t for t in trials if t.status is S.PAUSED]
-                    views = self.asha.promotable([t.config_values() for t in paused],
-                                                 [p.config_values() for p in _peers(trials)])
-                    by_n = {t.n: t for t in paused}
-                    resume, why = [by_n[v["n"]] for v in views][:free], "promoted by ASHA: now in the top 1/eta"
-                for t in resume:
-                    try:
-                        self.store.demote(t.job_id, self.cfg.priority, why)
-                    except Exception:  # it ended meanwhile; the next monitor pass records how
-                        continue
-                    self.notify()
-                    t.update(status=S.QUEUED, stopped_at=None)
-                    free -= 1
-                    self._event("promoted", {**state, "trials": trials}, trial=t.n, reason=why)
-            n_search = sum(1 for t in trials if t.phase is P.SEARCH)
-            n = min(free, new_room) if search_max is None else min(free, new_room, search_max - n_search)
-            if self.llm is not None and self.budget.capped and not state.get("budget_stop"):
-                state["budget_stop"] = self.budget.reached(state.get("usage") or {}) or ""
-            if n > 0 and not state.get("budget_stop"):
-                history = [_project(o, self.searched) for o in self.results.observations(trials)]
-                if self.llm is not None and self.budget.capped:  # checked before each of its calls
-                    self.llm.client.budget, self.llm.client.spent = self.budget, dict(state.get("usage") or {})
-                proposals = self.proposer.propose(n, history)
-                take = getattr(self.proposer, "take_usage", None)
-                state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
-                if state["usage"]:
-                    self.on_usage(dict(state["usage"]))
-                if self.llm is not None and self.llm.budget_hit:
-                    state["budget_stop"] = self.llm.budget_hit
-                for p in proposals:
-                    trials.append(self._record(len(trials), "search", search.full(self.spec, p.params, self.fixed),
-                                               p.proposer, p.rationale))
-        elif state["phase"] == "confirm" and not state.get("confirm_planned"):
-            candidates, state["confirm_planned"] = self.phases.plan_confirmation(trials, n_confirm), True
-        if state.get("budget_stop"):
-            self._event("budget", state, message=f"{state['budget_stop']}: no more proposals; the trials in "
-                        "flight finish, then the session pauses")
-        return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
-                "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned")),
-                "budget_stop": state.get("budget_stop") or ""}
+        """The strategy's proposals (`orchestrator.agent.strategy`)."""
+        return self.strategy.propose(state)
+
+    def submit(self, state: State) -> State:
+        """The strategy's submit (it ends in `queue_proposed`)."""
+        return self.strategy.submit(state)
+
+    def analyse(self, state: State) -> State:
+        """The strategy's reading of what ended and what it decides from it."""
+        return self.strategy.analyse(state)
 
     def decide(self, state: State) -> State:
-        """Phase changes (search -> confirm -> done) and the route to take next: `Phases`' rules."""
-        return self.phases.decide(state)
+        """The strategy's phase change and route."""
+        return self.strategy.decide(state)
 
     def _record(self, n: int, phase: str, params: dict, proposer: str, rationale: str) -> Trial:
         return Trial(n=n, key=f"{self.session_id}:{n}", phase=Phase(phase), params=params, proposer=proposer,
                      rationale=rationale)
 
-    def submit(self, state: State) -> State:
+    def queue_proposed(self, state: State) -> State:
         """Queue every proposed trial exactly once (idempotency key), each with its own MLflow child run."""
         from orchestrator.api import jobs as api
 
         trials = load(state["trials"])
         for t in trials:
-            if t.status is not S.PROPOSED or not self._ready(t):
+            if t.status is not S.PROPOSED or not self.strategy.ready(t):
                 continue
             job = self.store.find_by_key(t.job_key)
             if job is not None:  # submitted before a crash: adopt what really runs
@@ -248,14 +200,14 @@ class Agent:
                         "autoresearch.phase": t.phase.value, "autoresearch.rationale": t.rationale,
                         "autoresearch.owner": self.session_id,
                         "autoresearch.project": getattr(self.cfg, "project", "default"),
-                        **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {}), **self._tags(t)}
+                        **({"autoresearch.baseline": "true"} if t.phase is P.BASELINE else {}), **self.strategy.tags(t)}
                 run_id = made or self.tracker.trial_run(state["parent_run"], self.spec.name, key=t.job_key,
                                                         name=f"{self.session_id} trial {t.n}", params=t.params,
                                                         tags=tags)
                 spec = api.job_spec(self.spec, t.params, name=f"{self.spec.name}-{self.session_id}-{t.n}",
                                     priority=self.cfg.priority, gpus=self.gpus(), max_attempts=self.cfg.max_attempts,
                                     grace=Settings.stop_grace, preemptible=True, owner=self.session_id,
-                                    env=self._env(t), mlflow_run_id=run_id, idempotency_key=t.job_key,
+                                    env=self.strategy.env(t), mlflow_run_id=run_id, idempotency_key=t.job_key,
                                     project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
@@ -287,46 +239,13 @@ class Agent:
                     t.status = S.RUNNING
                     changed = True
                     self._event("running", {**state, "trials": trials}, trial=t.n, job=job.id)
-                changed = self._watch(t, job) or changed
-            changed = self._wakes(trials) or changed
+                changed = self.strategy.watch(t, job) or changed
+            changed = self.strategy.wakes(trials) or changed
             self._elapsed(state)
             if changed or self._time_up(state) or time.time() >= deadline:
                 break
             time.sleep(self.cfg.poll)
         return {"trials": dump(trials), "elapsed": state["elapsed"]}
-
-    def _watch(self, t: Trial, job: Job) -> bool:
-        """Read a running trial's progress (ASHA's rungs); True when it reached a new one."""
-        if not (t.status is S.RUNNING and t.phase in (P.BASELINE, P.SEARCH) and self.cfg.early_stopping
-                and t.run_id):
-            return False
-        if self.spec.run is not None:  # a config-file experiment: its output lines' reports
-            outputmetrics.sync(self.tracker, job, self.spec.metric)
-        history = self.tracker.history(t.run_id, self.progress_metric)
-        if history:
-            t.last_step = history[-1][0]
-        rungs = {str(k): v for k, v in self.asha.rung_values(reports(history)).items()}
-        if rungs.keys() - t.rungs.keys():
-            t.rungs = rungs
-            return True
-        return False
-
-    def _ready(self, t: Trial) -> bool:
-        """Whether a proposed trial may be queued now (population-based training holds a child until its donor's
-        checkpoint is there); one held stays proposed, and the loop comes back to it."""
-        return True
-
-    def _wakes(self, trials: list[Trial]) -> bool:
-        """Whether something besides the jobs ends the monitor's wait (a held child that may now be queued)."""
-        return False
-
-    def _env(self, t: Trial) -> dict[str, str]:
-        """Environment a trial's job gets on top of the job protocol's (population-based training's)."""
-        return {}
-
-    def _tags(self, t: Trial) -> dict[str, Any]:
-        """Tags a trial's MLflow run gets besides the session's (population-based training's lineage)."""
-        return {}
 
     def _score(self, t: Trial) -> None:
         """Record a finished trial's place in the session's ranking on its job (checkpoint retention keeps the
@@ -359,39 +278,6 @@ class Agent:
             self._event(t.status.value, {**state, "trials": trials, "best": best}, trial=t.n, value=t.value,
                         error=t.error, phase=t.phase)
         return best
-
-    def analyse(self, state: State) -> State:
-        """Record finished trials, pause ASHA losers, update the best and the session run's metrics."""
-        trials = load(state["trials"])
-        best = self._record_ends(state, trials, self.cfg.early_stopping)
-        # Winding down, the search trials in flight are the session's last chance of a candidate: none is paused.
-        if self.cfg.early_stopping and not self.phases.winding_down(state, trials):
-            peers = _peers(trials)
-            for t in trials:
-                if t.status is not S.RUNNING or t.phase is not P.SEARCH or t.ended:
-                    continue
-                rung = self.asha.judge(t.config_values(), [p.config_values() for p in peers])
-                t.judged = sorted({*t.judged, *(int(k) for k in t.rungs if rung is None or int(k) <= rung)})
-                if rung is None or not self.outcomes.still_a_loser(t, rung, peers):
-                    continue
-                try:
-                    self.store.demote(t.job_id, self.cfg.priority - 1,
-                                      f"ASHA: outside the top 1/{self.asha.eta} at step {rung}")
-                except Exception:  # finished in the meantime: the next monitor pass records it
-                    continue
-                self.notify()
-                t.update(status=S.PAUSED, stopped_at=rung)
-                self._event("paused", {**state, "trials": trials, "best": best}, trial=t.n, rung=rung,
-                            value=t.rungs[str(rung)])
-        done = [t for t in trials if t.status in FINAL]
-        metrics = {"trials_done": len(done), "trials_running": sum(t.status is S.RUNNING for t in trials),
-                   "trials_stopped": sum(t.status in (S.STOPPED, S.PAUSED) for t in trials)}
-        if best:
-            metrics["best_so_far"] = best["value"]
-        for k, v in (state.get("usage") or {}).items():
-            metrics[f"llm_{k}"] = v
-        self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
-        return {"trials": dump(trials), "best": best}
 
     def pause(self, state: State) -> State:
         """End this run of the graph paused at the LLM budget: nothing is in flight, nothing is cancelled (ASHA's
@@ -433,11 +319,6 @@ class Agent:
         return {"trials": dump(trials), "phase": "done", "route": "end"}
 
 
-def _peers(trials: list[Trial]) -> list[Trial]:
-    """The trials ASHA ranks a search trial among: the other search trials and the baseline's runs."""
-    return [t for t in trials if t.phase in (P.BASELINE, P.SEARCH)]
-
-
 def _llm_of(proposer: Any) -> Any:
     """The LLM proposer inside `proposer` (itself, or a hybrid's), or None for a pure sampler."""
     from orchestrator.agent.proposers.llm import LLMProposer
@@ -446,12 +327,6 @@ def _llm_of(proposer: Any) -> Any:
         if isinstance(candidate, LLMProposer):
             return candidate
     return None
-
-
-def _project(obs: Observation, searched: ExperimentSpec) -> Observation:
-    import dataclasses
-
-    return dataclasses.replace(obs, params=search.project(obs.params, searched.space))
 
 
 def build(agent: Agent, checkpointer: Any) -> Any:

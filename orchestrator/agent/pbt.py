@@ -1,6 +1,7 @@
 """Population-based training as an agent: `start --proposer pbt --population N --perturbation-interval K`.
 
-The graph is the agent's (`orchestrator.agent.graph`); these nodes replace its search rules:
+The graph is the agent's (`orchestrator.agent.graph`); this is its strategy (`orchestrator.agent.strategy`),
+in place of the default `Search`:
 
 - propose: the population first, N members at once (member 0 the experiment's defaults, the others with their
   mutable params drawn from the space); in the confirm phase, the baseline and the replays of the winner.
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from experiments.common import CHECKPOINT_EVERY_ENV, INIT_CHECKPOINT_ENV, SCHEDULE_ENV
 from orchestrator.agent import schedule as sched
 from orchestrator.agent import search
-from orchestrator.agent.graph import Agent
+from orchestrator.agent.strategy import Host
 from orchestrator.agent.phases import ACTIVE, FINAL
 from orchestrator.agent.trial import Phase, State, Trial, TrialStatus, dump, load
 from orchestrator.core.errors import BadInput
@@ -65,35 +66,35 @@ def check(spec: Any) -> None:
                        "the script keeps its state: each member has its own, and forks copy it)")
 
 
-class PBTAgent(Agent):
-    """The agent with population-based training's nodes (see the module docstring)."""
+class PBT:
+    """Population-based training as the agent's strategy (`orchestrator.agent.strategy`; see the module doc)."""
 
     proposes = False  # members are drawn once, then copied and perturbed: no proposer is asked
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        check(self.spec)
-        self.mutable = [m for m in self.spec.mutable if m in self.searched.space]
-        self.population = int(self.cfg.population or 2)
-        self.interval = int(self.cfg.perturbation_interval or 1)
+    def __init__(self, host: Host):
         from orchestrator.core.layout import Layout
 
-        self.layout = Layout(self.settings.home) if self.settings is not None else None
+        self.host = host
+        check(host.spec)
+        self.mutable = [m for m in host.spec.mutable if m in host.searched.space]
+        self.population = int(host.cfg.population or 2)
+        self.interval = int(host.cfg.perturbation_interval or 1)
+        self.layout = Layout(host.settings.home) if host.settings is not None else None
         self._held: dict[int, Trial] = {}  # children waiting for their donor's checkpoint -> the donor
 
     # -- propose ---------------------------------------------------------------------------------------------
 
     def propose(self, state: State) -> State:
         """The population (once), then in the confirm phase the baseline and the winner's replays (once)."""
-        self._elapsed(state)
+        self.host._elapsed(state)
         trials = load(state["trials"])
         candidates = list(state.get("candidates") or [])
-        if state["phase"] == "search" and not trials and not self._time_up(state):
+        if state["phase"] == "search" and not trials and not self.host._time_up(state):
             for m in range(self.population):
-                params = dict(self.baseline) if m == 0 else sched.sample(
-                    self.spec.space, self.mutable, self.baseline, sched.rng(self.session_id, "member", m))
-                params = search.full(self.spec, params, self.fixed)
-                t = self._record(len(trials), "search", params, "pbt",
+                params = dict(self.host.baseline) if m == 0 else sched.sample(
+                    self.host.spec.space, self.mutable, self.host.baseline, sched.rng(self.host.session_id, "member", m))
+                params = search.full(self.host.spec, params, self.host.fixed)
+                t = self.host._record(len(trials), "search", params, "pbt",
                                  "population member 0: the experiment's defaults" if m == 0 else
                                  f"population member {m}: mutable params drawn from the space")
                 t.update(member=m, schedule=[[0, {k: params[k] for k in self.mutable}]])
@@ -105,15 +106,15 @@ class PBTAgent(Agent):
 
     def _plan_replays(self, trials: list[Trial], best: dict | None) -> list[int]:
         """The baseline's runs and `confirm_seeds` fresh-seed replays of the best member's schedule."""
-        for seed in self.seeds[: self.cfg.baseline_seeds]:
-            trials.append(self._record(len(trials), "baseline", search.seeded(self.spec, self.baseline, seed),
+        for seed in self.host.seeds[: self.host.cfg.baseline_seeds]:
+            trials.append(self.host._record(len(trials), "baseline", search.seeded(self.host.spec, self.host.baseline, seed),
                                        "baseline", "the baseline: the experiment's defaults"))
         if best is None:
             return []
         winner = next(t for t in trials if t.n == best["n"])
         start = {**winner.params, **winner.schedule[0][1]}
-        for seed in self.seeds[1: 1 + self.cfg.confirm_seeds]:
-            t = self._record(len(trials), "confirm", search.seeded(self.spec, start, seed), "confirm",
+        for seed in self.host.seeds[1: 1 + self.host.cfg.confirm_seeds]:
+            t = self.host._record(len(trials), "confirm", search.seeded(self.host.spec, start, seed), "confirm",
                              f"replay of trial {winner.n}'s schedule from scratch on a fresh seed")
             t.update(schedule=winner.schedule, lineage={"replays": winner.n})
             trials.append(t)
@@ -134,7 +135,7 @@ class PBTAgent(Agent):
                     forked = self._fork(t, donor)
                 except NothingToFork as e:  # the donor ended before it kept any checkpoint: no state to copy
                     t.update(status=S.CANCELLED, error=str(e))
-                    self._event("fork_failed", {**state, "trials": trials}, trial=t.n, parent=donor.n,
+                    self.host._event("fork_failed", {**state, "trials": trials}, trial=t.n, parent=donor.n,
                                 message=f"trial {t.n} cancelled: {e}")
                     continue
                 if forked is None:
@@ -143,15 +144,15 @@ class PBTAgent(Agent):
                 step, copied = forked
                 t.lineage["fork_step"] = step
                 t.schedule = [*donor.schedule, [step, dict(t.lineage["after"])]]
-                self._event("forked", {**state, "trials": trials}, trial=t.n, parent=donor.n, step=step,
+                self.host._event("forked", {**state, "trials": trials}, trial=t.n, parent=donor.n, step=step,
                             copied=copied, message=f"trial {t.n} forked from trial {donor.n} at step {step}"
                             f"{' (checkpoint copied)' if copied else ''}")
-        return super().submit({**state, "trials": dump(trials)})
+        return self.host.queue_proposed({**state, "trials": dump(trials)})
 
-    def _ready(self, t: Trial) -> bool:
+    def ready(self, t: Trial) -> bool:
         return t.n not in self._held
 
-    def _wakes(self, trials: list[Trial]) -> bool:
+    def wakes(self, trials: list[Trial]) -> bool:
         """A held child's donor checkpoint is now there (or its donor ended): the loop comes back to submit it."""
         live = {t.n: t for t in trials}
         for n, donor in self._held.items():
@@ -203,7 +204,7 @@ class PBTAgent(Agent):
             return _step_of(target), True
         return None  # each pick vanished under the copy: the next pass picks again
 
-    def _env(self, t: Trial) -> dict[str, str]:
+    def env(self, t: Trial) -> dict[str, str]:
         env = {CHECKPOINT_EVERY_ENV: str(self.interval)} if t.phase is P.SEARCH else {}
         if t.schedule:
             env[SCHEDULE_ENV] = sched.text(t.schedule)
@@ -211,7 +212,7 @@ class PBTAgent(Agent):
             env[INIT_CHECKPOINT_ENV] = str(self.layout.fork_dir(t.key))
         return env
 
-    def _tags(self, t: Trial) -> dict[str, Any]:
+    def tags(self, t: Trial) -> dict[str, Any]:
         tags: dict[str, Any] = {}
         if t.member is not None:
             tags[TAG + "member"] = t.member
@@ -229,20 +230,20 @@ class PBTAgent(Agent):
 
     # -- monitor and analyse -----------------------------------------------------------------------------------
 
-    def _watch(self, t: Trial, job: Job) -> bool:
+    def watch(self, t: Trial, job: Job) -> bool:
         """A running member's history (in `rungs`: step -> value); True when it reached the next interval."""
         if t.status is not S.RUNNING or t.phase is not P.SEARCH or not t.run_id:
             return False
-        if self.spec.run is not None:  # a config-file member: the reports its segments' ends recorded
+        if self.host.spec.run is not None:  # a config-file member: the reports its segments' ends recorded
             from orchestrator.core import outputmetrics
 
-            outputmetrics.sync(self.tracker, job, self.spec.metric)
-        history = self.tracker.history(t.run_id, self.progress_metric)
+            outputmetrics.sync(self.host.tracker, job, self.host.spec.metric)
+        history = self.host.tracker.history(t.run_id, self.host.progress_metric)
         if not history:
             return False
         if t.total is None:
-            total = (t.params.get(self.spec.steps) or self.spec.fixed.get(self.spec.steps) if self.spec.steps
-                     else self.tracker.params(t.run_id).get("total_steps"))  # a config-file run's stop, or the log
+            total = (t.params.get(self.host.spec.steps) or self.host.spec.fixed.get(self.host.spec.steps) if self.host.spec.steps
+                     else self.host.tracker.params(t.run_id).get("total_steps"))  # a config-file run's stop, or the log
             t.total = int(float(total)) if total else None
         seen = max((int(k) for k in t.rungs), default=-1)
         t.rungs = {str(int(step)): value for step, value in history}
@@ -253,9 +254,9 @@ class PBTAgent(Agent):
         """Record ended trials and the best member; exploit and explore at every interval all members reached."""
         trials = load(state["trials"])
         # (Every member has ended before the replays begin, so the graph's search-phase rule for the best holds.)
-        best = self._record_ends(state, trials, early_stopping=False)
+        best = self.host._record_ends(state, trials, early_stopping=False)
         pbt = dict(state.get("pbt") or {"judged": []})
-        if state["phase"] == "search" and not self._time_up(state):
+        if state["phase"] == "search" and not self.host._time_up(state):
             while self._exploit(trials, pbt, state):
                 pass
         done = [t for t in trials if t.status in FINAL]
@@ -263,7 +264,7 @@ class PBTAgent(Agent):
                    "forks": sum(1 for t in trials if t.lineage.get("parent") is not None)}
         if best:
             metrics["best_so_far"] = best["value"]
-        self.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
+        self.host.tracker.log_metrics(state["parent_run"], metrics, step=len(done))
         return {"trials": dump(trials), "best": best, "pbt": pbt}
 
     def _exploit(self, trials: list[Trial], pbt: dict, state: State) -> bool:
@@ -283,25 +284,25 @@ class PBTAgent(Agent):
                 continue
             values[m] = v
         pbt["judged"] = [*pbt["judged"], b]
-        for loser_m, donor_m in sched.pairs(values, self.spec.direction, sched.rng(self.session_id, "exploit", b)):
+        for loser_m, donor_m in sched.pairs(values, self.host.spec.direction, sched.rng(self.host.session_id, "exploit", b)):
             loser, donor = live[loser_m], live[donor_m]
             if loser.status in FINAL or donor.status in FINAL or donor.job_id is None:
                 continue
             n = len(trials)
             before = {k: donor.params[k] for k in self.mutable}
-            explore = sched.rng(self.session_id, "explore", n)
-            params = sched.perturb(self.spec.space, self.mutable, donor.params, explore)
-            params = self.spec.space.validate(params)
+            explore = sched.rng(self.host.session_id, "explore", n)
+            params = sched.perturb(self.host.spec.space, self.mutable, donor.params, explore)
+            params = self.host.spec.space.validate(params)
             after = {k: params[k] for k in self.mutable}
             loser.stopped_at = b
-            self._cancel(loser, f"PBT: bottom {sched.QUANTILE:g} at step {b}; trial {n} takes its place from "
+            self.host._cancel(loser, f"PBT: bottom {sched.QUANTILE:g} at step {b}; trial {n} takes its place from "
                                 f"trial {donor.n}'s checkpoint")
-            child = self._record(n, "search", params, "pbt", f"exploit trial {donor.n} at step {b} (replacing "
+            child = self.host._record(n, "search", params, "pbt", f"exploit trial {donor.n} at step {b} (replacing "
                                  f"trial {loser.n}), explore {sched.changed(before, after)}")
             child.update(member=loser_m, lineage={"parent": donor.n, "parent_run": donor.run_id, "fork_step": None,
                                                   "replaced": loser.n, "at": b, "before": before, "after": after})
             trials.append(child)
-            self._event("exploit", {**state, "trials": trials}, trial=n, parent=donor.n, replaced=loser.n, step=b,
+            self.host._event("exploit", {**state, "trials": trials}, trial=n, parent=donor.n, replaced=loser.n, step=b,
                         message=f"step {b}: trial {loser.n} (member {loser_m}, {values[loser_m]:.4g}) copies trial "
                         f"{donor.n} ({values[donor_m]:.4g}) as trial {n}: {sched.changed(before, after)}")
         return True
@@ -310,11 +311,11 @@ class PBTAgent(Agent):
 
     def decide(self, state: State) -> State:
         """search (until every member has ended) -> confirm (the baseline and the winner's replays) -> done."""
-        self._elapsed(state)
+        self.host._elapsed(state)
         trials = load(state["trials"])
         phase, reason = state["phase"], state.get("stop_reason", "")
         best = state.get("best")
-        if self._time_up(state) and phase != "done":
+        if self.host._time_up(state) and phase != "done":
             self._stop_all(trials, "time budget reached")
             phase, reason = "done", "time budget reached"
         elif phase == "search" and trials and self._late(state, trials):
@@ -325,10 +326,10 @@ class PBTAgent(Agent):
             phase = "confirm" if best else "done"
             reason = ("time left only for the baseline and the replays" if best else
                       "time budget reached before any member reported")
-            self._event("phase", {**state, "trials": trials, "best": best}, phase=phase, reason=reason)
+            self.host._event("phase", {**state, "trials": trials, "best": best}, phase=phase, reason=reason)
         elif phase == "search" and trials and all(t.status in FINAL for t in _members(trials).values()):
             phase, reason = "confirm", "every member finished its budget"
-            self._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
+            self.host._event("phase", {**state, "trials": trials}, phase=phase, reason=reason)
         elif phase == "confirm" and state.get("confirm_planned") and all(
                 t.status in FINAL for t in trials if t.phase in (P.CONFIRM, P.BASELINE)):
             phase = "done"
@@ -345,7 +346,7 @@ class PBTAgent(Agent):
     def _stop_all(self, trials: list[Trial], reason: str) -> None:
         for t in trials:
             if t.status in (*ACTIVE, S.PAUSED) and t.job_id is not None:
-                self._cancel(t, f"session {self.session_id}: {reason}")
+                self.host._cancel(t, f"session {self.host.session_id}: {reason}")
             if t.status is S.PROPOSED:
                 t.status = S.CANCELLED
 
@@ -353,7 +354,7 @@ class PBTAgent(Agent):
         """Whether only the confirm phase's time is left of `--budget-minutes`: its baseline and replay runs, at
         full length, in rounds of `parallel`, a run's length estimated from the members' pace (x1.25 for a busy
         machine). False until a member has reported: there is nothing to replay yet."""
-        minutes = self.cfg.budget_minutes
+        minutes = self.host.cfg.budget_minutes
         if minutes is None:
             return False
         now, runs = time.time(), []
@@ -363,7 +364,7 @@ class PBTAgent(Agent):
                 runs.append((now - t.submitted_at) / (t.last_step - start) * t.total)
         if not runs:
             return False
-        rounds = -(-(self.cfg.baseline_seeds + self.cfg.confirm_seeds) // max(1, self.parallel))
+        rounds = -(-(self.host.cfg.baseline_seeds + self.host.cfg.confirm_seeds) // max(1, self.host.parallel))
         return state["elapsed"] >= minutes * 60 - 1.25 * sorted(runs)[len(runs) // 2] * rounds
 
     def _leader(self, trials: list[Trial]) -> dict | None:
@@ -375,7 +376,7 @@ class PBTAgent(Agent):
         best = None
         for t in members:
             v = sched.value_at([(int(k), x) for k, x in sorted(t.rungs.items(), key=lambda kv: int(kv[0]))], step)
-            if v is not None and (best is None or self.spec.better(v, best["value"])):
+            if v is not None and (best is None or self.host.spec.better(v, best["value"])):
                 best = {"n": t.n, "value": v, "params": t.params, "job_id": t.job_id, "at_step": step}
         return best
 
@@ -409,3 +410,10 @@ def _pick(steps: list[Path], at: int | None, total: int | None) -> Path | None:
 def _step_of(fork: Path) -> int:
     return max(int(p.name.split("_")[1]) for p in fork.glob("step_*"))
 
+
+
+def agent(**kwargs: Any) -> Any:
+    """An agent (`orchestrator.agent.graph.Agent`, same keywords) whose strategy is population-based training."""
+    from orchestrator.agent.graph import Agent
+
+    return Agent(strategy=PBT, **kwargs)

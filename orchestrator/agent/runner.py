@@ -160,6 +160,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
 
     from orchestrator.agent import holdout, report
     from orchestrator.agent.graph import Agent, build
+    from orchestrator.agent.strategy import Search
     from orchestrator.agent.packer import session_devices, summary as packing_summary
 
     spec = load_spec(config.experiment, settings)
@@ -171,14 +172,13 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
             "parallel": config.parallel or life.slots, "model": config.model or "", "fixed": config.fixed,
             "trials_per_gpu": config.trials_per_gpu})
+        strategy = Search
         if config.proposer == "pbt":
-            from orchestrator.agent.pbt import PBTAgent as agent_class  # a subclass: its own nodes
-        else:
-            agent_class = Agent
-        agent = agent_class(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
-                            parallel=config.parallel or life.slots, proposer=proposer, notify=life.wake(),
-                            on_event=on_event or (lambda e: None), settings=settings, on_usage=life.on_usage(),
-                            devices=names)
+            from orchestrator.agent.pbt import PBT as strategy  # population-based training's rules
+        agent = Agent(session_id=session_id, config=config, spec=spec, store=store, tracker=tracker,
+                      parallel=config.parallel or life.slots, proposer=proposer, notify=life.wake(),
+                      on_event=on_event or (lambda e: None), settings=settings, on_usage=life.on_usage(),
+                      devices=names, strategy=strategy)
         saver = SqliteSaver(connect(settings.home))
         graph = build(agent, saver)
         run_cfg = {"configurable": {"thread_id": session_id}, "recursion_limit": RECURSION_LIMIT}

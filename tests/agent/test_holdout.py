@@ -19,7 +19,7 @@ from orchestrator.agent import runner
 from orchestrator.agent.history import Results
 from orchestrator.agent.holdout import HoldoutLeak, search_view
 from orchestrator.agent.outcome import reports
-from orchestrator.agent.proposers.factory import NAMES, make
+from orchestrator.agent.proposers.factory import PROPOSERS, make
 from orchestrator.agent.stopping import ASHA
 from orchestrator.core.config import Settings
 from orchestrator.queue.models import JobSpec
@@ -117,7 +117,7 @@ def llm_answer(body: dict):
                              for i in range(3)]})
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PROPOSERS)
 def test_no_proposer_changes_when_the_holdout_does(world, true_holdout, name, monkeypatch):
     with FakeLLM(default=llm_answer) as fake:
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)

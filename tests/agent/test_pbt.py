@@ -252,7 +252,7 @@ def test_a_child_waits_for_its_donors_checkpoint_at_the_interval_and_never_copie
     import dataclasses
 
     from experiments.common import INIT_CHECKPOINT_ENV
-    from orchestrator.agent.pbt import METADATA, PBTAgent
+    from orchestrator.agent.pbt import METADATA, agent
     from orchestrator.agent.trial import load
     from orchestrator.core.config import Settings
     from orchestrator.queue.store import JobStore
@@ -263,8 +263,8 @@ def test_a_child_waits_for_its_donors_checkpoint_at_the_interval_and_never_copie
     settings = Settings.load()
     store, tracker = JobStore(settings.db_url), Tracker.from_settings(settings)
     spec = dataclasses.replace(SPEC, mutable=("x",))
-    a = PBTAgent(session_id=SID, config=config(proposer="pbt", population=2, perturbation_interval=4), spec=spec,
-                 store=store, tracker=tracker, parallel=2, settings=settings)
+    a = agent(session_id=SID, config=config(proposer="pbt", population=2, perturbation_interval=4), spec=spec,
+                store=store, tracker=tracker, parallel=2, settings=settings)
     parent = tracker.session_run(SID, spec.name, {})
 
     def child(n: int, donor) -> dict:
@@ -275,7 +275,7 @@ def test_a_child_waits_for_its_donors_checkpoint_at_the_interval_and_never_copie
 
     donor = a._record(0, "search", spec.space.validate({"x": 0.4}), "pbt", "member 0")
     donor.update(status="running", job_id=9001, member=0, total=9, schedule=[[0, {"x": 0.4}]])
-    kept = a.layout.checkpoint_dir(9001)
+    kept = a.strategy.layout.checkpoint_dir(9001)
 
     def commit(step: int) -> None:
         (kept / f"step_{step:010d}").mkdir(parents=True)
@@ -287,10 +287,10 @@ def test_a_child_waits_for_its_donors_checkpoint_at_the_interval_and_never_copie
     s = state(parent, [donor, child(1, donor)])
     out = a.submit(s)
     assert out["trials"][1]["status"] == "proposed" and store.find_by_key(f"{SID}:1") is None
-    assert not a._wakes(load(out["trials"])) and not a.layout.fork_dir(f"{SID}:1").exists()
+    assert not a.strategy.wakes(load(out["trials"])) and not a.strategy.layout.fork_dir(f"{SID}:1").exists()
     (kept / "step_0000000004" / "model.pt").write_text("state at 4")
     (kept / "step_0000000004" / METADATA).write_text("{}")
-    assert a._wakes(load(out["trials"]))  # the monitor's wait ends: the copy can be made
+    assert a.strategy.wakes(load(out["trials"]))  # the monitor's wait ends: the copy can be made
     out = a.submit({**s, "trials": out["trials"]})
     queued = out["trials"][1]
     job = store.find_by_key(f"{SID}:1")

@@ -12,8 +12,9 @@ from orchestrator.agent.proposers.optuna_ import SamplerProposer
 from orchestrator.core.config import Settings
 from orchestrator.core.errors import BadInput
 
-NAMES = ("llm", "tpe", "cmaes", "random", "hybrid", "pbt")  # pbt: orchestrator.agent.pbt
-__all__ = ["NAMES", "default_name", "llm_configured", "make"]
+PROPOSERS = ("llm", "tpe", "cmaes", "random", "hybrid")  # what `make` builds
+NAMES = (*PROPOSERS, "pbt")  # what --proposer takes (pbt is a strategy: orchestrator.agent.pbt)
+__all__ = ["NAMES", "PROPOSERS", "default_name", "llm_configured", "make"]
 
 
 def default_name(settings: Settings | None = None) -> str:
