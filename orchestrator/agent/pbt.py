@@ -91,8 +91,9 @@ class PBT:
         candidates = list(state.get("candidates") or [])
         if state["phase"] == "search" and not trials and not self.host._time_up(state):
             for m in range(self.population):
-                params = dict(self.host.baseline) if m == 0 else sched.sample(
-                    self.host.spec.space, self.mutable, self.host.baseline, sched.rng(self.host.session_id, "member", m))
+                host = self.host
+                params = dict(host.baseline) if m == 0 else sched.sample(
+                    host.spec.space, self.mutable, host.baseline, sched.rng(host.session_id, "member", m))
                 params = search.full(self.host.spec, params, self.host.fixed)
                 t = self.host._record(len(trials), "search", params, "pbt",
                                  "population member 0: the experiment's defaults" if m == 0 else
@@ -107,8 +108,9 @@ class PBT:
     def _plan_replays(self, trials: list[Trial], best: dict | None) -> list[int]:
         """The baseline's runs and `confirm_seeds` fresh-seed replays of the best member's schedule."""
         for seed in self.host.seeds[: self.host.cfg.baseline_seeds]:
-            trials.append(self.host._record(len(trials), "baseline", search.seeded(self.host.spec, self.host.baseline, seed),
-                                       "baseline", "the baseline: the experiment's defaults"))
+            params = search.seeded(self.host.spec, self.host.baseline, seed)
+            why = "the baseline: the experiment's defaults"
+            trials.append(self.host._record(len(trials), "baseline", params, "baseline", why))
         if best is None:
             return []
         winner = next(t for t in trials if t.n == best["n"])
@@ -242,8 +244,9 @@ class PBT:
         if not history:
             return False
         if t.total is None:
-            total = (t.params.get(self.host.spec.steps) or self.host.spec.fixed.get(self.host.spec.steps) if self.host.spec.steps
-                     else self.host.tracker.params(t.run_id).get("total_steps"))  # a config-file run's stop, or the log
+            spec = self.host.spec  # a config-file run's stop, or the log
+            total = (t.params.get(spec.steps) or spec.fixed.get(spec.steps) if spec.steps
+                     else self.host.tracker.params(t.run_id).get("total_steps"))
             t.total = int(float(total)) if total else None
         seen = max((int(k) for k in t.rungs), default=-1)
         t.rungs = {str(int(step)): value for step, value in history}
@@ -284,7 +287,8 @@ class PBT:
                 continue
             values[m] = v
         pbt["judged"] = [*pbt["judged"], b]
-        for loser_m, donor_m in sched.pairs(values, self.host.spec.direction, sched.rng(self.host.session_id, "exploit", b)):
+        rng = sched.rng(self.host.session_id, "exploit", b)
+        for loser_m, donor_m in sched.pairs(values, self.host.spec.direction, rng):
             loser, donor = live[loser_m], live[donor_m]
             if loser.status in FINAL or donor.status in FINAL or donor.job_id is None:
                 continue

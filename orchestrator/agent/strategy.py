@@ -122,8 +122,9 @@ class Search:
         if not any(t.phase is P.BASELINE for t in trials):
             # Every later result is judged against these runs, so they go in before any proposal, all at once.
             for seed in self.host.seeds[: self.host.cfg.baseline_seeds]:
-                trials.append(self.host._record(len(trials), "baseline", search.seeded(self.host.spec, self.host.baseline, seed),
-                                           "baseline", "the baseline: the experiment's defaults"))
+                params = search.seeded(self.host.spec, self.host.baseline, seed)
+                why = "the baseline: the experiment's defaults"
+                trials.append(self.host._record(len(trials), "baseline", params, "baseline", why))
         free = self.host.capacity - sum(1 for t in trials if t.status in ACTIVE)
         search_max, n_confirm = self.host.cfg.split()
         candidates = list(state.get("candidates") or [])
@@ -155,7 +156,8 @@ class Search:
             if n > 0 and not state.get("budget_stop"):
                 history = [_project(o, self.host.searched) for o in self.host.results.observations(trials)]
                 if self.host.llm is not None and self.host.budget.capped:  # checked before each of its calls
-                    self.host.llm.client.budget, self.host.llm.client.spent = self.host.budget, dict(state.get("usage") or {})
+                    client = self.host.llm.client
+                    client.budget, client.spent = self.host.budget, dict(state.get("usage") or {})
                 proposals = self.host.proposer.propose(n, history)
                 take = getattr(self.host.proposer, "take_usage", None)
                 state["usage"] = budget.added(state.get("usage") or {}, take() if take else {})
@@ -164,8 +166,8 @@ class Search:
                 if self.host.llm is not None and self.host.llm.budget_hit:
                     state["budget_stop"] = self.host.llm.budget_hit
                 for p in proposals:
-                    trials.append(self.host._record(len(trials), "search", search.full(self.host.spec, p.params, self.host.fixed),
-                                               p.proposer, p.rationale))
+                    params = search.full(self.host.spec, p.params, self.host.fixed)
+                    trials.append(self.host._record(len(trials), "search", params, p.proposer, p.rationale))
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
             candidates, state["confirm_planned"] = self.host.phases.plan_confirmation(trials, n_confirm), True
         if state.get("budget_stop"):
