@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import sys
-import time
 from typing import List, Optional
 
 import typer
@@ -15,7 +13,6 @@ from orchestrator.api import submitflags
 from orchestrator.api.submitflags import BY_NAME
 from orchestrator.faces.cli.app import app
 from orchestrator.faces.cli.common import info, print_columns, print_json, print_table, settings
-from orchestrator.core.errors import BadInput
 from orchestrator.queue.listing import DEFAULT_LIMIT, Listing
 
 
@@ -159,47 +156,6 @@ def cancel(job_id: int = typer.Argument(..., metavar="ID")) -> None:
 def logs(job_id: int = typer.Argument(..., metavar="ID"),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job finishes.")) -> None:
     """The job's output."""
-    store = api.open_store(settings())
-    job = store.get(job_id)
-    path = job.log_path
-    if (not path or not os.path.exists(path)) and (job.proc_start or "").startswith("ray:"):
-        from orchestrator.executors.ray.logs import stream_logs  # ran on a Ray cluster; its log file is elsewhere
+    from orchestrator.faces.pyapi.jobapi import write_logs
 
-        stream_logs(job, sys.stdout.buffer, follow=follow)
-        return
-    if follow:
-        if not path or not os.path.exists(path):
-            info(f"job {job_id} is {job.state}: waiting for it to start (Ctrl-C stops waiting)")
-        while not path or not os.path.exists(path):
-            if job.final:
-                raise BadInput(f"job {job_id} produced no output")
-            time.sleep(0.5)
-            job = store.get(job_id)
-            path = job.log_path
-    elif not path or not os.path.exists(path):
-        if path and os.path.exists(path + ".gz"):  # a finished job's log, compressed by retention
-            import gzip
-            import shutil
-
-            with gzip.open(path + ".gz", "rb") as fh:
-                shutil.copyfileobj(fh, sys.stdout.buffer)
-            sys.stdout.flush()
-            return
-        info(f"job {job_id} has no output yet ({job.state})")
-        return
-    with open(path, "rb") as fh:
-        while True:
-            chunk = fh.read(65536)
-            if chunk:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                continue
-            if not follow:
-                return
-            job = store.get(job_id)
-            if job.final:
-                rest = fh.read()
-                sys.stdout.buffer.write(rest)
-                sys.stdout.flush()
-                return
-            time.sleep(0.3)
+    write_logs(job_id, sys.stdout.buffer, follow=follow, settings=settings(), say=info)

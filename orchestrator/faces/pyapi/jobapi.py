@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
 from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
@@ -155,15 +155,60 @@ def wait(job_id: Union[int, Job], timeout: Optional[float] = None, *, poll: floa
 
 def logs(job_id: Union[int, Job], *, settings: Optional[Settings] = None) -> str:
     """The job's output so far (`autoresearch logs ID`): '' before it starts."""
+    import io
+
+    out = io.BytesIO()
+    write_logs(job_id, out, settings=settings)
+    return out.getvalue().decode("utf-8", errors="replace")
+
+
+def write_logs(job_id: Union[int, Job], out: IO[bytes], *, follow: bool = False,
+               settings: Optional[Settings] = None, say: Callable[[str], None] = lambda line: None) -> None:
+    """Write the job's output to `out` (`autoresearch logs ID [--follow]`): its log file (gzipped by retention
+    once finished), or its Ray log where it ran on a Ray cluster. `follow`: wait for it to start, then keep
+    writing until it finishes (BadInput when it finished with no output). `say`: a line for a person (why
+    there is nothing yet)."""
     import gzip
     import os
+    import shutil
 
+    store = api.open_store(settings or Settings.load())
     job_id = job_id.id if isinstance(job_id, Job) else int(job_id)
-    path = api.open_store(settings or Settings.load()).get(job_id).log_path
-    if path and os.path.exists(path):
-        with open(path, "rb") as fh:
-            return fh.read().decode("utf-8", errors="replace")
-    if path and os.path.exists(path + ".gz"):  # a finished job's log, compressed by retention
-        with gzip.open(path + ".gz", "rb") as fh:
-            return fh.read().decode("utf-8", errors="replace")
-    return ""
+    job = store.get(job_id)
+    path = job.log_path
+    if (not path or not os.path.exists(path)) and (job.proc_start or "").startswith("ray:"):
+        from orchestrator.executors.ray.logs import stream_logs  # ran on a Ray cluster; its log file is elsewhere
+
+        stream_logs(job, out, follow=follow)
+        return
+    if follow:
+        if not path or not os.path.exists(path):
+            say(f"job {job_id} is {job.state}: waiting for it to start (Ctrl-C stops waiting)")
+        while not path or not os.path.exists(path):
+            if job.final:
+                raise BadInput(f"job {job_id} produced no output")
+            time.sleep(0.5)
+            job = store.get(job_id)
+            path = job.log_path
+    elif not path or not os.path.exists(path):
+        if path and os.path.exists(path + ".gz"):  # a finished job's log, compressed by retention
+            with gzip.open(path + ".gz", "rb") as fh:
+                shutil.copyfileobj(fh, out)
+            out.flush()
+            return
+        say(f"job {job_id} has no output yet ({job.state})")
+        return
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(65536)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            if not follow:
+                return
+            if store.get(job_id).final:
+                out.write(fh.read())
+                out.flush()
+                return
+            time.sleep(0.3)
