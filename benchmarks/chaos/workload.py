@@ -156,6 +156,11 @@ class Session:
         if code != -9 and self._failed_run != self.runs:
             self._failed_run = self.runs
             last = (self._log.read_text(errors="replace").strip().splitlines() or [""])[-1][:200]
+            if code == 2 and "already finished" in last:
+                # Killed after it had finished (its summary printed, its process still closing down): `resume`
+                # says so, and the registry holds its verdict. That is a verdict, not a failure to resume.
+                self.verdict = last[:200]
+                return
             if code == 2 and "no session" in last:
                 # Killed after it printed its id and before it registered itself: there is nothing to resume,
                 # so it starts afresh (what its user would do).
