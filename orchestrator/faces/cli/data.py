@@ -7,7 +7,8 @@ progress bar on stderr, and prints.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
@@ -18,6 +19,25 @@ from orchestrator.core.errors import BadInput, OrchestratorError
 data_app = typer.Typer(help="Data on volumes: export Delta tables to Parquet files, pack small files into shards.",
                        no_args_is_help=True)
 app.add_typer(data_app, name="data")
+
+
+@contextmanager
+def _lazy_bar(bar: Any, **fields: Any) -> Iterator[Callable[..., None]]:
+    """`update(**progress)` for `bar` (a rich Progress), shown from its first call only (a rejected input prints
+    its one line and no bar), and stopped when the block ends, however it ends."""
+    task = bar.add_task("work", total=None, start=False, **fields)
+
+    def update(**progress: Any) -> None:
+        if not bar.live.is_started:
+            bar.start()
+            bar.start_task(task)
+        bar.update(task, **progress)
+
+    try:
+        yield update
+    finally:
+        if bar.live.is_started:
+            bar.stop()
 
 
 def _split(values: Optional[List[str]]) -> Optional[List[str]]:
@@ -52,20 +72,8 @@ def export_delta_cmd(
                            row_group_rows=row_group_rows, version=version)
         bar = Progress(TextColumn("exporting rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                        console=Console(stderr=True), transient=json)
-        task = bar.add_task("export", total=None, start=False)
-
-        def progress(done: int, total: int) -> None:
-            # Shown from the first row written: a rejected input prints its one line and nothing else.
-            if not bar.live.is_started:
-                bar.start()
-                bar.start_task(task)
-            bar.update(task, completed=done, total=total)
-
-        try:
-            manifest = export_delta(cfg, progress=progress)
-        finally:
-            if bar.live.is_started:
-                bar.stop()
+        with _lazy_bar(bar) as update:
+            manifest = export_delta(cfg, progress=lambda done, total: update(completed=done, total=total))
     except ExportInputError as exc:
         raise BadInput(str(exc)) from None
     except ExportError as exc:
@@ -107,19 +115,9 @@ def pack_cmd(
         cfg = PackConfig(src, dest, shard_size=shard_size, split_by=split_by, pattern=pattern, threads=threads)
         bar = Progress(TextColumn("packing"), BarColumn(), TextColumn("{task.fields[files]} files"), DownloadColumn(),
                        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=json)
-        task = bar.add_task("pack", total=None, start=False, files="0")
-
-        def progress(files_done: int, files_total: int, bytes_done: int, bytes_total: int) -> None:
-            if not bar.live.is_started:  # from the first shard: a rejected input prints its one line only
-                bar.start()
-                bar.start_task(task)
-            bar.update(task, completed=bytes_done, total=bytes_total, files=f"{files_done:,}/{files_total:,}")
-
-        try:
-            index = pack(cfg, progress=progress)
-        finally:
-            if bar.live.is_started:
-                bar.stop()
+        with _lazy_bar(bar, files="0") as update:
+            index = pack(cfg, progress=lambda files_done, files_total, bytes_done, bytes_total: update(
+                completed=bytes_done, total=bytes_total, files=f"{files_done:,}/{files_total:,}"))
     except PackInputError as exc:
         raise BadInput(str(exc)) from None
     except PackError as exc:
