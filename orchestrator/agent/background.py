@@ -34,7 +34,7 @@ def progress(row: dict, store: JobStore, home: Path) -> dict:
     """A session's progress: its trials' jobs by state, and best/baseline where the session records them."""
     from orchestrator.agent import tally
 
-    by_phase = _phase_counts(store, row["id"])  # one GROUP BY, not a row per trial
+    by_phase = _phase_counts(store, row)  # one GROUP BY, not a row per trial
     counts: dict[str, int] = {}
     for _, job_state, n in by_phase:
         counts[job_state] = counts.get(job_state, 0) + n
@@ -62,16 +62,18 @@ def trial_counts(row: dict, store: JobStore, by_phase: Optional[list] = None) ->
     """The session's trials by phase, done of planned (`orchestrator.agent.tally`), from its jobs in the queue."""
     from orchestrator.agent import tally
 
-    rows = _phase_counts(store, row["id"]) if by_phase is None else by_phase
+    rows = _phase_counts(store, row) if by_phase is None else by_phase
     return tally.count(rows, tally.planned(row.get("config") or {}))
 
 
-def _phase_counts(store: JobStore, session_id: str) -> list:
-    """The session's jobs by phase and state; those its `stop` cancelled are left out (`resume` runs them
-    again, so they are neither done nor lost)."""
+def _phase_counts(store: JobStore, row: dict) -> list:
+    """The session's jobs by phase and state. An experiment session's jobs that its `stop` cancelled are left
+    out (its `resume` runs those trials again: neither done nor lost); a program session counts them as its loop
+    does, against its budget."""
     from orchestrator.agent.session import stopped_reason
 
-    return store.phase_counts(session_id, skip_cancelled=stopped_reason(session_id))
+    program = "program" in (row.get("config") or {})
+    return store.phase_counts(row["id"], skip_cancelled=None if program else stopped_reason(row["id"]))
 
 
 def _baseline_runs(trials: list) -> Optional[float]:
