@@ -96,8 +96,8 @@ class PBT:
                     host.spec.space, self.mutable, host.baseline, sched.rng(host.session_id, "member", m))
                 params = search.full(self.host.spec, params, self.host.fixed)
                 t = self.host._record(len(trials), "search", params, "pbt",
-                                 "population member 0: the experiment's defaults" if m == 0 else
-                                 f"population member {m}: mutable params drawn from the space")
+                                      "population member 0: the experiment's defaults" if m == 0 else
+                                      f"population member {m}: mutable params drawn from the space")
                 t.update(member=m, schedule=[[0, {k: params[k] for k in self.mutable}]])
                 trials.append(t)
         elif state["phase"] == "confirm" and not state.get("confirm_planned"):
@@ -117,7 +117,7 @@ class PBT:
         start = {**winner.params, **winner.schedule[0][1]}
         for seed in self.host.seeds[1: 1 + self.host.cfg.confirm_seeds]:
             t = self.host._record(len(trials), "confirm", search.seeded(self.host.spec, start, seed), "confirm",
-                             f"replay of trial {winner.n}'s schedule from scratch on a fresh seed")
+                                  f"replay of trial {winner.n}'s schedule from scratch on a fresh seed")
             t.update(schedule=winner.schedule, lineage={"replays": winner.n})
             trials.append(t)
         return [winner.n]
@@ -138,7 +138,7 @@ class PBT:
                 except NothingToFork as e:  # the donor ended before it kept any checkpoint: no state to copy
                     t.update(status=S.CANCELLED, error=str(e))
                     self.host._event("fork_failed", {**state, "trials": trials}, trial=t.n, parent=donor.n,
-                                message=f"trial {t.n} cancelled: {e}")
+                                     message=f"trial {t.n} cancelled: {e}")
                     continue
                 if forked is None:
                     self._held[t.n] = donor
@@ -147,8 +147,8 @@ class PBT:
                 t.lineage["fork_step"] = step
                 t.schedule = [*donor.schedule, [step, dict(t.lineage["after"])]]
                 self.host._event("forked", {**state, "trials": trials}, trial=t.n, parent=donor.n, step=step,
-                            copied=copied, message=f"trial {t.n} forked from trial {donor.n} at step {step}"
-                            f"{' (checkpoint copied)' if copied else ''}")
+                                 copied=copied, message=f"trial {t.n} forked from trial {donor.n} at step {step}"
+                                 f"{' (checkpoint copied)' if copied else ''}")
         return self.host.queue_proposed({**state, "trials": dump(trials)})
 
     def ready(self, t: Trial) -> bool:
@@ -300,15 +300,16 @@ class PBT:
             after = {k: params[k] for k in self.mutable}
             loser.stopped_at = b
             self.host._cancel(loser, f"PBT: bottom {sched.QUANTILE:g} at step {b}; trial {n} takes its place from "
-                                f"trial {donor.n}'s checkpoint")
+                              f"trial {donor.n}'s checkpoint")
             child = self.host._record(n, "search", params, "pbt", f"exploit trial {donor.n} at step {b} (replacing "
-                                 f"trial {loser.n}), explore {sched.changed(before, after)}")
+                                      f"trial {loser.n}), explore {sched.changed(before, after)}")
             child.update(member=loser_m, lineage={"parent": donor.n, "parent_run": donor.run_id, "fork_step": None,
                                                   "replaced": loser.n, "at": b, "before": before, "after": after})
             trials.append(child)
             self.host._event("exploit", {**state, "trials": trials}, trial=n, parent=donor.n, replaced=loser.n, step=b,
-                        message=f"step {b}: trial {loser.n} (member {loser_m}, {values[loser_m]:.4g}) copies trial "
-                        f"{donor.n} ({values[donor_m]:.4g}) as trial {n}: {sched.changed(before, after)}")
+                             message=f"step {b}: trial {loser.n} (member {loser_m}, {values[loser_m]:.4g}) "
+                             f"copies trial {donor.n} ({values[donor_m]:.4g}) as trial {n}: "
+                             f"{sched.changed(before, after)}")
         return True
 
     # -- decide ------------------------------------------------------------------------------------------------

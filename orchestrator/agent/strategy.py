@@ -137,7 +137,7 @@ class Search:
                 else:
                     paused = [t for t in trials if t.status is S.PAUSED]
                     views = self.host.asha.promotable([t.config_values() for t in paused],
-                                                 [p.config_values() for p in _peers(trials)])
+                                                      [p.config_values() for p in _peers(trials)])
                     by_n = {t.n: t for t in paused}
                     resume, why = [by_n[v["n"]] for v in views][:free], "promoted by ASHA: now in the top 1/eta"
                 for t in resume:
@@ -172,7 +172,7 @@ class Search:
             candidates, state["confirm_planned"] = self.host.phases.plan_confirmation(trials, n_confirm), True
         if state.get("budget_stop"):
             self.host._event("budget", state, message=f"{state['budget_stop']}: no more proposals; the trials in "
-                        "flight finish, then the session pauses")
+                             "flight finish, then the session pauses")
         return {"trials": dump(trials), "elapsed": state["elapsed"], "usage": state.get("usage", {}),
                 "candidates": candidates, "confirm_planned": bool(state.get("confirm_planned")),
                 "budget_stop": state.get("budget_stop") or ""}
@@ -201,13 +201,13 @@ class Search:
                     continue
                 try:
                     self.host.store.demote(t.job_id, self.host.cfg.priority - 1,
-                                      f"ASHA: outside the top 1/{self.host.asha.eta} at step {rung}")
+                                           f"ASHA: outside the top 1/{self.host.asha.eta} at step {rung}")
                 except Exception:  # finished in the meantime: the next monitor pass records it
                     continue
                 self.host.notify()
                 t.update(status=S.PAUSED, stopped_at=rung)
                 self.host._event("paused", {**state, "trials": trials, "best": best}, trial=t.n, rung=rung,
-                            value=t.rungs[str(rung)])
+                                 value=t.rungs[str(rung)])
         done = [t for t in trials if t.status in FINAL]
         metrics = {"trials_done": len(done), "trials_running": sum(t.status is S.RUNNING for t in trials),
                    "trials_stopped": sum(t.status in (S.STOPPED, S.PAUSED) for t in trials)}
