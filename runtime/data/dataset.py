@@ -19,12 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import get_worker_info
 
 from runtime.data.cache import FileCache, Pin
 from runtime.errors import VolumeError
 from runtime.data.sources import FileInfo, open_source
-from runtime.data.loader import _dist_rank_world, epoch_order, rank_order, samples_per_rank, worker_positions
+from runtime.data.loader import epoch_order, rank_order, samples_per_rank, worker_positions
 from runtime.data.position import EpochPosition
 
 __all__ = ["VolumeConfig", "VolumeDataset", "FileInfo", "WarmReport", "warm", "epoch_order", "rank_order",
@@ -155,24 +154,8 @@ class VolumeDataset(EpochPosition):
                 time.sleep(delay * (1 + random.random()))  # jitter: workers do not retry in lockstep
                 delay *= 2
 
-    def __iter__(self) -> Iterator[Any]:
-        spec, info = self._spec.get(), get_worker_info()
-        track = spec is None and info is None  # without a loader, iterating here keeps its own position
-        if spec is None:
-            rank, world = _dist_rank_world()
-            spec = dict(epoch=self._epoch, start=self._consumed, block=1, trail=1, rank=rank, world=world)
-        order = self._rank_order(spec)
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        positions = worker_positions(len(order), max(spec["block"], 1), worker, workers)
-        files = [self.files[order[p]] for p in positions]
-        delivered = 0
-        for item in self._stream(files, spec["trail"], hold_at_end=info is not None):
-            delivered += 1
-            if track:  # counted when handed over, as the loader counts delivered batches
-                self._advance(spec["start"], delivered, spec["world"])
-            yield item
-        if track:
-            self._end_epoch()
+    def _item(self, index: int) -> FileInfo:
+        return self.files[index]
 
     def _stream(self, files: list[FileInfo], trail: int, hold_at_end: bool) -> Iterator[Any]:
         cache, pool = self._resources()

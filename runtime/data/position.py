@@ -5,11 +5,11 @@ sample. The `DataLoader` (`runtime.data.loader`) drives it through `_begin`, `_a
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
-from runtime.data.loader import _dist_rank_world, _Spec, rank_length, samples_per_rank
+from runtime.data.loader import _dist_rank_world, _Spec, rank_length, samples_per_rank, worker_positions
 
 STATE_VERSION = 1
 
@@ -17,7 +17,9 @@ STATE_VERSION = 1
 class EpochPosition(IterableDataset):
     """The position half of a resumable dataset. A subclass sets `config` (with `seed` and `drop_last`) and
     says how many samples an epoch has (`_samples`), under which name its state records that count
-    (`COUNT_KEY`: a different count on resume means a different order) and its name for errors (`KIND`)."""
+    (`COUNT_KEY`: a different count on resume means a different order) and its name for errors (`KIND`); for
+    iteration, this rank's order of an epoch's sample indices (`_rank_order`), what a sample index stands for
+    (`_item`) and how items become samples (`_stream`)."""
 
     COUNT_KEY = "num_samples"
     KIND = "dataset"
@@ -57,6 +59,37 @@ class EpochPosition(IterableDataset):
                 warnings.warn(f"resuming data with {key}={now}, saved with {state[key]}: the order differs, "
                               "so the rest of the epoch is not exactly the unseen samples", stacklevel=2)
         self._epoch, self._consumed = epoch, consumed
+
+    # -- iteration -------------------------------------------------------------------------------------------
+    def _rank_order(self, spec: dict[str, int]) -> list[int]:
+        raise NotImplementedError
+
+    def _item(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def _stream(self, items: list, trail: int, hold_at_end: bool) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's and DataLoader worker's part of the epoch, as the loader's spec says; iterated without a
+        loader, the dataset keeps its own position."""
+        spec, info = self._spec.get(), get_worker_info()
+        track = spec is None and info is None  # without a loader, iterating here keeps its own position
+        if spec is None:
+            rank, world = _dist_rank_world()
+            spec = dict(epoch=self._epoch, start=self._consumed, block=1, trail=1, rank=rank, world=world)
+        order = self._rank_order(spec)
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        positions = worker_positions(len(order), max(spec["block"], 1), worker, workers)
+        delivered = 0
+        for item in self._stream([self._item(order[p]) for p in positions], spec["trail"],
+                                 hold_at_end=info is not None):
+            delivered += 1
+            if track:  # counted when handed over, as the loader counts delivered batches
+                self._advance(spec["start"], delivered, spec["world"])
+            yield item
+        if track:
+            self._end_epoch()
 
     # -- hooks for runtime.data.loader.DataLoader ----------------------------------------------------------
     def _begin(self, block: int, trail: int) -> int:

@@ -34,11 +34,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import get_worker_info
 
 from runtime.data.cache import FileCache, Pin
 from runtime.data.crc import crc32_combine
-from runtime.data.loader import _dist_rank_world, epoch_order, rank_order, worker_positions
+from runtime.data.loader import epoch_order, rank_order
 from runtime.data.position import EpochPosition
 from runtime.data.shardindex import read_index
 from runtime.data.sources import open_source
@@ -204,24 +203,12 @@ class ShardDataset(EpochPosition):
         """This process's view of the cache (hit/miss counters, stats, clear)."""
         return self._resources()[0]
 
-    def __iter__(self) -> Iterator[Any]:
-        spec, info = self._spec.get(), get_worker_info()
-        track = spec is None and info is None  # without a loader, iterating here keeps its own position
-        if spec is None:
-            rank, world = _dist_rank_world()
-            spec = dict(epoch=self._epoch, start=self._consumed, block=1, trail=1, rank=rank, world=world)
-        order = rank_order(self.epoch_order(spec["epoch"]), spec["start"], spec["rank"], spec["world"],
-                           self.config.drop_last)
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        ids = [order[p] for p in worker_positions(len(order), max(spec["block"], 1), worker, workers)]
-        delivered = 0
-        for item in self._stream(ids, spec["trail"], hold_at_end=info is not None):
-            delivered += 1
-            if track:
-                self._advance(spec["start"], delivered, spec["world"])
-            yield item
-        if track:
-            self._end_epoch()
+    def _rank_order(self, spec: dict[str, int]) -> list[int]:
+        return rank_order(self.epoch_order(spec["epoch"]), spec["start"], spec["rank"], spec["world"],
+                          self.config.drop_last)
+
+    def _item(self, index: int) -> int:
+        return index  # a sample's number: `_stream` finds its shard and members
 
     def fetch(self, shard: int) -> Pin:
         """Copy shard number `shard` into the cache if needed (checking size and checksum) and return it pinned."""
