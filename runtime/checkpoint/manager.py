@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.checkpoint.io import METADATA, VolumeReader, VolumeWriter, sweep_stage
+from runtime.checkpoint.interval import TimedInterval
 from runtime.checkpoint.stage import SnapshotStager
 from runtime.errors import CheckpointError
 
@@ -156,10 +157,6 @@ class TrainState(Stateful):
             self.loader.load_state_dict(state["loader"])
 
 
-_now = time.monotonic  # the clock a time-based interval reads
-CALIBRATE_STEPS = 10  # steps timed before a time-based interval first decides when to save
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """How often to save (every `interval_steps` steps, or about every `interval_minutes` of training), how many
@@ -199,16 +196,13 @@ class CheckpointManager:
         decides, at steps agreed in advance, so every rank saves the same step)."""
         self.config = CheckpointConfig(keep_last, interval_steps, interval_minutes, async_save, stage_dir,
                                        background_nice)
-        self._clock: tuple[float, int, float] | None = None  # (last save, step, time) of a time-based interval
-        self._next_step = 0  # the step at which a time-based interval decides next
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # A group of our own: the upload thread's collectives must not interleave with the loop's.
         self._pg = dist.new_group(backend="gloo") if distributed else None
-        # And one for a time-based interval's decisions, taken on the training thread while an upload may be
-        # using `_pg` (two threads' collectives must never share a group).
-        self._decide_pg = dist.new_group(backend="gloo") if distributed and interval_minutes else None
+        # A time-based interval decides on a group of its own (runtime.checkpoint.interval).
+        self._timed = TimedInterval(interval_minutes, distributed) if interval_minutes else None
         self._stager = SnapshotStager(group=self._pg, nice=background_nice)
         sweep_stage(Path(stage_dir) if stage_dir else None)
         self._inflight: Future | None = None  # the save in flight: done once committed and retention ran
@@ -296,34 +290,10 @@ class CheckpointManager:
         return True
 
     def _due(self, step: int) -> bool:
-        """Whether `step` is a save step. With `interval_minutes`, the first `CALIBRATE_STEPS` steps are timed;
-        then at each decision step rank 0 says whether the interval has passed (within half a step) and at which
-        step to decide next, and every rank takes its word: the ranks' clocks never disagree about a save, and
-        only a decision step costs a collective. The next decision comes after half the steps left at the pace
-        since the last one (all of them when a few are left), so a change of pace (a slower phase, a shared
-        machine) moves the save by a few steps, not by a whole interval: a few collectives an interval."""
-        minutes = self.config.interval_minutes
-        if minutes is None:
+        """Whether `step` is a save step: a multiple of `interval_steps`, or what the timed interval says."""
+        if self._timed is None:
             return step % self.config.interval_steps == 0
-        now = _now()
-        if self._clock is None:  # the first step seen (after any load): time from here
-            self._clock, self._next_step = (now, step, now), step + CALIBRATE_STEPS
-            return False
-        if step < self._next_step:
-            return False
-        last_save, since_step, since = self._clock
-        pace = (now - since) / max(1, step - since_step)
-        elapsed, interval = now - last_save, minutes * 60
-        save = elapsed + pace / 2 >= interval
-        left = interval if save else interval - elapsed
-        steps_left = left / pace if pace > 0 else 1.0
-        ahead = steps_left if steps_left <= 4 else steps_left / 2
-        decision = torch.tensor([int(save), step + max(1, round(ahead))], dtype=torch.int64)
-        if self._decide_pg is not None:  # rank 0's clock decides for every rank
-            dist.broadcast(decision, src=0, group=self._decide_pg)
-        save, self._next_step = bool(decision[0]), int(decision[1])
-        self._clock = (now if save else last_save, step, now)
-        return save
+        return self._timed.due(step)
 
     def save_now(self, step: int, state: Any) -> None:
         """Save `step` synchronously (for preemption: returns once the checkpoint is committed)."""

@@ -267,10 +267,10 @@ def test_retention_never_deletes_the_only_loadable(tmp_path):
 
 
 def test_an_interval_in_minutes_saves_about_that_often_by_the_pace_of_the_steps(tmp_path, monkeypatch):
-    from runtime.checkpoint import manager
+    from runtime.checkpoint import interval
 
     clock = [0.0]
-    monkeypatch.setattr(manager, "_now", lambda: clock[0])
+    monkeypatch.setattr(interval, "_now", lambda: clock[0])
     mgr = CheckpointManager(tmp_path / "ck", keep_last=10, interval_minutes=0.5)
     state, saved = _state(), []
     for step in range(1, 101):  # a step takes one second, then two from step 50

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from runtime.checkpoint import manager  # noqa: E402
+from runtime.checkpoint import interval, manager  # noqa: E402
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(sys.argv[1])
     now = [0.0]
-    manager._now = lambda: now[0]  # this rank's clock
+    interval._now = lambda: now[0]  # this rank's clock
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
