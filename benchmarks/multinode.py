@@ -41,16 +41,6 @@ TRAIN = ROOT / "tests" / "orchestrator" / "scripts" / "gang_train.py"
 CKPT = ROOT / "benchmarks" / "scripts" / "ckpt_ranks.py"
 
 
-def wait(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"no {what} within {timeout:.0f}s")
-
-
 def committed(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[1]) for p in ckpt.glob("step_*/.metadata"))
 
@@ -65,6 +55,7 @@ def recovery(args, home: Path) -> dict:
     from orchestrator.core.config import Settings
     from orchestrator.queue.models import JobSpec
     from orchestrator.service.daemon import Service
+    from tests.orchestrator.helpers import wait_for
     from tests.support import slurm as cluster
 
     out = home / "ranks"
@@ -77,13 +68,13 @@ def recovery(args, home: Path) -> dict:
     try:
         job = api.submit(JobSpec(argv=[sys.executable, str(TRAIN), str(args.steps), str(args.every), str(out),
                                        str(args.delay)], nodes=2, gpus=2, track=False))[0]
-        ckpt = Path(wait(lambda: svc.store.get(job.id).checkpoint_dir, 120, "checkpoint dir"))
-        wait(lambda: committed(ckpt) and committed(ckpt)[-1] >= 2 * args.every, 300, "two checkpoints")
+        ckpt = Path(wait_for(lambda: svc.store.get(job.id).checkpoint_dir, 120, what="checkpoint dir"))
+        wait_for(lambda: committed(ckpt) and committed(ckpt)[-1] >= 2 * args.every, 300, what="two checkpoints")
         ranks1 = [json.loads(p.read_text()) for p in out.glob("1.*.json")]
         victim = next(r["node"] for r in ranks1 if r["node_rank"] == "1")
         killed_at = time.time()
         cluster.kill_node(victim)
-        wait(lambda: svc.store.get(job.id).final, 600, "the job to finish", interval=0.5)
+        wait_for(lambda: svc.store.get(job.id).final, 600, interval=0.5, what="the job to finish")
         final = svc.store.get(job.id)
         log = Path(final.log_path).read_text(errors="replace")
         events = svc.store.record(job.id)["events"]
