@@ -7,7 +7,6 @@ too; this file holds what only Slurm has. Without a cluster these tests skip wit
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
 from orchestrator.executors.slurm import jobs as sj
 from orchestrator.queue.models import JobSpec
-from orchestrator.queue.states import HOLDING
 from tests.orchestrator.helpers import ckpt_job, wait_for
 from tests.support import slurm as cluster
 
@@ -46,12 +44,7 @@ def service(home, node, monkeypatch):
         return svc
 
     yield start
-    for svc in started:
-        if svc._home_lock.fh is not None:
-            for job in svc.store.list(HOLDING):
-                svc.executor.signal(job, signal.SIGKILL)
-            svc.stop()
-        cluster.cancel_jobs(svc.store)
+    cluster.stop_services(started)
 
 
 def log_of(svc, job_id) -> str:

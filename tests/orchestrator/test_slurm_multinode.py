@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,6 @@ from orchestrator.core.config import Settings
 from orchestrator.executors.slurm import jobs as sj
 from orchestrator.executors.slurm import nodes as sn
 from orchestrator.queue.models import JobSpec
-from orchestrator.queue.states import HOLDING
 from tests.orchestrator.helpers import wait_for
 from tests.support import slurm as cluster
 
@@ -66,12 +64,7 @@ def service(home, nodes, monkeypatch):
         return svc
 
     yield start
-    for svc in started:
-        if svc._home_lock.fh is not None:
-            for job in svc.store.list(HOLDING):
-                svc.executor.signal(job, signal.SIGKILL)
-            svc.stop()
-        cluster.cancel_jobs(svc.store)
+    cluster.stop_services(started)
 
 
 def gang(out: Path, steps: int, every: int, delay: float, **kw) -> JobSpec:

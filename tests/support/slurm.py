@@ -70,6 +70,21 @@ def cancel_jobs(store) -> None:
         subprocess.run(["scancel", *ids], capture_output=True, timeout=20)
 
 
+def stop_services(services) -> None:
+    """A test's teardown of the in-process services it started on Slurm: their jobs killed, the services
+    stopped, and whatever Slurm jobs they left cancelled."""
+    import signal
+
+    from orchestrator.queue.states import HOLDING
+
+    for svc in services:
+        if svc._home_lock.fh is not None:
+            for job in svc.store.list(HOLDING):
+                svc.executor.signal(job, signal.SIGKILL)
+            svc.stop()
+        cancel_jobs(svc.store)
+
+
 def resume(node: str) -> None:
     """Put the node back in service after a test drained it or set it down (nothing when it is back already:
     `ReturnToService=2` returns a DOWN node whose slurmd answers)."""
