@@ -20,7 +20,6 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from runtime import protocol

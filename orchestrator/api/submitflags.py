@@ -124,8 +124,6 @@ def spec_options(values: Mapping[str, Value]) -> dict[str, object]:
     from orchestrator.api.jobs import parse_params
     from orchestrator.api.sharing import parse_deadline
     from orchestrator.core.durations import parse_duration
-    from orchestrator.core.errors import BadInput
-
     from orchestrator.core.gpushare import parse_gpus, parse_size
     from orchestrator.queue.plantypes import check_preemptible
 

@@ -15,7 +15,6 @@ to copy.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from dataclasses import dataclass, field
 

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import re
 import sys
-import time
 
 import pytest
 from rich.console import Console

@@ -104,7 +104,6 @@ def test_retries_are_found_without_reading_every_failed_job(tmp_path):
     """Among thousands of jobs that failed for good, housekeeping's read of the retries that are due (every
     second) and `queue`'s listing of the jobs awaiting a retry go through the partial index of retrying jobs,
     and still find exactly those, in line order."""
-    import time
 
     from orchestrator.queue.store import JobStore
 
