@@ -51,7 +51,7 @@ def through_full_disk(run: Callable[[], dict[str, Any]], home: Path, registry: A
     "database or disk is full"), wait for space and go on from its last checkpoint, as `resume` would, instead
     of ending with a traceback: a box that runs unattended gets its disk back and its sessions finish. Any
     other error ends the session as before."""
-    from orchestrator.service.diskspace import is_disk_full
+    from orchestrator.core.diskfull import is_disk_full
 
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     again = False
@@ -169,7 +169,7 @@ class Lifecycle:
         try:
             if exc is None:
                 return
-            from orchestrator.service.diskspace import is_disk_full
+            from orchestrator.core.diskfull import is_disk_full
 
             if not isinstance(exc, KeyboardInterrupt) and not is_disk_full(exc):
                 self.registry.update(self.session_id, status="failed", summary={"error": str(exc)[:500]})

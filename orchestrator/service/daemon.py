@@ -38,6 +38,7 @@ from orchestrator.core.config import Settings
 from orchestrator.executors import executor_class
 from orchestrator.executors.base import Exit, Executor, StartLost, cpu_threads, job_env
 from orchestrator.queue.fairshare import ProjectBook
+from orchestrator.core.diskfull import log_failure
 from orchestrator.service.diskspace import DiskWatch
 from orchestrator.service.gpuwatch import GpuWatch, is_gpu
 from orchestrator.service.guard import DeviceGuard
@@ -245,14 +246,14 @@ class Service:
             try:
                 self._record(self._launched, [])
                 self.notices.flush()
-            except Exception:  # the next service finds them by their wrappers' environment
-                log.exception("could not record the last starts")
+            except Exception as exc:  # the next service finds them by their wrappers' environment
+                log_failure(log, "could not record the last starts (the next service adopts them)", exc)
         self.guard.close()
         self.notices.close()
         try:
             self.store.hosts.remove_service(self.host)
-        except Exception:  # the database may be gone; the heartbeat row then simply goes stale
-            log.exception("could not remove the service record")
+        except Exception as exc:  # the database may be gone; the heartbeat row then simply goes stale
+            log_failure(log, "could not remove the service record", exc)
         self._home_lock.release()
 
     def serve_forever(self, on_started: Optional[Callable[[], None]] = None) -> None:
@@ -447,3 +448,4 @@ class Service:
         except Exception as exc:
             if not self.disk.write_failed(exc):
                 log.exception("housekeeping failed")
+

@@ -10,13 +10,14 @@ again with no restart, and the service logs one line saying so.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from orchestrator.core.diskfull import is_disk_full
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -30,20 +31,6 @@ def free_bytes(path: Path) -> int:
         path = path.parent
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether an error is a full disk: ENOSPC/EDQUOT, or SQLite's "database or disk is full"."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(exc).lower()
-        if "disk is full" in text or "no space left" in text or "disk quota" in text:
-            return True
-        exc = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__
-    return False
 
 
 @dataclass(frozen=True)

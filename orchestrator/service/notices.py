@@ -16,6 +16,7 @@ from orchestrator.core.config import Settings
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
 from orchestrator.service.notify import Notifier, job_notice
+from orchestrator.core.diskfull import log_failure
 from orchestrator.service.diskspace import Shortage
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ class ServiceNotices:
         try:
             for job in self._store.get_many(job_ids):
                 job_notice(self.notifier, job)
-        except Exception:
-            log.exception("could not notify about jobs %s", job_ids)
+        except Exception as exc:
+            log_failure(log, f"could not notify about jobs {job_ids}", exc)
 
     def quarantined(self, device: str, why: str) -> None:
         """`device.quarantined`, from the device guard."""

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable
 
+from orchestrator.core.diskfull import log_failure
 from orchestrator.tracking.jobruns import run_request
 from orchestrator.queue.store import JobStore
 from orchestrator.tracking.client import run_status
@@ -101,8 +102,8 @@ class RunPreparer:
                     while self.close_ended() and not self._stop.is_set():
                         pass
                 self.worker.close_if_idle()
-            except Exception:
-                log.exception("preparing MLflow runs failed")
+            except Exception as exc:
+                log_failure(log, "preparing MLflow runs failed", exc)
                 self._stop.wait(self.retry_after)
 
     def prepare_once(self) -> bool:

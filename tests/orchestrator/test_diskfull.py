@@ -282,3 +282,26 @@ def test_a_service_started_on_a_full_disk_comes_up_once_space_returns(home, make
         wait_for(lambda: store.get(late.id).state == "SUCCEEDED", timeout=60, what="a job once space returned")
     finally:
         service.stop()
+
+
+def test_a_service_stopped_on_a_full_disk_says_so_in_one_line_and_the_next_one_goes_on(home, make_service,
+                                                                                     monkeypatch, caplog):
+    monkeypatch.setenv("AUTORESEARCH_DISK_MIN_FREE_MB", "0")  # no preflight: the writes themselves fail
+    service = make_service(devices="cpu:1")
+    store = service.store
+    done = store.submit(JobSpec(argv=["true"], track=False))
+    wait_for(lambda: store.get(done.id).state == "SUCCEEDED", what="a job before the disk fills")
+    ballast = fill(home, 0)
+    with pytest.raises(Exception):  # the WAL may have a little room left: write until it has none
+        for _ in range(200):
+            store.submit(JobSpec(argv=["echo", "x" * 4000], track=False))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="orchestrator"):
+        service.stop()  # its service record cannot be removed: the disk is full
+    said = [r for r in caplog.records if r.name.startswith("orchestrator")]
+    assert any("the disk is full" in r.getMessage() for r in said), [r.getMessage() for r in said]
+    assert not [r for r in said if r.exc_info], "a full disk is one line, not a traceback"
+    ballast.unlink()
+    again = make_service(devices="cpu:1")
+    late = again.store.submit(JobSpec(argv=["true"], track=False))
+    wait_for(lambda: again.store.get(late.id).state == "SUCCEEDED", timeout=60, what="the next service's job")
