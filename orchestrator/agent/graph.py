@@ -208,7 +208,8 @@ class Agent:
                                     priority=self.cfg.priority, gpus=self.gpus(), max_attempts=self.cfg.max_attempts,
                                     grace=Settings.stop_grace, preemptible=True, owner=self.session_id,
                                     env=self.strategy.env(t), mlflow_run_id=run_id, idempotency_key=t.job_key,
-                                    project=getattr(self.cfg, "project", "default"), phase=t.phase.value)
+                                    project=getattr(self.cfg, "project", "default"), phase=t.phase.value,
+                                    nodes=getattr(self.cfg, "nodes", 1), min_nodes=getattr(self.cfg, "min_nodes", None))
                 job, _ = api.submit(spec, settings=self.settings, store=self.store)  # the checks people's jobs get
                 if job.image:  # pinned by api.submit to the image's content id; the run says which
                     from orchestrator.tracking.jobruns import image_tags

@@ -76,11 +76,14 @@ class Packer:
         self.target_busy = target_busy
         wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
         self.k = 1 if wanted == AUTO else wanted
+        self.nodes = int(getattr(self.host.cfg, "nodes", 1) or 1)
         self.pack: dict[str, Any] = {}
 
     @property
     def parallel(self) -> int:
-        """Trials in flight: --parallel when given, else k x devices."""
+        """Trials in flight: --parallel when given, else k x devices (a trial across N nodes holds N of them)."""
+        if self.nodes > 1:
+            return self.host.cfg.parallel or max(1, max(self._base_parallel, self.n_devices) // self.nodes)
         return self.host.cfg.parallel or max(self._base_parallel, self.k * self.n_devices)
 
     @property
@@ -124,7 +127,9 @@ class Packer:
             self.k = int(self.pack["k"])
             return []
         wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
-        if wanted != AUTO:
+        if self.nodes > 1:
+            mode, why = "nodes", f"k=1 (each trial runs across {self.nodes} nodes on whole devices)"
+        elif wanted != AUTO:
             mode, why = "fixed", f"k={wanted} (--trials-per-gpu {wanted}): each trial asks for 1/{wanted} of a device"
         elif not self.devices:
             mode, why = "off", "k=1 (the session's devices are unknown)"
@@ -132,7 +137,7 @@ class Packer:
             mode, why = "cpu", "k=1 (cpu slots: auto runs one trial per slot; --trials-per-gpu N packs N)"
         else:
             mode, why = AUTO, "k=1 while the baseline runs alone; its GPU use then decides k"
-        self.k = 1 if wanted == AUTO else wanted
+        self.k = 1 if wanted == AUTO or self.nodes > 1 else wanted
         self.pack = {"mode": mode, "k": self.k, "decided": mode != AUTO, "controller": None,
                      "round_from": 0, "steps": [[0, self.k]], "log": [why], "oom_jobs": []}
         return [why] if mode != "off" else []

@@ -152,6 +152,10 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     budget.check(config, settings)
     if not Service.running(settings):
         devspec.parse(devices or settings.devices)  # an embedded service will need them
+    if config.nodes > 1:  # trials across nodes need an executor that places gangs (Slurm)
+        from orchestrator.api import jobs as api
+
+        api.check_nodes(config.nodes, settings, api.open_store(settings))
 
 
 def _run(session_id: str, config: SessionConfig, settings: Settings, registry: Registry, devices: str | None,
@@ -171,7 +175,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
             "parallel": config.parallel or life.slots, "model": config.model or "", "fixed": config.fixed,
-            "trials_per_gpu": config.trials_per_gpu})
+            "trials_per_gpu": config.trials_per_gpu, "nodes": config.nodes})
         strategy = Search
         if config.proposer == "pbt":
             from orchestrator.agent.pbt import PBT as strategy  # population-based training's rules

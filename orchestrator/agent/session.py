@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.core.errors import BadInput
+from orchestrator.queue.models import MAX_NODES
 
 
 NO_GOAL = "no goal given"  # what a sampler session without --goal records (only the LLM reads a goal)
@@ -65,6 +66,10 @@ class SessionConfig:
     # Trials sharing one GPU (orchestrator.agent.packer): "auto" measures the baseline and packs by its use
     # (1 on cpu slots); an integer 1..16 packs that many on every device, cpu slots included.
     trials_per_gpu: str | int = "auto"
+    # Trials across nodes (`--nodes N [--min-nodes M]`, a cluster executor: Slurm): each trial a gang of N nodes
+    # with one device per node (`gpus` then counts per node, as `submit --nodes` does); never packed.
+    nodes: int = 1
+    min_nodes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.goal.strip():
@@ -94,6 +99,14 @@ class SessionConfig:
         from orchestrator.agent.packing import parse
 
         object.__setattr__(self, "trials_per_gpu", parse(self.trials_per_gpu))
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
+            raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
+        if self.min_nodes is not None and (not isinstance(self.min_nodes, int)
+                                           or not 1 <= self.min_nodes <= self.nodes):
+            raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({self.nodes}), got {self.min_nodes!r}")
+        if self.nodes > 1 and self.trials_per_gpu not in ("auto", 1):
+            raise BadInput(f"--trials-per-gpu {self.trials_per_gpu} packs trials on one device; a trial across "
+                           f"--nodes {self.nodes} takes whole devices on each: drop one of them")
         from orchestrator.agent.budget import LLMBudget
 
         LLMBudget(self.llm_budget_usd, self.llm_budget_tokens)  # BadInput for a cap that is not > 0

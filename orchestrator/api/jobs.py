@@ -83,10 +83,7 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
         spec = replace(spec, project=resolve_project(spec.project, settings, store))
     if spec.deadline is not None and spec.deadline <= time.time():
         raise BadInput("--deadline is in the past")
-    if spec.nodes > 1:  # the live services' executors decide; with none, the one this home's settings name
-        executors = store.hosts.live_executors(SERVICE_STALE_AFTER) or [settings.executor]
-        if not any(name in MULTINODE_EXECUTORS for name in executors):
-            check_multinode(executors[0], spec.nodes)
+    check_nodes(spec.nodes, settings, store)
     capacities = store.hosts.live_capacities(SERVICE_STALE_AFTER)
     largest = max(capacities, default=0)
     why = unplaceable_reason(spec.gpus * spec.nodes, largest) if largest else None
@@ -100,6 +97,15 @@ def submit(spec: JobSpec, settings: Optional[Settings] = None,
 
 
 MULTINODE_EXECUTORS = ("slurm",)
+
+
+def check_nodes(nodes: int, settings: Settings, store: JobStore) -> None:
+    """BadInput unless a job (or a session's trials) across `nodes` nodes can run here: the live services'
+    executors decide; with none, the one this home's settings name."""
+    if nodes > 1:
+        executors = store.hosts.live_executors(SERVICE_STALE_AFTER) or [settings.executor]
+        if not any(name in MULTINODE_EXECUTORS for name in executors):
+            check_multinode(executors[0], nodes)
 
 
 def check_multinode(executor: str, nodes: int) -> None:

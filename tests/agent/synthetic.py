@@ -58,6 +58,13 @@ def holdout(p: dict) -> float:
 def main() -> None:
     params = json.loads(os.environ["AUTORESEARCH_PARAMS"])
     p = SPEC.space.validate(params)
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("SYNTHETIC_RANKS"):  # where each rank of a trial across nodes ran (tests of `start --nodes`)
+        record = {"job": os.environ["AUTORESEARCH_JOB_ID"], "rank": rank, "world": os.environ.get("WORLD_SIZE"),
+                  "node": os.environ.get("SLURMD_NODENAME")}
+        Path(os.environ["SYNTHETIC_RANKS"], f"{record['job']}.{rank}.json").write_text(json.dumps(record))
+    if rank != 0:  # rank 0 alone reports, as a data-parallel script does (this toy's ranks never talk: done)
+        return
     if p["x"] > 4.5:  # a corner of the space where "training" crashes, as real ones have
         sys.exit(3)
     ckpt = Path(os.environ.get("AUTORESEARCH_CHECKPOINT_DIR") or ".") / "state.json"

@@ -239,6 +239,31 @@ def test_session_config_keeps_trials_per_gpu_and_reads_older_configs():
         SessionConfig(goal="g", experiment=EXP, trials_per_gpu=17)
 
 
+def test_session_config_trials_across_nodes_take_whole_devices_and_are_checked():
+    from orchestrator.faces.pyapi.sessionapi import no_nodes
+
+    c = SessionConfig(goal="g", experiment=EXP, nodes=2, min_nodes=1)
+    assert SessionConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    old = {k: v for k, v in c.to_dict().items() if k not in ("nodes", "min_nodes")}  # from before --nodes
+    assert SessionConfig.from_dict(old).nodes == 1
+    with pytest.raises(BadInput, match="--min-nodes must be an integer from 1 to --nodes \\(2\\), got 3"):
+        SessionConfig(goal="g", experiment=EXP, nodes=2, min_nodes=3)
+    with pytest.raises(BadInput, match="--nodes must be an integer from 1"):
+        SessionConfig(goal="g", experiment=EXP, nodes=0)
+    with pytest.raises(BadInput, match="--trials-per-gpu 4 packs trials on one device; a trial across --nodes 2"):
+        SessionConfig(goal="g", experiment=EXP, nodes=2, trials_per_gpu=4)
+    with pytest.raises(BadInput, match="--nodes and --min-nodes go with --experiment"):
+        no_nodes(2, None)
+
+
+def test_trials_across_nodes_are_never_packed_and_hold_a_device_per_node(world):
+    a = make(world, devices=("cpu:0", "cpu:1", "cpu:2", "cpu:3"), nodes=2)
+    assert a.parallel == 2 and a.gpus() == 1
+    state = a.packed("propose", lambda s: {})({"trials": []})
+    assert state["packing"]["mode"] == "nodes" and a.k == 1
+    assert "across 2 nodes" in state["packing"]["log"][0]
+
+
 def test_settings_target_busy(home, monkeypatch):
     assert Settings.load().pack_target_busy == 0.8
     monkeypatch.setenv("AUTORESEARCH_PACK_TARGET_BUSY", "0.5")

@@ -269,3 +269,40 @@ def test_a_gang_never_starts_on_part_of_its_nodes(service, tmp_path, nodes):
     cluster.revive_node(nodes[2])
     finish(svc, job.id, timeout=120)
     assert {r["node"] for r in ranks(tmp_path, 1)} == {nodes[0], nodes[2]}
+
+
+def test_an_agent_session_runs_each_trial_across_two_nodes(service, tmp_path, nodes):
+    from orchestrator.agent import runner
+    from orchestrator.agent.session import SessionConfig
+
+    svc = service(SYNTHETIC_RANKS=str(tmp_path), STEP_SECONDS="0.02")
+    config = SessionConfig(goal="", experiment="tests.agent.synthetic:SPEC", proposer="random", trials=3,
+                           baseline_seeds=1, confirm_seeds=1, confirm_top=1, nodes=2, min_nodes=1)
+    summary = runner.start(config, settings=Settings.load())
+    assert summary["parallel"] == 6  # cpu:12 over 3 nodes; a trial holds one slot on each of 2
+    jobs = [j for j in svc.store.list() if j.owner == summary["session"]]
+    assert len(jobs) == summary["trials"] == 4 and all(j.state == "SUCCEEDED" for j in jobs), \
+        [(j.id, j.state, j.reason) for j in jobs]
+    for job in jobs:
+        record = svc.store.record(job.id)
+        assert record["nodes"] == 2 and record["min_nodes"] == 1 and record["gpus"] == 2
+        seen = [json.loads(p.read_text()) for p in tmp_path.glob(f"{job.id}.*.json")]
+        assert sorted(r["rank"] for r in seen) == [0, 1] and len({r["node"] for r in seen}) == 2, seen
+    assert summary["baseline"] and summary["tally"]  # rank 0's metrics reached MLflow and were judged
+    assert "across 2 nodes" in " ".join(summary.get("packing", {}).get("decisions", []))
+
+
+def test_start_with_nodes_on_the_local_executor_is_refused_in_one_line(home):
+    done = subprocess.run([sys.executable, "-m", "orchestrator.faces.fastcli", "start", "--experiment",
+                           "tests.agent.synthetic:SPEC", "--proposer", "random", "--nodes", "2", "--devices", "cpu:2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--nodes 2" in lines[0] and "--executor slurm" in lines[0], done.stderr
+    from orchestrator.agent.session import Registry
+
+    registry = Registry(home)
+    try:
+        assert registry.all() == []  # refused before anything was recorded
+    finally:
+        registry.close()

@@ -153,6 +153,10 @@ def start(
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
     trials_per_gpu: str = typer.Option("auto", "--trials-per-gpu", help="Trials sharing one GPU: auto (packs by "
                                        "the baseline's measured use; 1 on cpu slots) or N in 1..16."),
+    nodes: int = typer.Option(1, "--nodes", help="Run each trial across N nodes, one device on each (needs "
+                              "the Slurm executor)."),
+    min_nodes: Optional[int] = typer.Option(None, "--min-nodes", help="With --nodes: a trial may start again on "
+                                            "as few as M nodes after a node is lost."),
     project: Optional[str] = typer.Option(None, "--project", help="The project the trials are charged to "
                                           "(`autoresearch projects`; default: the default project)."),
     llm_budget_usd: Optional[float] = typer.Option(None, "--llm-budget-usd", help="Pause the session once its "
@@ -165,7 +169,7 @@ def start(
     from orchestrator.agent import runner
     from orchestrator.agent.session import new_id
     from orchestrator.faces.cli.common import settings as load_settings
-    from orchestrator.faces.pyapi.sessionapi import experiment_config, program_config
+    from orchestrator.faces.pyapi.sessionapi import experiment_config, no_nodes, program_config
 
     if (program is None) == (experiment is None):
         raise BadInput("give exactly one of --experiment NAME or --program DIR")
@@ -173,6 +177,7 @@ def start(
     if program is not None:
         from orchestrator.faces.cli import programs
 
+        no_nodes(nodes, min_nodes)
         config = program_config(program, goal=goal, trials=trials, parallel=parallel, budget_minutes=budget_minutes,
                                 priority=priority, model=model, sandbox=sandbox, project=project,
                                 settings=settings)
@@ -183,7 +188,8 @@ def start(
                                params=param, confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                                baseline=baseline, baseline_seeds=baseline_seeds, no_early_stop=no_early_stop,
                                trials_per_gpu=trials_per_gpu, project=project, llm_budget_usd=llm_budget_usd,
-                               llm_budget_tokens=llm_budget_tokens, settings=settings)
+                               llm_budget_tokens=llm_budget_tokens, nodes=nodes, min_nodes=min_nodes,
+                               settings=settings)
     runner.check(config, settings, devices=devices)
     def registered(session_id: str) -> None:  # named once `resume` can continue it
         info(f"session {session_id} on {experiment}; {_proposer_note(config.proposer, settings)}")
