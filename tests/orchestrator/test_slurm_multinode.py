@@ -306,3 +306,28 @@ def test_start_with_nodes_on_the_local_executor_is_refused_in_one_line(home):
         assert registry.all() == []  # refused before anything was recorded
     finally:
         registry.close()
+
+
+def test_preemption_stops_every_rank_of_a_gang_at_one_step_and_it_resumes_from_that_step(service, tmp_path):
+    import psutil
+
+    svc = service()
+    low_out, high_out = tmp_path / "low", tmp_path / "high"
+    low_out.mkdir()
+    high_out.mkdir()
+    low = api.submit(gang(low_out, steps=60, every=50, delay=0.1, priority=0))[0]
+    seen = wait_for(lambda: len(ranks(low_out, 1)) == 4 and ranks(low_out, 1), timeout=90, what="the low gang's ranks")
+    wait_for(lambda: "step 3 " in log_of(svc, low.id), timeout=60, what="the low gang training")
+    # Every slot of the three nodes, at a higher priority: the low gang must make way.
+    high = api.submit(gang(high_out, steps=3, every=3, delay=0.02, nodes=3, gpus=4, priority=10))[0]
+    finish(svc, high.id, timeout=180)
+    first_high = min(r["at"] for r in ranks(high_out, 1))
+    stopped = [int(line.split()[-1]) for line in log_of(svc, low.id).splitlines() if "stopped on request" in line]
+    assert len(stopped) == 4 and len(set(stopped)) == 1, stopped  # every rank, the same step
+    assert not [r["pid"] for r in seen if psutil.pid_exists(r["pid"])
+                and psutil.Process(r["pid"]).status() != psutil.STATUS_ZOMBIE]  # no rank outlived its attempt
+    assert any("preempt" in (e.reason or "") for e in svc.store.events(low.id) if e.dst == "QUEUED")
+    finish(svc, low.id, timeout=180)
+    second = ranks(low_out, 2)
+    assert len(second) == 4 and {r["start"] for r in second} == {stopped[0]}  # resumed at the step it stopped
+    assert min(r["at"] for r in second) > first_high  # after the high gang had its nodes
