@@ -34,17 +34,17 @@ SCRIPT = Path(__file__).parent / "scripts" / "gang_train.py"
 @pytest.fixture
 def nodes():
     """The emulated nodes, held for this test alone; every one back in service afterwards."""
-    up = cluster.multi_nodes()
     with open(cluster.MULTI_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        # What an earlier test left (a job still completing on a node it killed) is over before this one starts.
-        wait_for(lambda: cluster.multi_idle(up), timeout=90, interval=0.5, what="the emulated nodes idle")
+        # What an earlier test left (a job still completing on a node it killed, a node it drained whose resume a
+        # busy controller refused) is over before this one starts.
+        wait_for(lambda: cluster.restore_multi(sorted(cluster.multi_states())), timeout=90, interval=0.5,
+                 what="the emulated nodes idle")
+        up = cluster.multi_nodes()
         try:
             yield up
         finally:
-            for node in up:
-                cluster.revive_node(node)
-            wait_for(lambda: cluster.multi_idle(up), timeout=90, interval=0.5, what="the emulated nodes back, idle")
+            wait_for(lambda: cluster.restore_multi(up), timeout=90, interval=0.5, what="the emulated nodes back, idle")
 
 
 @pytest.fixture

@@ -176,3 +176,16 @@ def revive_node(node: str) -> None:
         subprocess.run(["slurmd", "-N", node], capture_output=True, timeout=30)
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, text=True,
                    timeout=30)
+
+
+def restore_multi(nodes: list[str]) -> bool:
+    """One step of putting the emulated nodes back as a test found them: every node not idle, allocated or
+    completing (drained, down, not responding: what a test or the product did to it) is revived, again on every
+    call until it is back (an `scontrol update` refused by a busy controller is simply repeated). Whether all
+    of `nodes` are idle now."""
+    states = multi_states()
+    for node in nodes:
+        state = states.get(node, "")
+        if not state.rstrip("~#*").startswith(("idle", "alloc", "mix", "comp")) or state.endswith("*"):
+            revive_node(node)
+    return multi_idle(nodes)
