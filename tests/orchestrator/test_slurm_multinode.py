@@ -331,3 +331,24 @@ def test_preemption_stops_every_rank_of_a_gang_at_one_step_and_it_resumes_from_t
     second = ranks(low_out, 2)
     assert len(second) == 4 and {r["start"] for r in second} == {stopped[0]}  # resumed at the step it stopped
     assert min(r["at"] for r in second) > first_high  # after the high gang had its nodes
+
+
+def test_losing_the_head_node_where_the_batch_shell_and_rendezvous_live_is_survived_the_same_way(service, tmp_path):
+    import psutil
+
+    svc = service()
+    job = api.submit(gang(tmp_path, steps=30, every=5, delay=0.15))[0]
+    ckpt = wait_for(lambda: svc.store.get(job.id).checkpoint_dir, timeout=60, what="the job's checkpoint dir")
+    wait_for(lambda: committed_steps(ckpt) and committed_steps(ckpt)[-1] >= 10, timeout=90, what="a checkpoint")
+    first = ranks(tmp_path, 1)
+    head = next(r["node"] for r in first if r["node_rank"] == "0")
+    assert all(r["master"] for r in first)  # the rendezvous is on the head node
+    cluster.kill_node(head)
+    done = finish(svc, job.id, timeout=150)
+    assert done.attempts == 2 and done.failures == 0, log_of(svc, job.id)
+    second = ranks(tmp_path, 2)
+    assert head not in {r["node"] for r in second} and len({r["node"] for r in second}) == 2
+    assert min(r["start"] for r in second) >= 10  # from the last committed checkpoint
+    assert sn.excluded(svc.layout.home, job.id) == [head]
+    assert not [r["pid"] for r in first if psutil.pid_exists(r["pid"])
+                and psutil.Process(r["pid"]).status() != psutil.STATUS_ZOMBIE]  # no rank of the lost attempt left

@@ -28,6 +28,27 @@ def test_once_the_attempt_ended_a_launcher_that_neither_stopped_nor_ended_was_lo
     assert sn.lost(recs, {}, ended=False, now=NOW) == {}  # still beating: the run may go on
 
 
+def test_of_launchers_silent_together_only_those_whose_node_no_longer_answers_are_lost():
+    # The head node died: its launcher and, with the step it carried, the other node's launcher went silent.
+    recs = {"head": rec("head", beat=NOW - sn.LOST_AFTER - 1), "b": rec("b", beat=NOW - sn.LOST_AFTER - 1)}
+    answers = {"head": False, "b": True}
+    assert list(sn.lost(recs, {}, ended=True, now=NOW, answers=answers.get)) == ["head"]
+    # Nothing known of the daemons, or none answers (the machines gone together): every silent one is lost.
+    assert sorted(sn.lost(recs, {}, ended=True, now=NOW, answers=lambda node: None)) == ["b", "head"]
+    assert sorted(sn.lost(recs, {}, ended=True, now=NOW, answers=lambda node: False)) == ["b", "head"]
+    # One silent launcher is lost whatever its daemon says (its processes killed, its slurmd alive).
+    one = {"a": rec("a", beat=NOW - 1, exit=1), "b": rec("b", beat=NOW - sn.LOST_AFTER - 1)}
+    assert list(sn.lost(one, {}, ended=True, now=NOW, answers=lambda node: True)) == ["b"]
+
+
+def test_slurmd_answers_says_whether_a_nodes_daemon_takes_a_connection():
+    from tests.support import slurm as cluster
+
+    node = cluster.slurm_node()
+    assert sn.slurmd_answers(node) is True
+    assert sn.slurmd_answers("no-such-node") is None
+
+
 def test_preflight_health_and_slurms_word_fail_a_node():
     recs = {"a": rec("a", exit=75, preflight="preflight failed on node a: ecc"),
             "b": rec("b", exit=75, health="device fault on node b: ecc"), "c": rec("c", exit=75)}

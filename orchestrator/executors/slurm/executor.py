@@ -318,7 +318,7 @@ class SlurmExecutor(Executor):
         ran_on = sorted(recs)
         if ran_on:
             sn.note_attempt(home, watch.job_id, watch.attempt, nodes=ran_on)
-        failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended)
+        failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended, answers=sn.slurmd_answers)
         if ended:  # a node Slurm found failed and may have returned to service at once (ReturnToService=2)
             for node in sn.srun_node_failures(settled.get("log"), int(settled.get("log_from") or 0)):
                 failed.setdefault(node, f"node {node} failed (Slurm: node failure)")

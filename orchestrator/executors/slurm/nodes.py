@@ -23,7 +23,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 BEAT = 1.0  # seconds between two heartbeats of a node's launcher
 LOST_AFTER = 6.0  # seconds without a heartbeat (and without a stop or an exit) after which a node is lost
@@ -96,13 +96,19 @@ def exclude(home: Path, job_id: int, failed: dict[str, str]) -> None:
 
 
 def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
-         now: Optional[float] = None, silent_only: bool = False) -> dict[str, str]:
+         now: Optional[float] = None, silent_only: bool = False,
+         answers: Optional[Callable[[str], Optional[bool]]] = None) -> dict[str, str]:
     """The nodes of an attempt that failed it, with why: a preflight failure or a device fault, a launcher silent
     for `LOST_AFTER` without having stopped or ended (once the attempt `ended`, any such launcher), or Slurm's
     word on the node. `silent_only`: the silent ones alone (a running gang whose node found a device fault
-    stops by itself, every rank checkpointing one step: it must not be cut short)."""
+    stops by itself, every rank checkpointing one step: it must not be cut short).
+
+    `answers(node)`: whether the node's slurmd takes a connection (None: unknown). When several launchers fell
+    silent together and some of their nodes still answer, only those that do not are lost: the others went
+    down with it (the head node holds the batch shell and `srun`; losing it ends the step on every node)."""
     now = time.time() if now is None else now
     out = {}
+    quiet = []  # nodes whose launcher fell silent
     for node, rec in recs.items():
         if rec.get("preflight") or rec.get("health"):
             if silent_only:
@@ -114,10 +120,50 @@ def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
                 out[node] = f"node {node} lost: no heartbeat from its launcher for {silent:.0f}s"
             elif ended:  # Slurm stops every launcher with a SIGTERM first, which each records at once
                 out[node] = f"node {node} lost: its launcher neither stopped nor ended with the job"
+            else:
+                continue
+            quiet.append(node)
+    if answers is not None and len(quiet) > 1:
+        gone = [node for node in quiet if answers(node) is False]
+        if gone and len(gone) < len(quiet):
+            for node in quiet:
+                if node not in gone:
+                    del out[node]
     for node, state in slurm_states.items():
         if node not in out and is_bad(state):
             out[node] = f"node {node} is {state} in Slurm"
     return out
+
+
+def slurmd_answers(node: str, timeout: float = 2.0) -> Optional[bool]:
+    """Whether the node's slurmd takes a TCP connection at the address and port Slurm knows it by; None when
+    Slurm does not say where it is."""
+    import socket
+
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "node", node], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    fields = dict(word.partition("=")[::2] for word in out.split() if "=" in word)
+    addr, port = fields.get("NodeAddr"), fields.get("Port") or _slurmd_port()
+    if not addr or not port:
+        return None
+    try:
+        with socket.create_connection((addr, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _slurmd_port() -> Optional[str]:
+    """The cluster's SlurmdPort (what a node without a Port of its own listens on)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"^SlurmdPort\s*=\s*(\d+)", out, re.M)
+    return found.group(1) if found else None
 
 
 def is_bad(state: str) -> bool:
