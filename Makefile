@@ -19,8 +19,12 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m orchestrator.faces.demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist; tests that share a resource, such as the emulated Slurm nodes,
+# are one xdist group and run on one worker). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadgroup
 
 # The user documentation (docs/, mkdocs.yml) into build/site; --strict: a broken link or a missing page fails
 # (NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2, not a warning about these documents).

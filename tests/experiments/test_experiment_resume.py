@@ -99,13 +99,13 @@ def preempt_and_resume(svc, name: str) -> dict:
     victim, _ = api.submit(api.experiment_spec(experiment, params, priority=0, name=f"{name}-victim"),
                            settings=svc.settings, store=store)
     wait_for(lambda: progress.search(log_text(store.get(victim.id))) or store.get(victim.id).state in FINISHED,
-             120, f"{name} victim to report progress")
+             300, f"{name} victim to report progress")
     running = store.get(victim.id)
     if running.state != "RUNNING":
         return {"victim": running, "reference": None}
     reference, _ = api.submit(api.experiment_spec(experiment, params, priority=20, name=f"{name}-reference"),
                               settings=svc.settings, store=store)
-    wait_for(lambda: all(store.get(j).state in FINISHED for j in (victim.id, reference.id)), 240,
+    wait_for(lambda: all(store.get(j).state in FINISHED for j in (victim.id, reference.id)), 480,
              f"{name} victim and reference to finish")
     return {"victim": store.get(victim.id), "reference": store.get(reference.id)}
 
@@ -137,6 +137,7 @@ def outcomes(tmp_path_factory, mlflow_template):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the module's fixture, in the first test's setup, runs all four (seconds to minutes)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_preempted_trial_resumes_bitwise(outcomes, name):
     from orchestrator.tracking.client import import_mlflow
