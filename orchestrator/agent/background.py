@@ -67,13 +67,11 @@ def trial_counts(row: dict, store: JobStore, by_phase: Optional[list] = None) ->
 
 
 def _phase_counts(store: JobStore, row: dict) -> list:
-    """The session's jobs by phase and state. An experiment session's jobs that its `stop` cancelled are left
-    out (its `resume` runs those trials again: neither done nor lost); a program session counts them as its loop
-    does, against its budget."""
+    """The session's jobs by phase and state. The jobs that its `stop` cancelled are left out (its `resume` runs
+    those trials again: neither done nor lost)."""
     from orchestrator.agent.session import stopped_reason
 
-    program = "program" in (row.get("config") or {})
-    return store.phase_counts(row["id"], skip_cancelled=None if program else stopped_reason(row["id"]))
+    return store.phase_counts(row["id"], skip_cancelled=stopped_reason(row["id"]))
 
 
 def _baseline_runs(trials: list) -> Optional[float]:

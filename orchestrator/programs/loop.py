@@ -176,7 +176,7 @@ class Loop:
             t.files = None  # in the commit now (and out of the stored row)
             self._save(t)
         commit: str = t.commit
-        job = self.store.find_by_key(t.key)
+        job = self.store.find_by_key(t.job_key)
         if job is None:
             worktree = self.repo.add_worktree(self._worktree(t), commit)
             self.repo.restore_protected(worktree, self.state["root"], [self.spec.repo_path(p)
@@ -184,7 +184,7 @@ class Loop:
             cwd = worktree / self.spec.prefix if self.spec.prefix else worktree
             node = self.trials[t.node]
             run_id = self.tracker.trial_run(
-                self.parent_run, self.experiment, key=t.key, name=f"{self.sid} trial {t.n}",
+                self.parent_run, self.experiment, key=t.job_key, name=f"{self.sid} trial {t.n}",
                 params={"commit": commit, "parent": node.parent or "", "seed": t.seed, "step": t.step},
                 tags={"autoresearch.session": self.sid, "autoresearch.owner": self.sid,
                       "autoresearch.commit": commit, "autoresearch.parent": node.parent or "",
@@ -203,7 +203,7 @@ class Loop:
                            owner=self.sid, project=self.cfg.project,
                            params={"commit": commit, "seed": t.seed},
                            env={"AUTORESEARCH_SEED": str(t.seed)}, cwd=str(cwd), mlflow_run_id=run_id,
-                           idempotency_key=t.key, time_limit=self.spec.time_limit, image=self.spec.image)
+                           idempotency_key=t.job_key, time_limit=self.spec.time_limit, image=self.spec.image)
             if spec.image:  # pinned to the image's content id; the run says which
                 from orchestrator.api.jobenv import prepare
                 from orchestrator.tracking.jobruns import image_tags
@@ -244,11 +244,29 @@ class Loop:
             if t.status not in (S.QUEUED, S.RUNNING):
                 continue
             job = self.store.get(t.job_id)
-            if job.final:
+            if job.final and self._stopped_with_session(job):
+                self._run_again(t, job)
+            elif job.final:
                 self._finish(t, job)
             elif t.status is S.QUEUED and job.state == "RUNNING":
                 t.status = S.RUNNING
                 self._save(t)
+
+    def _stopped_with_session(self, job: Any) -> bool:
+        """Whether a `stop` of this session cancelled the job (`resume` then runs its trial again)."""
+        from orchestrator.agent.session import stopped_reason
+
+        return job.state == "CANCELLED" and (job.reason or "").startswith(stopped_reason(self.sid))
+
+    def _run_again(self, t: ProgramTrial, job: Any) -> None:
+        """The trial as it was, on a fresh job, run and worktree: a stop costs no trial of the budget."""
+        if t.run_id:
+            self.tracker.finish(t.run_id, run_status(S.CANCELLED.value))
+        self.repo.remove_worktree(self._worktree(t))
+        t.run_again()
+        self._save(t)
+        self.say(f"trial {t.n}: job {job.id} was cancelled when the session stopped; running it again")
+        self._submit(t)
 
     def _finish(self, t: ProgramTrial, job: Any) -> None:
         tail = log_tail(job.log_path, TAIL)

@@ -97,11 +97,24 @@ class ProgramTrial(Record):
     files: dict[str, str] | None = None  # the variant's new file texts (repo-relative keys: the spec's `edit`)
     fingerprint: str | None = None
     log_tail: str | None = None
+    attempt: int = 1  # > 1 once a `stop` of its session cancelled its job and `resume` ran it again
 
     def __post_init__(self) -> None:
         self.kind = Kind(self.kind)
         self.status = ProgramTrialStatus(self.status)
         self.verdict = None if self.verdict is None else Verdict(self.verdict)
+
+    @property
+    def job_key(self) -> str:
+        """Its job's idempotency key and its MLflow run's key: `key`, then `key~N` for the N-th run of it."""
+        return self.key if self.attempt == 1 else f"{self.key}~{self.attempt}"
+
+    def run_again(self) -> None:
+        """Its job was cancelled by a `stop` of its session: on resume it runs again as it was (the same commit
+        and seed, a fresh job and run), so a stop costs no trial of the session's budget."""
+        self.attempt += 1
+        self.status, self.job_id, self.run_id, self.value, self.error = ProgramTrialStatus.PENDING, None, None, None, ""
+        self.device_s, self.log_tail = 0.0, None
 
     @property
     def is_node(self) -> bool:
@@ -116,4 +129,6 @@ class ProgramTrial(Record):
         for optional in ("files", "fingerprint", "log_tail"):
             if out[optional] is None:
                 del out[optional]
+        if out["attempt"] == 1:
+            del out["attempt"]
         return out

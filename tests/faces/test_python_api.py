@@ -157,6 +157,38 @@ def test_a_session_streams_its_events_is_stopped_resumed_and_ends_with_a_verdict
     assert board.headline == verdict.headline
 
 
+@pytest.mark.slow
+def test_a_program_session_stopped_mid_trial_runs_those_trials_again_on_resume(home, make_service, importable,
+                                                                               monkeypatch, tmp_path,
+                                                                               no_session_left):
+    from tests.agent.fake_llm import FakeLLM, ok
+    from tests.programs.conftest import answer, edit, make_program
+
+    program = make_program(tmp_path / "proj", repeats=2, sleep=6.0)  # each run takes seconds: a stop lands mid-run
+    service = make_service("cpu:2")
+    with FakeLLM([ok(answer(edit("LR = 1.0", "LR = 2.0", why="the optimum is near 3")))] * 3) as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        session = ar.start_session(program=str(program), goal="lower the score", trials=4, parallel=2)
+        wait_for(lambda: [j for j in service.store.list() if j.owner == session.id and j.state == "RUNNING"],
+                 timeout=120, what="a trial of the program session running")
+        stopped = session.stop()
+        assert stopped["cancelled_jobs"], [(j.id, j.state, j.reason) for j in service.store.list()]
+        ended = wait_for(lambda: (lambda js: js if all(j.state in ("SUCCEEDED", "FAILED", "CANCELLED") for j in js) else None)(
+            [ar.job(i) for i in stopped["cancelled_jobs"]]), timeout=60, what="the cancelled jobs to end")
+        cut_short = [j for j in ended if j.state == "CANCELLED"]  # (one may have finished as it was cancelled)
+        assert cut_short and all(j.reason.startswith(f"stopped with session {session.id}") for j in cut_short)
+        assert ar.session(session.id).progress()["phases"]["baseline"]["done"] == 0  # cancelled: not done
+        session.resume()
+        verdict = session.wait(timeout=240)
+    assert verdict.status == "finished" and verdict.baseline is not None
+    said = [e.text for e in session.events(follow=False) if e.kind == "message"]
+    again = [line for line in said if "was cancelled when the session stopped; running it again" in line]
+    assert len(again) == len(cut_short), said
+    jobs = [j for j in service.store.list() if j.owner == session.id]
+    assert sum(j.state == "SUCCEEDED" for j in jobs) == 4  # the whole budget ran: the stop cost no trial
+    assert {j.state for j in jobs} == {"SUCCEEDED", "CANCELLED"} and len(jobs) == 4 + len(cut_short)
+
+
 def guide_blocks() -> list[str]:
     """The guide's Python blocks, in order."""
     return re.findall(r"^```python\n(.*?)^```$", GUIDE.read_text(), flags=re.DOTALL | re.MULTILINE)
