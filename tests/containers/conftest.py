@@ -55,6 +55,17 @@ def image() -> str:
     conf.write_text(CONTAINERS_CONF)
     os.environ["CONTAINERS_CONF"] = str(conf)
     os.environ["AUTORESEARCH_CONTAINER_ENGINE"] = "podman"
+    from filelock import FileLock
+
+    with FileLock(str(CACHE / "build.lock")):  # one builder at a time (two test runs, or workers, on this machine)
+        _build()
+    out = subprocess.run(["podman", "run", "--rm", IMAGE, "true"], capture_output=True, text=True, timeout=120)
+    require("podman run", None if out.returncode == 0 else out.stderr.strip()[-300:])
+    return IMAGE
+
+
+def _build() -> None:
+    """Import the test image into podman unless it is there, building its root filesystem first if needed."""
     if subprocess.run(["podman", "image", "exists", IMAGE]).returncode != 0:
         rootfs = CACHE / "rootfs.tar"
         if not rootfs.exists():
@@ -66,9 +77,6 @@ def image() -> str:
             part.rename(rootfs)
         out = subprocess.run(["podman", "import", str(rootfs), IMAGE], capture_output=True, text=True)
         require("podman import", None if out.returncode == 0 else out.stderr.strip()[-300:])
-    out = subprocess.run(["podman", "run", "--rm", IMAGE, "true"], capture_output=True, text=True, timeout=120)
-    require("podman run", None if out.returncode == 0 else out.stderr.strip()[-300:])
-    return IMAGE
 
 
 def containers_of(home: Path) -> list[str]:

@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import mlflow
+import pytest
 
 from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
@@ -19,6 +20,9 @@ from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from tests.containers.conftest import containers_of
 from tests.orchestrator.helpers import wait_for
+
+# Its tests share a session-wide image that one worker builds: under xdist they run on that one worker.
+pytestmark = pytest.mark.xdist_group("podman-image")
 
 # A checkpointing job that needs nothing but the image's python: a step every 0.1 s, its step saved on SIGTERM
 # (the plain handler most scripts have: save, exit 0), resumed from the saved step.

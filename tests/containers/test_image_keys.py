@@ -14,6 +14,9 @@ from orchestrator.api import jobs as api
 from orchestrator.core.errors import BadInput
 from orchestrator.programs import spec as programs
 
+# Its tests share a session-wide image that one worker builds: under xdist they run on that one worker.
+pytestmark = pytest.mark.xdist_group("podman-image")
+
 
 def test_an_experiment_that_names_an_image_runs_in_it_unless_submit_says_otherwise(home, image, monkeypatch):
     monkeypatch.setattr(digits, "SPEC", replace(digits.SPEC, image=image))

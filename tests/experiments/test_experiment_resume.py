@@ -24,6 +24,9 @@ import pytest
 from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
 
+# One module fixture trains all four cases at once: under xdist its tests run on one worker, so it runs once.
+pytestmark = pytest.mark.xdist_group("experiment-resume")
+
 # Budgets sized so the victim is well past its first progress report and far from done when the
 # preemptor arrives, while the whole test stays within seconds of training.
 # A victim stops a few steps after its first report (charlm at about 33 of 300, digits 26 of 110, tabular about

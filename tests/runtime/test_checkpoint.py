@@ -177,21 +177,25 @@ def outcome(scenarios, name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-scenarios")  # one worker runs the module fixture once
 def test_sigterm_then_resume_is_bitwise_identical(scenarios):
     outcome(scenarios, "sigterm")
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-scenarios")  # one worker runs the module fixture once
 def test_two_rank_gloo_stop_is_agreed_and_resume_is_bitwise_identical(scenarios):
     outcome(scenarios, "two-rank")
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-scenarios")  # one worker runs the module fixture once
 def test_sigkill_mid_save_resumes_from_previous_complete(scenarios):
     outcome(scenarios, "sigkill-mid-save")
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-scenarios")  # one worker runs the module fixture once
 def test_sigkill_during_the_staging_copy_resumes_from_previous_complete(scenarios):
     outcome(scenarios, "sigkill-staging")
 
