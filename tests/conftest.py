@@ -105,3 +105,13 @@ def slurm_exclusive():
 
     with FileLock(os.path.join(tempfile.gettempdir(), "autoresearch-tests-slurm.lock")):
         yield
+
+
+def pytest_itemcollected(item):
+    """Tests on the session's Ray head are one xdist group: one worker starts one head for them, not one each.
+    (Marked as each test is collected: pytest-xdist reads the groups in its own `pytest_collection_modifyitems`.)"""
+    callspec = getattr(item, "callspec", None)
+    on_ray = "ray_head" in getattr(item, "fixturenames", ()) or (
+        callspec is not None and callspec.params.get("kind") == "ray")
+    if on_ray and item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group("ray"))
