@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.core.errors import BadInput
-from orchestrator.queue.models import MAX_NODES
 
 
 NO_GOAL = "no goal given"  # what a sampler session without --goal records (only the LLM reads a goal)
@@ -99,6 +98,8 @@ class SessionConfig:
         from orchestrator.agent.packing import parse
 
         object.__setattr__(self, "trials_per_gpu", parse(self.trials_per_gpu))
+        from orchestrator.queue.models import MAX_NODES
+
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
             raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
         if self.min_nodes is not None and (not isinstance(self.min_nodes, int)
