@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--open-latency", type=float, default=0.005, help="seconds added to every open")
     parser.add_argument("--bandwidth-mib", type=float, default=1024, help="volume bandwidth cap, MiB/s")
+    parser.add_argument("--readahead-kb", type=int, default=None,
+                        help="the volume's readahead window (default: FUSE's 128 KiB; 1024 reads 1 MiB per request, "
+                             "as network filesystems do; needs root)")
     parser.add_argument("--rounds", type=int, default=3, help="each contender's fastest of this many runs")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--streaming-python", default=None,
@@ -106,7 +109,8 @@ def main() -> None:
     vol_dir, mnt = work / "vol", work / "mnt"
     print(f"writing {args.files} files of {args.size_kib} KiB ...", flush=True)
     make_source(vol_dir / "files", args.files, args.size_kib << 10, args.per_dir)
-    vol = SlowVolume(vol_dir, mnt, open_latency=args.open_latency, bandwidth=args.bandwidth_mib * (1 << 20))
+    vol = SlowVolume(vol_dir, mnt, open_latency=args.open_latency, bandwidth=args.bandwidth_mib * (1 << 20),
+                     readahead_kb=args.readahead_kb)
     r: dict[str, float] = {}
 
     def best(name: str, fn) -> object:
@@ -167,7 +171,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\n{args.files} files x {args.size_kib} KiB = {nbytes / 2**20:.0f} MiB in {len(index['shards'])} shards of "
-          f"{args.shard_mib} MiB; volume: {args.open_latency * 1000:g} ms per open, {args.bandwidth_mib:g} MiB/s cap; "
+          f"{args.shard_mib} MiB; volume: {args.open_latency * 1000:g} ms per open, {args.bandwidth_mib:g} MiB/s cap, "
+          f"readahead {args.readahead_kb or 128} KiB; "
           f"fastest of {args.rounds} rounds each; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} "
           "(other work on this machine inflates every figure)")
     print("ratios (higher is better for packed shards):")

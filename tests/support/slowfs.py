@@ -180,7 +180,11 @@ class SlowVolume:
     """A mounted slow volume over `source`, served by a daemon process; a context manager that unmounts."""
 
     def __init__(self, source: str | os.PathLike, mountpoint: str | os.PathLike, *, open_latency: float = 0.005,
-                 bandwidth: float = 0, fail_reads: int = 0, start_timeout: float = 15.0):
+                 bandwidth: float = 0, fail_reads: int = 0, start_timeout: float = 15.0,
+                 readahead_kb: int | None = None):
+        """`readahead_kb`: the mount's readahead window (the largest read the kernel asks the daemon for at once;
+        FUSE's default is 128 KiB, where a network filesystem reads 1 MiB or more per request); None keeps the
+        kernel's. Setting it needs root (it is the mount's `/sys/class/bdi/MAJOR:MINOR/read_ahead_kb`)."""
         reason = fuse_unavailable_reason()
         if reason:
             raise RuntimeError(reason)
@@ -203,6 +207,13 @@ class SlowVolume:
                 self.close()
                 raise RuntimeError(f"slowfs did not mount {self.mountpoint} within {start_timeout}s")
             time.sleep(0.02)
+        if readahead_kb is not None:
+            dev = os.stat(self.mountpoint).st_dev
+            try:
+                Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text(str(readahead_kb))
+            except OSError as exc:
+                self.close()
+                raise RuntimeError(f"cannot set the readahead of {self.mountpoint}: {exc}") from None
 
     @property
     def pid(self) -> int:
