@@ -77,13 +77,19 @@ class Packer:
         wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
         self.k = 1 if wanted == AUTO else wanted
         self.nodes = int(getattr(self.host.cfg, "nodes", 1) or 1)
+        self.per_node = int(getattr(self.host.cfg, "gpus", 1) or 1)  # whole devices a trial holds on each node
         self.pack: dict[str, Any] = {}
 
     @property
+    def whole(self) -> int:
+        """Devices one trial holds in all when it asks for more than one (--gpus G, --nodes N); 1 otherwise."""
+        return self.per_node * self.nodes
+
+    @property
     def parallel(self) -> int:
-        """Trials in flight: --parallel when given, else k x devices (a trial across N nodes holds N of them)."""
-        if self.nodes > 1:
-            return self.host.cfg.parallel or max(1, max(self._base_parallel, self.n_devices) // self.nodes)
+        """Trials in flight: --parallel when given, else k x devices (a trial of G devices on N nodes holds G x N)."""
+        if self.whole > 1:
+            return self.host.cfg.parallel or max(1, max(self._base_parallel, self.n_devices) // self.whole)
         return self.host.cfg.parallel or max(self._base_parallel, self.k * self.n_devices)
 
     @property
@@ -97,8 +103,8 @@ class Packer:
         return self.parallel + 1
 
     def gpus(self) -> float | int:
-        """What a trial submitted now asks for."""
-        return packing.gpus_for(self.k)
+        """What a trial submitted now asks for (on each of its nodes)."""
+        return self.per_node if self.whole > 1 else packing.gpus_for(self.k)
 
     # -- the node wrapper ------------------------------------------------------------------------------------------
 
@@ -127,8 +133,9 @@ class Packer:
             self.k = int(self.pack["k"])
             return []
         wanted = packing.parse(getattr(self.host.cfg, "trials_per_gpu", AUTO))
-        if self.nodes > 1:
-            mode, why = "nodes", f"k=1 (each trial runs across {self.nodes} nodes on whole devices)"
+        if self.whole > 1:
+            where = f" on each of {self.nodes} nodes" if self.nodes > 1 else ""
+            mode, why = "whole", f"k=1 (each trial holds {self.per_node} whole device(s){where})"
         elif wanted != AUTO:
             mode, why = "fixed", f"k={wanted} (--trials-per-gpu {wanted}): each trial asks for 1/{wanted} of a device"
         elif not self.devices:
@@ -137,7 +144,7 @@ class Packer:
             mode, why = "cpu", "k=1 (cpu slots: auto runs one trial per slot; --trials-per-gpu N packs N)"
         else:
             mode, why = AUTO, "k=1 while the baseline runs alone; its GPU use then decides k"
-        self.k = 1 if wanted == AUTO or self.nodes > 1 else wanted
+        self.k = 1 if wanted == AUTO or self.whole > 1 else wanted
         self.pack = {"mode": mode, "k": self.k, "decided": mode != AUTO, "controller": None,
                      "round_from": 0, "steps": [[0, self.k]], "log": [why], "oom_jobs": []}
         return [why] if mode != "off" else []

@@ -175,7 +175,7 @@ def _run(session_id: str, config: SessionConfig, settings: Settings, registry: R
             "goal": config.goal, "proposer": config.proposer, "experiment": spec.name, "trials": config.trials,
             "budget_minutes": config.budget_minutes, "target": config.target, "priority": config.priority,
             "parallel": config.parallel or life.slots, "model": config.model or "", "fixed": config.fixed,
-            "trials_per_gpu": config.trials_per_gpu, "nodes": config.nodes})
+            "trials_per_gpu": config.trials_per_gpu, "gpus": config.gpus, "nodes": config.nodes})
         strategy = Search
         if config.proposer == "pbt":
             from orchestrator.agent.pbt import PBT as strategy  # population-based training's rules

@@ -65,8 +65,10 @@ class SessionConfig:
     # Trials sharing one GPU (orchestrator.agent.packer): "auto" measures the baseline and packs by its use
     # (1 on cpu slots); an integer 1..16 packs that many on every device, cpu slots included.
     trials_per_gpu: str | int = "auto"
-    # Trials across nodes (`--nodes N [--min-nodes M]`, a cluster executor: Slurm): each trial a gang of N nodes
-    # with one device per node (`gpus` then counts per node, as `submit --nodes` does); never packed.
+    # Whole devices each trial holds (`--gpus G`; on each node with `--nodes`, as `submit --nodes` counts them), and
+    # trials across nodes (`--nodes N [--min-nodes M]`, a cluster executor: Slurm): a gang of N nodes. Above one
+    # device per trial nothing is packed.
+    gpus: int = 1
     nodes: int = 1
     min_nodes: int | None = None
 
@@ -105,9 +107,14 @@ class SessionConfig:
         if self.min_nodes is not None and (not isinstance(self.min_nodes, int)
                                            or not 1 <= self.min_nodes <= self.nodes):
             raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({self.nodes}), got {self.min_nodes!r}")
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or not 1 <= self.gpus <= 1024:
+            raise BadInput(f"--gpus (devices per trial) must be an integer from 1 to 1024, got {self.gpus!r}")
         if self.nodes > 1 and self.trials_per_gpu not in ("auto", 1):
             raise BadInput(f"--trials-per-gpu {self.trials_per_gpu} packs trials on one device; a trial across "
                            f"--nodes {self.nodes} takes whole devices on each: drop one of them")
+        if self.gpus > 1 and self.trials_per_gpu not in ("auto", 1):
+            raise BadInput(f"--trials-per-gpu {self.trials_per_gpu} packs trials on one device; a trial of "
+                           f"--gpus {self.gpus} takes whole devices: drop one of them")
         from orchestrator.agent.budget import LLMBudget
 
         LLMBudget(self.llm_budget_usd, self.llm_budget_tokens)  # BadInput for a cap that is not > 0

@@ -288,21 +288,21 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
                       priority: int = DEFAULT_PRIORITY, params: Optional[dict[str, Any]] = None,
                       baseline: Optional[dict[str, Any]] = None, project: Optional[str] = None,
                       llm_budget_usd: Optional[float] = None, llm_budget_tokens: Optional[int] = None,
-                      trials_per_gpu: Union[str, int] = "auto", nodes: int = 1,
+                      trials_per_gpu: Union[str, int] = "auto", gpus: int = 1, nodes: int = 1,
                       min_nodes: Optional[int] = None) -> dict[str, Any]:
         """Start a research-agent session in the background (it proposes, runs and ranks trials through the
         queue; every result is judged against a baseline run on several seeds first). params: values held
         fixed; baseline: overrides of the experiment's defaults for the baseline; llm_budget_usd /
         llm_budget_tokens: caps on its LLM spend (at one it pauses; `autoresearch resume` with a higher cap
         continues it); trials_per_gpu: "auto" (pack trials on a GPU by the baseline's measured use; 1 on cpu
-        slots) or an integer 1..16; nodes / min_nodes: each trial across that many nodes, one device on each
-        (a Slurm queue), as `start --nodes`. Watch it with session_status; stop it with stop_session."""
+        slots) or an integer 1..16; gpus: whole devices per trial (per node with nodes); nodes / min_nodes: each
+        trial across that many nodes (a Slurm queue), as `start --gpus --nodes`. Watch it with session_status; stop it with stop_session."""
         from orchestrator.faces.pyapi.sessionapi import start_session as start
 
         session = start(experiment, goal=goal, trials=trials, parallel=parallel, proposer=proposer,
                         budget_minutes=budget_minutes, priority=capped(priority), params=dict(params or {}),
                         baseline=dict(baseline or {}), project=charged(project), trials_per_gpu=trials_per_gpu,
-                        llm_budget_usd=llm_budget_usd, llm_budget_tokens=llm_budget_tokens, nodes=nodes,
+                        llm_budget_usd=llm_budget_usd, llm_budget_tokens=llm_budget_tokens, gpus=gpus, nodes=nodes,
                         min_nodes=min_nodes, settings=settings)
         return {"session": session.id, "pid": session.pid, "log": str(session.log_path)}
 

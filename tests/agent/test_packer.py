@@ -244,24 +244,38 @@ def test_session_config_trials_across_nodes_take_whole_devices_and_are_checked()
 
     c = SessionConfig(goal="g", experiment=EXP, nodes=2, min_nodes=1)
     assert SessionConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
-    old = {k: v for k, v in c.to_dict().items() if k not in ("nodes", "min_nodes")}  # from before --nodes
-    assert SessionConfig.from_dict(old).nodes == 1
+    old = {k: v for k, v in c.to_dict().items() if k not in ("gpus", "nodes", "min_nodes")}  # from before them
+    assert (SessionConfig.from_dict(old).nodes, SessionConfig.from_dict(old).gpus) == (1, 1)
     with pytest.raises(BadInput, match="--min-nodes must be an integer from 1 to --nodes \\(2\\), got 3"):
         SessionConfig(goal="g", experiment=EXP, nodes=2, min_nodes=3)
     with pytest.raises(BadInput, match="--nodes must be an integer from 1"):
         SessionConfig(goal="g", experiment=EXP, nodes=0)
     with pytest.raises(BadInput, match="--trials-per-gpu 4 packs trials on one device; a trial across --nodes 2"):
         SessionConfig(goal="g", experiment=EXP, nodes=2, trials_per_gpu=4)
-    with pytest.raises(BadInput, match="--nodes and --min-nodes go with --experiment"):
+    with pytest.raises(BadInput, match="--gpus, --nodes and --min-nodes go with --experiment"):
         no_nodes(2, None)
+    with pytest.raises(BadInput, match="--gpus \\(devices per trial\\) must be an integer from 1 to 1024, got 0"):
+        SessionConfig(goal="g", experiment=EXP, gpus=0)
+    with pytest.raises(BadInput, match="a trial of --gpus 2 takes whole devices"):
+        SessionConfig(goal="g", experiment=EXP, gpus=2, trials_per_gpu=2)
 
 
 def test_trials_across_nodes_are_never_packed_and_hold_a_device_per_node(world):
     a = make(world, devices=("cpu:0", "cpu:1", "cpu:2", "cpu:3"), nodes=2)
     assert a.parallel == 2 and a.gpus() == 1
     state = a.packed("propose", lambda s: {})({"trials": []})
-    assert state["packing"]["mode"] == "nodes" and a.k == 1
-    assert "across 2 nodes" in state["packing"]["log"][0]
+    assert state["packing"]["mode"] == "whole" and a.k == 1
+    assert "1 whole device(s) on each of 2 nodes" in state["packing"]["log"][0]
+
+
+def test_trials_of_several_devices_hold_them_whole_and_fewer_run_at_once(world):
+    devices = tuple(f"cpu:{i}" for i in range(8))
+    a = make(world, devices=devices, gpus=2)
+    assert a.parallel == 4 and a.gpus() == 2  # eight devices, two per trial
+    b = make(world, devices=devices, gpus=2, nodes=2)
+    assert b.parallel == 2 and b.gpus() == 2  # two per node on each of two nodes: four per trial
+    state = b.packed("propose", lambda s: {})({"trials": []})
+    assert state["packing"]["mode"] == "whole" and "2 whole device(s) on each of 2 nodes" in state["packing"]["log"][0]
 
 
 def test_settings_target_busy(home, monkeypatch):

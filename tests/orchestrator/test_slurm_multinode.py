@@ -289,7 +289,7 @@ def test_an_agent_session_runs_each_trial_across_two_nodes(service, tmp_path, no
         seen = [json.loads(p.read_text()) for p in tmp_path.glob(f"{job.id}.*.json")]
         assert sorted(r["rank"] for r in seen) == [0, 1] and len({r["node"] for r in seen}) == 2, seen
     assert summary["baseline"] and summary["tally"]  # rank 0's metrics reached MLflow and were judged
-    assert "across 2 nodes" in " ".join(summary.get("packing", {}).get("decisions", []))
+    assert "on each of 2 nodes" in " ".join(summary.get("packing", {}).get("decisions", []))
 
 
 def test_start_with_nodes_on_the_local_executor_is_refused_in_one_line(home):

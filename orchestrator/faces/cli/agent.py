@@ -153,7 +153,9 @@ def start(
     devices: Optional[str] = typer.Option(None, "--devices", help="Devices of the embedded service."),
     trials_per_gpu: str = typer.Option("auto", "--trials-per-gpu", help="Trials sharing one GPU: auto (packs by "
                                        "the baseline's measured use; 1 on cpu slots) or N in 1..16."),
-    nodes: int = typer.Option(1, "--nodes", help="Run each trial across N nodes, one device on each (needs "
+    gpus: int = typer.Option(1, "--gpus", help="Whole devices each trial holds (on each node with --nodes); "
+                             "above 1 nothing is packed."),
+    nodes: int = typer.Option(1, "--nodes", help="Run each trial across N nodes, --gpus devices on each (needs "
                               "the Slurm executor)."),
     min_nodes: Optional[int] = typer.Option(None, "--min-nodes", help="With --nodes: a trial may start again on "
                                             "as few as M nodes after a node is lost."),
@@ -177,7 +179,7 @@ def start(
     if program is not None:
         from orchestrator.faces.cli import programs
 
-        no_nodes(nodes, min_nodes)
+        no_nodes(nodes, min_nodes, gpus)
         config = program_config(program, goal=goal, trials=trials, parallel=parallel, budget_minutes=budget_minutes,
                                 priority=priority, model=model, sandbox=sandbox, project=project,
                                 settings=settings)
@@ -188,7 +190,7 @@ def start(
                                params=param, confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                                baseline=baseline, baseline_seeds=baseline_seeds, no_early_stop=no_early_stop,
                                trials_per_gpu=trials_per_gpu, project=project, llm_budget_usd=llm_budget_usd,
-                               llm_budget_tokens=llm_budget_tokens, nodes=nodes, min_nodes=min_nodes,
+                               llm_budget_tokens=llm_budget_tokens, gpus=gpus, nodes=nodes, min_nodes=min_nodes,
                                settings=settings)
     runner.check(config, settings, devices=devices)
     def registered(session_id: str) -> None:  # named once `resume` can continue it

@@ -51,10 +51,12 @@ def _project(name: Optional[str], settings: Settings) -> str:
     return resolve_project(name, settings, api.open_store(settings)) if name else "default"
 
 
-def no_nodes(nodes: int, min_nodes: Optional[int]) -> None:
-    """BadInput when a program session is asked for trials across nodes (its edits run on one host)."""
-    if nodes != 1 or min_nodes is not None:
-        raise BadInput("--nodes and --min-nodes go with --experiment (a program session's trials run on one node)")
+def no_nodes(nodes: int, min_nodes: Optional[int], gpus: int = 1) -> None:
+    """BadInput when a program session is asked for trials across nodes or of several devices (each of its runs
+    holds one device on one host)."""
+    if nodes != 1 or min_nodes is not None or gpus != 1:
+        raise BadInput("--gpus, --nodes and --min-nodes go with --experiment (a program session's runs hold one "
+                       "device each)")
 
 
 def experiment_config(experiment: str, *, goal: str = "", trials: Optional[int] = None,
@@ -65,8 +67,8 @@ def experiment_config(experiment: str, *, goal: str = "", trials: Optional[int] 
                       confirm_top: int = 2, baseline: Pairs = None, baseline_seeds: int = 3,
                       no_early_stop: bool = False, trials_per_gpu: Union[str, int] = "auto",
                       project: Optional[str] = None, llm_budget_usd: Optional[float] = None,
-                      llm_budget_tokens: Optional[int] = None, nodes: int = 1, min_nodes: Optional[int] = None,
-                      settings: Optional[Settings] = None) -> Any:
+                      llm_budget_tokens: Optional[int] = None, gpus: int = 1, nodes: int = 1,
+                      min_nodes: Optional[int] = None, settings: Optional[Settings] = None) -> Any:
     """The `SessionConfig` of `autoresearch start --experiment` with these flags (the CLI, MCP and
     `start_session` build it here): the proposer defaults to llm when an endpoint is configured, else tpe; the
     model and LLM budgets to the settings'. `BadInput` for a malformed value."""
@@ -82,7 +84,7 @@ def experiment_config(experiment: str, *, goal: str = "", trials: Optional[int] 
                              confirm_top=confirm_top, baseline=_params(baseline), baseline_seeds=baseline_seeds,
                              early_stopping=not no_early_stop, project=_project(project, settings),
                              population=population, perturbation_interval=perturbation_interval,
-                             trials_per_gpu=trials_per_gpu, nodes=nodes, min_nodes=min_nodes,
+                             trials_per_gpu=trials_per_gpu, gpus=gpus, nodes=nodes, min_nodes=min_nodes,
                              llm_budget_usd=settings.llm_budget_usd if llm_budget_usd is None else llm_budget_usd,
                              llm_budget_tokens=(settings.llm_budget_tokens if llm_budget_tokens is None
                                                 else llm_budget_tokens))
@@ -101,7 +103,8 @@ def start_session(experiment: Optional[str] = None, *, goal: str = "", program: 
                   baseline_seeds: int = 3, no_early_stop: bool = False, devices: Optional[str] = None,
                   trials_per_gpu: Union[str, int] = "auto", project: Optional[str] = None,
                   llm_budget_usd: Optional[float] = None, llm_budget_tokens: Optional[int] = None,
-                  nodes: int = 1, min_nodes: Optional[int] = None, settings: Optional[Settings] = None) -> "Session":
+                  gpus: int = 1, nodes: int = 1, min_nodes: Optional[int] = None,
+                  settings: Optional[Settings] = None) -> "Session":
     """Start an agent session in the background, as `autoresearch start` would run it in the foreground, and
     return its `Session` handle. Give `experiment` (a bundled name, a folder with `autoresearch.toml`, a W&B sweep
     file) or `program` (a git repository whose code the LLM edits). The keywords are `start`'s flags: `params`
@@ -117,7 +120,7 @@ def start_session(experiment: Optional[str] = None, *, goal: str = "", program: 
     if (program is None) == (experiment is None):
         raise BadInput("give exactly one of --experiment NAME or --program DIR")
     if program is not None:
-        no_nodes(nodes, min_nodes)
+        no_nodes(nodes, min_nodes, gpus)
         config = program_config(program, goal=goal, trials=trials, parallel=parallel, budget_minutes=budget_minutes,
                                 priority=priority, model=model, sandbox=sandbox, project=project, settings=settings)
         from orchestrator.programs.session import check
@@ -133,7 +136,7 @@ def start_session(experiment: Optional[str] = None, *, goal: str = "", program: 
                                    params=params, confirm_seeds=confirm_seeds, confirm_top=confirm_top,
                                    baseline=baseline, baseline_seeds=baseline_seeds, no_early_stop=no_early_stop,
                                    trials_per_gpu=trials_per_gpu, project=project, llm_budget_usd=llm_budget_usd,
-                                   llm_budget_tokens=llm_budget_tokens, nodes=nodes, min_nodes=min_nodes,
+                                   llm_budget_tokens=llm_budget_tokens, gpus=gpus, nodes=nodes, min_nodes=min_nodes,
                                    settings=settings)
         try:
             runner.check(config, settings, devices)
