@@ -150,12 +150,21 @@ def check(config: SessionConfig, settings: Settings | None = None, devices: str 
     baseline_params(spec, config.baseline, fixed)
     settings = settings or Settings.load()
     budget.check(config, settings)
-    if not Service.running(settings):
-        devspec.parse(devices or settings.devices)  # an embedded service will need them
-    if config.nodes > 1:  # trials across nodes need an executor that places gangs (Slurm)
+    embedded = None if Service.running(settings) else devspec.parse(devices or settings.devices)  # its devices
+    if config.gpus * config.nodes > 1:  # trials of several devices: somewhere must hold one whole
         from orchestrator.api import jobs as api
+        from orchestrator.queue.policy import unplaceable_reason
 
-        api.check_nodes(config.nodes, settings, api.open_store(settings))
+        store = api.open_store(settings)
+        api.check_nodes(config.nodes, settings, store)  # across nodes: an executor that places gangs (Slurm)
+        asked = f"--gpus {config.gpus}" + (f" x --nodes {config.nodes}" if config.nodes > 1 else "")
+        live = store.hosts.live_capacities(api.SERVICE_STALE_AFTER)
+        why = unplaceable_reason(config.gpus * config.nodes, max(live)) if live else None
+        if why:
+            raise BadInput(f"{asked}: {why}")
+        if not live and embedded is not None and config.gpus * config.nodes > len(embedded):
+            raise BadInput(f"{asked}: a trial needs {config.gpus * config.nodes} devices; the session's service "
+                           f"would have {len(embedded)} ({devices or settings.devices})")
 
 
 def _run(session_id: str, config: SessionConfig, settings: Settings, registry: Registry, devices: str | None,

@@ -25,6 +25,7 @@ from orchestrator.queue.store import JobStore
 from orchestrator.tracking.client import Tracker
 from runtime.protocol import DEVICE_MEMORY_METRIC, PEAK_MEMORY_METRIC, UTILIZATION_METRIC
 from tests.agent.synthetic import SPEC
+from tests.orchestrator.conftest import make_service  # noqa: F401  (an in-process service on cpu slots)
 
 EXP = "tests.agent.synthetic:SPEC"
 SID = "s-0000cafe"
@@ -276,6 +277,19 @@ def test_trials_of_several_devices_hold_them_whole_and_fewer_run_at_once(world):
     assert b.parallel == 2 and b.gpus() == 2  # two per node on each of two nodes: four per trial
     state = b.packed("propose", lambda s: {})({"trials": []})
     assert state["packing"]["mode"] == "whole" and "2 whole device(s) on each of 2 nodes" in state["packing"]["log"][0]
+
+
+def test_a_trial_larger_than_the_queues_devices_is_refused_before_the_session_starts(home, make_service):
+    from orchestrator.agent import runner
+
+    too_big = SessionConfig(goal="", experiment=EXP, proposer="random", gpus=4)
+    with pytest.raises(BadInput, match="--gpus 4: a trial needs 4 devices; the session's service would have 2 "
+                                       "\\(cpu:2\\)"):
+        runner.check(too_big, Settings.load(), devices="cpu:2")
+    make_service(devices="cpu:3")  # a live service decides once there is one
+    with pytest.raises(BadInput, match="--gpus 4: no live service has 4 devices; largest has 3"):
+        runner.check(too_big, Settings.load())
+    runner.check(SessionConfig(goal="", experiment=EXP, proposer="random", gpus=3), Settings.load())
 
 
 def test_settings_target_busy(home, monkeypatch):
