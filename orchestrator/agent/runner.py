@@ -131,7 +131,7 @@ def named(config: SessionConfig, settings: Settings | None = None) -> SessionCon
 
 def check(config: SessionConfig, settings: Settings | None = None, devices: str | None = None) -> None:
     """BadInput unless the experiment, proposer, fixed and baseline params and (with no service running)
-    devices are valid."""
+    devices are valid, and a trial of several devices (`--gpus`, `--nodes`) fits somewhere."""
     from orchestrator.core import devices as devspec
     from orchestrator.agent import budget
     from orchestrator.agent.proposers.factory import NAMES
