@@ -77,12 +77,11 @@ class Outcomes:
     def stopped_with_session(self, t: Trial, session_id: str) -> bool:
         """Whether the trial's job was cancelled by a `stop` of its session before it finished its budget (it is
         then run again, not counted: `Trial.run_again`). A paused (demoted) trial stays stopped."""
-        from orchestrator.agent.session import stopped_reason
+        from orchestrator.agent.session import cancelled_by_stop
 
         if t.status not in (S.QUEUED, S.RUNNING) or t.job_id is None:
             return False
-        job = self.store.get(t.job_id)
-        if job.state != "CANCELLED" or not (job.reason or "").startswith(stopped_reason(session_id)):
+        if not cancelled_by_stop(self.store.get(t.job_id), session_id):
             return False
         return not t.run_id or completed_value(self.tracker, self.spec, t.run_id) is None
 

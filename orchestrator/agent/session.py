@@ -100,13 +100,9 @@ class SessionConfig:
         from orchestrator.agent.packing import parse
 
         object.__setattr__(self, "trials_per_gpu", parse(self.trials_per_gpu))
-        from orchestrator.queue.models import MAX_NODES
+        from orchestrator.queue.models import check_nodes
 
-        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
-            raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
-        if self.min_nodes is not None and (not isinstance(self.min_nodes, int)
-                                           or not 1 <= self.min_nodes <= self.nodes):
-            raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({self.nodes}), got {self.min_nodes!r}")
+        check_nodes(self.nodes, self.min_nodes)  # the rule a job's --nodes follows
         if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or not 1 <= self.gpus <= 1024:
             raise BadInput(f"--gpus (devices per trial) must be an integer from 1 to 1024, got {self.gpus!r}")
         if self.nodes > 1 and self.trials_per_gpu not in ("auto", 1):
@@ -150,6 +146,17 @@ def stopped_reason(session_id: str) -> str:
     """The reason `stop` cancels a session's unfinished trials with: a trial whose job was cancelled so is run
     again by `resume` (orchestrator.agent.graph), and not counted as done meanwhile (`background.trial_counts`)."""
     return f"stopped with session {session_id}; resume runs it again"
+
+
+def cancelled_by_stop(job: Any, session_id: str) -> bool:
+    """Whether `job` was cancelled by a `stop` of session `session_id` (its trial is then run again)."""
+    return job.state == "CANCELLED" and (job.reason or "").startswith(stopped_reason(session_id))
+
+
+def rerun_key(key: str, attempt: int) -> str:
+    """A trial's job's idempotency key (and its MLflow run's) once `attempt` runs of it were cut short by a
+    `stop`: `key`, then `key~1`, `key~2` ..."""
+    return key if not attempt else f"{key}~{attempt}"
 
 
 def new_id() -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, TypedDict
 
+from orchestrator.agent.session import rerun_key
 from orchestrator.core.records import Record
 
 
@@ -82,7 +83,7 @@ class Trial(Record):
     @property
     def job_key(self) -> str:
         """Its current job's idempotency key (and its MLflow run's): `key`, then `key~1`, ... once run again."""
-        return self.key if not self.attempt else f"{self.key}~{self.attempt}"
+        return rerun_key(self.key, self.attempt)
 
     def run_again(self) -> None:
         """Its job was cancelled by a `stop` of its session: on resume it is proposed again as it was (same

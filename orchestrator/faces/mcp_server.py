@@ -296,7 +296,8 @@ def build_server(settings: Settings, *, max_priority: int = DEFAULT_MAX_PRIORITY
         llm_budget_tokens: caps on its LLM spend (at one it pauses; `autoresearch resume` with a higher cap
         continues it); trials_per_gpu: "auto" (pack trials on a GPU by the baseline's measured use; 1 on cpu
         slots) or an integer 1..16; gpus: whole devices per trial (per node with nodes); nodes / min_nodes: each
-        trial across that many nodes (a Slurm queue), as `start --gpus --nodes`. Watch it with session_status; stop it with stop_session."""
+        trial across that many nodes (a Slurm queue), as `start --gpus --nodes`. Watch it with session_status;
+        stop it with stop_session."""
         from orchestrator.faces.pyapi.sessionapi import start_session as start
 
         session = start(experiment, goal=goal, trials=trials, parallel=parallel, proposer=proposer,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator.agent.history import device_seconds
+from orchestrator.agent.session import cancelled_by_stop
 from orchestrator.core import outputmetrics
 from orchestrator.programs import answers, propose, tree
 from orchestrator.programs.governor import Governor
@@ -244,19 +245,13 @@ class Loop:
             if t.status not in (S.QUEUED, S.RUNNING):
                 continue
             job = self.store.get(t.job_id)
-            if job.final and self._stopped_with_session(job):
+            if job.final and cancelled_by_stop(job, self.sid):
                 self._run_again(t, job)
             elif job.final:
                 self._finish(t, job)
             elif t.status is S.QUEUED and job.state == "RUNNING":
                 t.status = S.RUNNING
                 self._save(t)
-
-    def _stopped_with_session(self, job: Any) -> bool:
-        """Whether a `stop` of this session cancelled the job (`resume` then runs its trial again)."""
-        from orchestrator.agent.session import stopped_reason
-
-        return job.state == "CANCELLED" and (job.reason or "").startswith(stopped_reason(self.sid))
 
     def _run_again(self, t: ProgramTrial, job: Any) -> None:
         """The trial as it was, on a fresh job, run and worktree: a stop costs no trial of the budget."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from orchestrator.agent.session import rerun_key
 from orchestrator.core.records import Record
 
 
@@ -97,7 +98,7 @@ class ProgramTrial(Record):
     files: dict[str, str] | None = None  # the variant's new file texts (repo-relative keys: the spec's `edit`)
     fingerprint: str | None = None
     log_tail: str | None = None
-    attempt: int = 1  # > 1 once a `stop` of its session cancelled its job and `resume` ran it again
+    attempt: int = 0  # runs of it cut short by a `stop` of its session (`run_again`)
 
     def __post_init__(self) -> None:
         self.kind = Kind(self.kind)
@@ -106,8 +107,8 @@ class ProgramTrial(Record):
 
     @property
     def job_key(self) -> str:
-        """Its job's idempotency key and its MLflow run's key: `key`, then `key~N` for the N-th run of it."""
-        return self.key if self.attempt == 1 else f"{self.key}~{self.attempt}"
+        """Its current job's idempotency key (and its MLflow run's): `key`, then `key~1`, ... once run again."""
+        return rerun_key(self.key, self.attempt)
 
     def run_again(self) -> None:
         """Its job was cancelled by a `stop` of its session: on resume it runs again as it was (the same commit
@@ -129,6 +130,6 @@ class ProgramTrial(Record):
         for optional in ("files", "fingerprint", "log_tail"):
             if out[optional] is None:
                 del out[optional]
-        if out["attempt"] == 1:
+        if not out["attempt"]:
             del out["attempt"]
         return out

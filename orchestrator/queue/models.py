@@ -121,14 +121,20 @@ class JobSpec:
         if self.deadline is not None and not (isinstance(self.deadline, (int, float))
                                               and not isinstance(self.deadline, bool)):
             raise BadInput(f"--deadline must be a time, got {self.deadline!r}")
-        if not _int_in(self.nodes, 1, MAX_NODES):
-            raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
-        if self.min_nodes is not None and not _int_in(self.min_nodes, 1, self.nodes):
-            raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({self.nodes}), got {self.min_nodes!r}")
+        check_nodes(self.nodes, self.min_nodes)
         if self.nodes > 1 and self.gpu_share is not None:
             raise BadInput("a share of one GPU runs on one node: drop --nodes or give whole GPUs per node")
         if self.keep_checkpoint is not None and self.keep_checkpoint not in KEEP_MODES:
             raise BadInput(f"--keep-checkpoint must be one of {', '.join(KEEP_MODES)}, got {self.keep_checkpoint!r}")
+
+
+def check_nodes(nodes: Any, min_nodes: Any) -> None:
+    """BadInput unless `nodes` is a node count and `min_nodes` None or a count up to it (`--nodes`, `--min-nodes`:
+    a job's, or each trial's of a session)."""
+    if not _int_in(nodes, 1, MAX_NODES):
+        raise BadInput(f"--nodes must be an integer from 1 to {MAX_NODES}, got {nodes!r}")
+    if min_nodes is not None and not _int_in(min_nodes, 1, nodes):
+        raise BadInput(f"--min-nodes must be an integer from 1 to --nodes ({nodes}), got {min_nodes!r}")
 
 
 def check_priority(priority: Any) -> int:

@@ -448,4 +448,3 @@ class Service:
         except Exception as exc:
             if not self.disk.write_failed(exc):
                 log.exception("housekeeping failed")
-
