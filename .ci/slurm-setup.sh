@@ -16,7 +16,8 @@
 # the one-host partitions above are unchanged. A test may kill one of them (a lost node); the next run of this
 # script starts it again and returns it to service. slurmdbd (MariaDB database slurm_acct_db)
 # knows the cluster and accounts general (root's default), lab and ml; others are refused at submit.
-# Scheduling is tuned to start jobs within a second (SchedulerParameters, a short MessageTimeout), jobs may be requeued
+# Scheduling is tuned to start jobs within a second (SchedulerParameters: the backfill pass every second, where
+# Slurm's 30 s would keep a job waiting on a node still completing a killed job; a short MessageTimeout), jobs may be requeued
 # (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
@@ -124,7 +125,7 @@ SelectTypeParameters=CR_CPU
 GresTypes=gpu
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
-SchedulerParameters=sched_min_interval=100000,batch_sched_delay=0,default_queue_depth=200,defer_batch=0
+SchedulerParameters=sched_min_interval=100000,batch_sched_delay=0,default_queue_depth=200,defer_batch=0,bf_interval=1
 MessageTimeout=5
 KillWait=5
 MinJobAge=600

@@ -229,7 +229,8 @@ def test_a_device_fault_on_one_node_stops_every_rank_at_one_step_and_requeues_wi
     import re
 
     svc = service(AUTORESEARCH_FAULTS=f"node@{nodes[1]}:health")
-    job = api.submit(gang(tmp_path, steps=400, every=50, delay=0.05))[0]
+    # Long enough for the node's health watch (every 2 s once the first step is done) to meet the fault.
+    job = api.submit(gang(tmp_path, steps=150, every=50, delay=0.05))[0]
     finish(svc, job.id, timeout=200)
     log = log_of(svc, job.id)
     stops = set(re.findall(r"^rank (\d) stopped on request at step (\d+)$", log, re.M))

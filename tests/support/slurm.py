@@ -174,18 +174,24 @@ def revive_node(node: str) -> None:
     """Start an emulated node's slurmd again (if a test killed it) and return the node to service."""
     if slurmd_pid(node) is None:
         subprocess.run(["slurmd", "-N", node], capture_output=True, timeout=30)
+        # What the killed node ran stays `completing` until the controller's next retry reaches the new slurmd
+        # (about 20 s); set DOWN, the node drops it at once, and the resume below returns it idle.
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=autoresearch test: revived"],
+                       capture_output=True, text=True, timeout=30)
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, text=True,
                    timeout=30)
 
 
 def restore_multi(nodes: list[str]) -> bool:
     """One step of putting the emulated nodes back as a test found them: every node not idle, allocated or
-    completing (drained, down, not responding: what a test or the product did to it) is revived, again on every
+    completing (drained, down, not responding: what a test or the product did to it), or whose slurmd a test
+    killed while Slurm still calls it idle, is revived, again on every
     call until it is back (an `scontrol update` refused by a busy controller is simply repeated). Whether all
     of `nodes` are idle now."""
     states = multi_states()
     for node in nodes:
         state = states.get(node, "")
-        if not state.rstrip("~#*").startswith(("idle", "alloc", "mix", "comp")) or state.endswith("*"):
+        if not state.rstrip("~#*").startswith(("idle", "alloc", "mix", "comp")) or state.endswith("*") \
+                or slurmd_pid(node) is None:  # killed while idle: Slurm has not noticed yet
             revive_node(node)
     return multi_idle(nodes)
