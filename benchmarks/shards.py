@@ -186,6 +186,13 @@ def main() -> None:
           f"{r['local reads'] / r['ShardDataset warm']:6.2f}x")
     print(f"  packing vs the xargs recipe on the same files:                "
           f"{r['xargs recipe'] / r['pack']:6.2f}x  (aim >= 1)")
+    # The volume cannot deliver the bytes faster than its cap: no reader of them, shards or not, takes less than
+    # this floor, so VolumeDataset's time over it is the largest ratio any reader could show on this volume.
+    floor = nbytes / (args.bandwidth_mib * 2**20)
+    print(f"  the ceiling: VolumeDataset vs the cap's floor (bytes / cap):   "
+          f"{r['VolumeDataset cold'] / floor:6.2f}x  (no reader can beat VolumeDataset by more here)")
+    print(f"  ShardDataset's cold epoch over that floor:                    "
+          f"{r['ShardDataset cold'] / floor:6.2f}x  (1.00x: every byte at the cap)")
     if peer:
         print(f"  MosaicML Streaming: skipped: {peer}")
     else:
