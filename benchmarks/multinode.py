@@ -7,10 +7,11 @@ and what a checkpoint of a sharded state costs each rank.
    `--every` steps) through an in-process service on partition multi; once two checkpoints are committed the
    second node is killed (its slurmd, its job step and ranks: SIGKILL). Printed, each from its own record: the
    executor's detection (kill -> the attempt requeued, from the job's events), the requeue -> sbatch of the new
-   attempt (QUEUED -> STARTING) and its start in Slurm (-> RUNNING), the restart of the ranks on the new nodes
-   (torchrun, the c10d rendezvous, imports, the DCP load: -> every rank's record), their first step, the total
-   from the kill to training resumed, and the steps lost (the last step the first attempt reached minus the
-   step the second resumed from; at most one checkpoint interval).
+   attempt (QUEUED -> STARTING), the `sbatch` accepted (-> RUNNING), the wait for Slurm's scheduler to start it
+   (its StartTime: a node still completing the killed attempt waits for a backfill pass, `bf_interval`), the
+   restart of the ranks on the new nodes (torchrun, the c10d rendezvous, imports, the DCP load: -> every rank's
+   record), their first step, the total from the kill to training resumed, and the steps lost (the last step the
+   first attempt reached minus the step the second resumed from; at most one checkpoint interval).
 2. Checkpoint. 2 nodes x 2 ranks, each holding `--mib` MiB of its own state (a sharded model's rank), saved
    `--saves` times by the runtime's async DCP (every rank writes its shard in parallel) and by `torch.save` of
    everything gathered to rank 0 (the monolithic approach): the stall per rank (what the training loop waits)
@@ -89,6 +90,7 @@ def recovery(args, home: Path) -> dict:
     requeued = next(e["at"] for e in after if e["to"] == "QUEUED")
     starting = next(e["at"] for e in after if e["to"] == "STARTING")
     running = next(e["at"] for e in after if e["to"] == "RUNNING")
+    started = slurm_start(final.proc_start)  # when Slurm's scheduler started the new attempt (1 s resolution)
     ranks2 = [json.loads(p.read_text()) for p in out.glob("2.*.json")]
     restored = max(r["at"] for r in ranks2)
     steps = steps_of(log)
@@ -97,10 +99,24 @@ def recovery(args, home: Path) -> dict:
     resumed = min(r["start"] for r in ranks2)
     return {"node_killed": victim, "resumed_on": sorted({r["node"] for r in ranks2}),
             "detect_s": round(requeued - killed_at, 2), "requeue_to_sbatch_s": round(starting - requeued, 2),
-            "sbatch_to_running_s": round(running - starting, 2), "ranks_restored_s": round(restored - running, 2),
+            "sbatch_to_running_s": round(running - starting, 2),
+            "slurm_start_s": round(max(started - running, 0.0), 2),
+            "ranks_restored_s": round(restored - max(started, running), 2),
             "first_step_s": round(first[1] - restored, 2), "total_s": round(first[1] - killed_at, 2),
             "last_step_before_kill": last1, "resumed_from": resumed, "steps_lost": last1 - resumed,
             "checkpoint_every": args.every}
+
+
+def slurm_start(proc_start: str | None) -> float:
+    """The StartTime Slurm gives the attempt's batch job (`slurm:ID`), as seconds since the epoch."""
+    from datetime import datetime
+
+    sid = (proc_start or "").partition(":")[2]
+    out = subprocess.run(["scontrol", "show", "job", "-o", sid], capture_output=True, text=True, timeout=30).stdout
+    stamp = re.search(r"\bStartTime=(\S+)", out)
+    if not stamp:
+        raise RuntimeError(f"no StartTime for Slurm job {sid!r}: {out.strip()[:300]}")
+    return datetime.strptime(stamp.group(1), "%Y-%m-%dT%H:%M:%S").timestamp()
 
 
 def checkpoint(args, home: Path) -> dict:

@@ -23,6 +23,12 @@ delay = float(sys.argv[4]) if len(sys.argv) > 4 else 0.1
 GLOBAL_BATCH = 8
 
 
+def say(line):
+    """One line in one write: the ranks of a node share its stdout, and print() under PYTHONUNBUFFERED writes the
+    text and its newline apart, so two ranks' lines could run together ("...step 1rank 1 stopped...")."""
+    os.write(1, (line + "\n").encode())
+
+
 def write(path, data):
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:
@@ -43,7 +49,7 @@ with JobContext.from_env() as ctx:
         "node_rank": os.environ.get("NODE_RANK"), "master": os.environ.get("MASTER_ADDR"),
         "attempt": ctx.attempt, "start": start, "pid": os.getpid(), "at": time.time()})
     if ctx.is_main:
-        print(f"attempt {ctx.attempt} starts at step {start} with {ctx.world_size} ranks", flush=True)
+        say(f"attempt {ctx.attempt} starts at step {start} with {ctx.world_size} ranks")
     per_rank = GLOBAL_BATCH // ctx.world_size
     for step in range(start, steps):
         g = torch.Generator().manual_seed(step)
@@ -56,12 +62,12 @@ with JobContext.from_env() as ctx:
         state.step = step + 1
         ctx.heartbeat(step + 1)
         if ctx.is_main:
-            print(f"step {step + 1} loss {loss.item():.6f} at {time.time():.3f}", flush=True)
+            say(f"step {step + 1} loss {loss.item():.6f} at {time.time():.3f}")
             ctx.log_metrics({"loss": loss.item()}, step + 1)
         ckpt.maybe_save(step + 1, state)
         if ctx.should_stop():
             ckpt.save_now(step + 1, state)
-            print(f"rank {ctx.rank} stopped on request at step {step + 1}", flush=True)
+            say(f"rank {ctx.rank} stopped on request at step {step + 1}")
             ckpt.close()
             ctx.exit_preempted()
         time.sleep(delay)
