@@ -17,8 +17,9 @@
 # script starts it again and returns it to service. slurmdbd (MariaDB database slurm_acct_db)
 # knows the cluster and accounts general (root's default), lab and ml; others are refused at submit.
 # Scheduling is tuned to start jobs within a second (SchedulerParameters: the backfill pass every second, where
-# Slurm's 30 s would keep a job waiting on a node still completing a killed job; a short MessageTimeout), jobs may be requeued
-# (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10 minutes.
+# Slurm's 30 s would keep a job waiting on a node still completing a killed job; a short MessageTimeout), jobs may
+# be requeued (JobRequeue=1, PreemptMode=REQUEUE), and finished jobs stay visible to `scontrol show job` for 10
+# minutes.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo -n "$@"; fi; }
