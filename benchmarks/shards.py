@@ -97,6 +97,9 @@ def main() -> None:
                         help="the volume's readahead window (default: FUSE's 128 KiB; 1024 reads 1 MiB per request, "
                              "as network filesystems do; needs root)")
     parser.add_argument("--rounds", type=int, default=3, help="each contender's fastest of this many runs")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time what bounds a cold epoch: the shards' copy into the cache alone, and `cat` of "
+                             "the shards to /dev/null and to a local file (one sequential stream each)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--streaming-python", default=None,
                         help="python of a separate venv with mosaicml-streaming (never this one: it downgrades "
@@ -156,6 +159,16 @@ def main() -> None:
             local = sorted(str(p) for p in (vol_dir / "files").rglob("*.jpg"))
             best("local reads", lambda: sum(map(file_len, local)))
 
+            if args.breakdown:
+                print("  breakdown: the copy alone, cat to /dev/null, cat to a local file ...", flush=True)
+                shutil.rmtree(work / "cache-copy", ignore_errors=True)
+                copier = ShardDataset(mnt / "shards", cache_dir=str(work / "cache-copy"))
+                best("copy alone", lambda: [copier.fetch(s).release() for s in range(len(copier.shards))])
+                shards = " ".join(sorted(glob.glob(str(mnt / "shards" / "*.tar"))))
+                best("cat to /dev/null", lambda: subprocess.run(f"cat {shards} > /dev/null", shell=True))
+                best("cat to a file", lambda: subprocess.run(f"cat {shards} > {work / 'cat.out'}", shell=True))
+                os.unlink(work / "cat.out")
+
             if peer is None:
                 print("  MosaicML Streaming: MDSWriter, then a cold StreamingDataset epoch ...", flush=True)
                 shutil.rmtree(vol_dir / "mds", ignore_errors=True)
@@ -193,6 +206,9 @@ def main() -> None:
           f"{r['VolumeDataset cold'] / floor:6.2f}x  (no reader can beat VolumeDataset by more here)")
     print(f"  ShardDataset's cold epoch over that floor:                    "
           f"{r['ShardDataset cold'] / floor:6.2f}x  (1.00x: every byte at the cap)")
+    if args.breakdown:
+        for name in ("copy alone", "cat to /dev/null", "cat to a file"):
+            print(f"  {name + ' over the floor:':<62}{r[name] / floor:6.2f}x")
     if peer:
         print(f"  MosaicML Streaming: skipped: {peer}")
     else:
