@@ -185,9 +185,8 @@ def revive_node(node: str) -> None:
 def restore_multi(nodes: list[str]) -> bool:
     """One step of putting the emulated nodes back as a test found them: every node not idle, allocated or
     completing (drained, down, not responding: what a test or the product did to it), or whose slurmd a test
-    killed while Slurm still calls it idle, is revived, again on every
-    call until it is back (an `scontrol update` refused by a busy controller is simply repeated). Whether all
-    of `nodes` are idle now."""
+    killed while Slurm still calls it idle, is revived, again on every call until it is back (an `scontrol
+    update` refused by a busy controller is simply repeated). Whether all of `nodes` are idle now."""
     states = multi_states()
     for node in nodes:
         state = states.get(node, "")
