@@ -111,7 +111,9 @@ def slurm_start(proc_start: str | None) -> float:
     """The StartTime Slurm gives the attempt's batch job (`slurm:ID`), as seconds since the epoch."""
     from datetime import datetime
 
-    sid = (proc_start or "").partition(":")[2]
+    from orchestrator.executors.slurm.jobs import parse_handle
+
+    sid = parse_handle(proc_start) or ""
     out = subprocess.run(["scontrol", "show", "job", "-o", sid], capture_output=True, text=True, timeout=30).stdout
     stamp = re.search(r"\bStartTime=(\S+)", out)
     if not stamp:
