@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 OPEN = """
@@ -26,7 +28,6 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
 
 
 def test_params_logged_again_keep_the_first_values_and_other_errors_are_raised(home):
-    import pytest
     from mlflow.exceptions import MlflowException
 
     from orchestrator.tracking.client import Tracker
@@ -39,3 +40,77 @@ def test_params_logged_again_keep_the_first_values_and_other_errors_are_raised(h
     assert tracker.client.get_run(run).data.params == {"lr": "0.1", "layers": "2"}
     with pytest.raises(MlflowException):
         tracker.log_params("0" * 32, {"lr": 0.1})  # no such run: not swallowed
+
+
+# Dies by SIGKILL the moment SQLite commits the scratch table of MLflow's first batch migration: where a process
+# killed while creating a store leaves it (MLflow's CREATE TABLEs on SQLite commit one by one).
+KILLED_MIDWAY = """
+import os, signal, sys
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+@event.listens_for(Engine, "after_cursor_execute")
+def _die(conn, cursor, statement, *args):
+    if statement.lstrip().startswith("CREATE TABLE _alembic_tmp_"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[1] == "mlflow":
+    from mlflow import MlflowClient
+    MlflowClient(tracking_uri=sys.argv[2])
+else:
+    from orchestrator.tracking.client import Tracker
+    Tracker(sys.argv[2])
+"""
+
+
+def _killed_midway(who: str, uri: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", KILLED_MIDWAY, who, uri], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+
+
+def _log_one_metric(uri: str) -> float:
+    from orchestrator.tracking.client import Tracker
+
+    tracker = Tracker(uri)
+    run = tracker.client.create_run(tracker.experiment_id("digits")).info.run_id
+    tracker.client.log_metric(run, "val_loss", 0.5)
+    return tracker.client.get_run(run).data.metrics["val_loss"]
+
+
+def test_a_process_killed_while_creating_a_new_store_leaves_none_and_the_next_creates_it(tmp_path):
+    store = tmp_path / "mlflow.db"
+    _killed_midway("tracker", f"sqlite:///{store}")
+    assert not store.exists()  # half-made only beside it, never at the path
+    assert _log_one_metric(f"sqlite:///{store}") == 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
+
+
+def test_a_store_mlflow_left_half_made_is_set_aside_and_created_again(tmp_path):
+    from mlflow import MlflowClient
+
+    store = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{store}"
+    _killed_midway("mlflow", uri)
+    # MLflow alone can never open it again: it re-runs migrations already half-done ("duplicate column name",
+    # "table _alembic_tmp_... already exists")
+    with pytest.raises(Exception, match="duplicate column|already exists"):
+        MlflowClient(tracking_uri=uri).search_experiments()
+    assert _log_one_metric(uri) == 0.5
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("mlflow.db.incomplete-")]
+    assert len(aside) == 1  # kept, not deleted
+
+
+def test_a_store_with_runs_at_an_older_revision_is_left_to_mlflow(tmp_path):
+    import sqlite3
+
+    store = tmp_path / "mlflow.db"
+    _log_one_metric(f"sqlite:///{store}")
+    with sqlite3.connect(store) as db:
+        db.execute("UPDATE alembic_version SET version_num = 'older'")  # an older MLflow's store
+    before = store.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", OPEN, f"sqlite:///{store}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode != 0 and "out-of-date database schema" in proc.stderr
+    assert store.read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if "incomplete" in p.name or "creating" in p.name]

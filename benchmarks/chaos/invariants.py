@@ -164,7 +164,12 @@ def tracked(stores, mlflow_uris: dict[str, str], hand: dict[tuple[str, int], int
 
     check = Check("every SUCCEEDED job has its MLflow run with its metric")
     for queue, store in stores.items():
-        client = MlflowClient(tracking_uri=mlflow_uris[queue])
+        try:
+            client = MlflowClient(tracking_uri=mlflow_uris[queue])
+        except Exception as exc:  # a store left unopenable is a violation to report, not a crash of the soak
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            check.violations.append(f"{queue}: its MLflow store cannot be opened: {why}")
+            continue
         for job in store.list([JobState.SUCCEEDED]):
             if not job.track:
                 continue

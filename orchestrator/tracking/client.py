@@ -25,7 +25,6 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.core.config import Settings
 from orchestrator.core.direction import Direction
-from orchestrator.core.schemalock import schema_lock
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +74,14 @@ class Tracker:
     """A thin, idempotent layer over `MlflowClient` for one tracking store."""
 
     def __init__(self, tracking_uri: str, artifacts_dir: Path | str | None = None):
-        MlflowClient = import_mlflow().MlflowClient  # heavy: imported only when a tracker is actually built
+        from orchestrator.tracking.store import open_client
 
+        import_mlflow()  # heavy: imported only when a tracker is actually built
         self.tracking_uri = tracking_uri
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
-        # Opening the store creates and migrates a new one: two processes doing that at once (`serve` and
-        # `start` on a new home, a fleet on one PostgreSQL store) fail in MLflow's migrations.
-        with schema_lock(tracking_uri, "mlflow"):
-            self.client = MlflowClient(tracking_uri=tracking_uri)
+        # A new store is created whole, once, under a lock: several processes at once (`serve` and `start` on a
+        # new home, a fleet on one PostgreSQL store) or one killed midway no longer break MLflow's migrations.
+        self.client = open_client(tracking_uri, self.artifacts_dir)
         self._experiments: dict[str, str] = {}
 
     @classmethod

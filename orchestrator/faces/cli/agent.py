@@ -359,6 +359,9 @@ def ui(
         raise BadInput(f"--workers must be >= 1, got {workers}")
     settings = Settings.load()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    from orchestrator.tracking.store import open_client
+
+    open_client(settings.tracking_uri, settings.artifacts_dir)  # a new store made whole before the server opens it
     argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", settings.tracking_uri,
             "--default-artifact-root", settings.artifacts_dir.as_uri(), "--no-serve-artifacts",
             "--host", host, "--port", str(port), "--workers", str(workers)]

@@ -1,0 +1,142 @@
+"""Opening an MLflow tracking store that is whole: created all at once, never half-made by a process killed midway.
+
+MLflow creates a new store by running a hundred-odd schema migrations, and on SQLite each `CREATE TABLE` commits on
+its own. A process killed during that (a service, a session, the tracking worker: `kill -9`, the OOM killer, a
+power cut) left a store that MLflow can never open again: the next opener re-runs the migrations from the
+recorded revision and stops at the half-done one ("table _alembic_tmp_endpoints already exists"), or refuses
+the store as out of date. So a new SQLite store is built beside its path (`NAME.creating`) and renamed into place
+once complete: the path holds a whole store or none. A store left half-made by an earlier version of this
+product (not at MLflow's head revision, no runs in it) is set aside as `NAME.incomplete-TIME`, with its journal,
+and built again; a store with runs in it is never touched (an older MLflow's store: MLflow says what to do).
+All of it under the store's schema lock (`orchestrator.core.schemalock`), so a fleet opening a new home at once
+builds it once. PostgreSQL needs none of this: MLflow migrates it in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from orchestrator.core.schemalock import schema_lock
+
+_SIDE_FILES = ("-journal", "-wal", "-shm")  # SQLite's own files beside a database: they move with it
+
+
+def open_client(tracking_uri: str, artifacts_dir: Optional[Path] = None) -> Any:
+    """An `MlflowClient` on `tracking_uri`, its store created (whole) first if it is new. `artifacts_dir`: where a
+    new store's default experiment keeps its artifacts (MLflow's `./mlruns` of the current directory if None)."""
+    from mlflow import MlflowClient
+
+    with schema_lock(tracking_uri, "mlflow"):
+        path = sqlite_file(tracking_uri)
+        if path is not None:
+            ready_sqlite(path, artifacts_dir)
+        return MlflowClient(tracking_uri=tracking_uri)
+
+
+def sqlite_file(tracking_uri: str) -> Optional[Path]:
+    """The database file of a `sqlite:///PATH` tracking URI; None for other stores and in-memory SQLite."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
+    """Make `path` a whole MLflow store at the head revision, building it if it is absent, empty or half-made
+    (see the module docstring). The caller holds the store's schema lock."""
+    state = _state(path)
+    if state in ("whole", "has runs"):
+        return
+    if state == "half-made":
+        aside = path.with_name(f"{path.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
+        _move(path, aside)
+        print(f"autoresearch: the MLflow store {path} was left half-made by a process stopped while creating it; "
+              f"set aside as {aside.name}, and created again", file=sys.stderr)
+    else:  # absent or empty (an opener that connected before anything was made)
+        _remove(path)
+    _forget_engines(path)
+    building = path.with_name(path.name + ".creating")
+    _remove(building)  # a build killed earlier: ours, since we hold the lock
+    _build(building, artifacts_dir)
+    os.replace(building, path)
+    _fsync_dir(path.parent)
+
+
+def _state(path: Path) -> str:
+    """"absent" (no file or no tables), "whole" (at MLflow's head revision), "has runs" (not at head, but holding
+    runs: not ours to repair) or "half-made"."""
+    if not path.exists():
+        return "absent"
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    db = sqlite3.connect(path, timeout=60)  # not read-only: that cannot read a WAL database without its -shm
+    try:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return "absent"
+        version = (db.execute("SELECT version_num FROM alembic_version").fetchall()
+                   if "alembic_version" in tables else [])
+        scratch = any(name.startswith("_alembic_tmp_") for name in tables)
+        if not scratch and version == [(_get_latest_schema_revision(),)]:
+            return "whole"
+        if "runs" in tables and db.execute("SELECT 1 FROM runs LIMIT 1").fetchone():
+            return "has runs"
+        return "half-made"
+    finally:
+        db.close()
+
+
+def _build(path: Path, artifacts_dir: Optional[Path]) -> None:
+    """Create a new MLflow store at `path` (MLflow's own migrations and default experiment), then sync it."""
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    root = artifacts_dir.resolve().as_uri() if artifacts_dir else DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    store = SqlAlchemyStore(f"sqlite:///{path}", root)
+    store.engine.dispose()  # closes its connections: nothing of it is left in a journal
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _forget_engines(path: Path) -> None:
+    """Drop this process's MLflow engines on `path`: a pooled connection would go on reading and writing the file
+    just set aside or removed (an earlier failed open of it, in a process that tries again)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engines = getattr(SqlAlchemyStore, "_engine_map", {})
+    for uri in list(engines):
+        file = sqlite_file(str(uri))
+        if file is not None and os.path.abspath(file) == os.path.abspath(path):
+            engines.pop(uri).dispose()
+
+
+def _move(path: Path, dest: Path) -> None:
+    for suffix in ("", *_SIDE_FILES):
+        try:
+            os.replace(f"{path}{suffix}", f"{dest}{suffix}")
+        except FileNotFoundError:
+            pass
+
+
+def _remove(path: Path) -> None:
+    for suffix in ("", *_SIDE_FILES):
+        try:
+            os.unlink(f"{path}{suffix}")
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
