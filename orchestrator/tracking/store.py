@@ -49,6 +49,7 @@ def sqlite_file(tracking_uri: str) -> Optional[Path]:
 def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
     """Make `path` a whole MLflow store at the head revision, building it if it is absent, empty or half-made
     (see the module docstring). The caller holds the store's schema lock."""
+    path = Path(os.path.realpath(path))  # a link to the store: built beside the file it names
     state = _state(path)
     if state in ("whole", "has runs"):
         return
