@@ -21,7 +21,7 @@ of its own. A re-run therefore computes the same shards, keeps those the journal
 and size on disk, and rewrites the rest; shards of an earlier pack that the plan no longer has are removed.
 
 SRC is read by a pool of threads (many opens in flight: what a slow volume needs), in plan order, at most
-`max_inflight_bytes` ahead of the single writer, which writes each shard sequentially.
+`max_inflight_bytes` ahead of the single writer (runtime.data.packreads), which writes each shard sequentially.
 """
 
 from __future__ import annotations
@@ -30,16 +30,14 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import re
 import tarfile
-import time
 import zlib
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from runtime.data.packreads import ReadAhead
 from runtime.data.shardindex import FORMAT, INDEX, SHARD_NAME, VERSION, shard_name, split_key
 from runtime.data.sources import FileInfo, open_source
 from runtime.errors import PackError, PackInputError, VolumeError
@@ -51,7 +49,6 @@ LOCK = ".pack.lock"  # one pack at a time per DEST (flock)
 _BLOCK = tarfile.BLOCKSIZE
 _END = 2 * _BLOCK  # two zero blocks end an archive
 _TAIL = _END + tarfile.RECORDSIZE  # the end, and at most this padding to a whole record
-_STREAM_ABOVE = 64 << 20  # members bigger than this are streamed by the writer, not read ahead into memory
 _SPLIT_NAME = re.compile(r"^[A-Za-z0-9_.-]*$")
 
 
@@ -332,7 +329,7 @@ def _pack_locked(cfg: PackConfig, dest: str, source: Any, files: list[FileInfo],
     todo = [sh for sh in shards if sh.name not in done]
     with ThreadPoolExecutor(cfg.threads, thread_name_prefix="pack-read") as pool, \
             open(os.path.join(dest, JOURNAL), "a", encoding="utf-8") as log:
-        reads = _ReadAhead(pool, source, todo, cfg)
+        reads = ReadAhead(pool, source, todo, cfg)
         try:
             def written(size: int) -> None:
                 nonlocal files_done, bytes_done
@@ -356,79 +353,7 @@ def _pack_locked(cfg: PackConfig, dest: str, source: Any, files: list[FileInfo],
     return index
 
 
-class _ReadAhead:
-    """The files of the shards to write, read by the pool in plan order, at most max_inflight_bytes ahead."""
-
-    def __init__(self, pool: ThreadPoolExecutor, source: Any, shards: list[_Shard], cfg: PackConfig):
-        self.pool, self.source, self.cfg = pool, source, cfg
-        self._upcoming = iter([f for sh in shards for s in sh.samples for _, f in s.files])
-        self._pending: deque[tuple[FileInfo, Future | None]] = deque()
-        self._bytes = 0
-
-    def _fill(self) -> None:
-        limit = self.cfg.max_inflight_bytes
-        while len(self._pending) < 4 * self.cfg.threads and (self._bytes < limit or not self._pending):
-            info = next(self._upcoming, None)
-            if info is None:
-                return
-            if info.size > _STREAM_ABOVE:
-                self._pending.append((info, None))  # the writer streams it
-                continue
-            self._pending.append((info, self.pool.submit(self._read, info)))
-            self._bytes += info.size
-
-    def next(self, info: FileInfo) -> bytes | None:
-        """The bytes of `info` (the next file in plan order), or None for a file the writer must stream."""
-        self._fill()
-        head, fut = self._pending.popleft()
-        assert head is info, (head, info)
-        if fut is None:
-            return None
-        data = fut.result()
-        self._bytes -= info.size
-        self._fill()
-        return data
-
-    def _read(self, info: FileInfo) -> bytes:
-        return _retrying(self.source, info, self.cfg.retries, lambda fh: fh.read())
-
-    def stream(self, info: FileInfo, write: Callable[[bytes], None]) -> None:
-        """Copy a big file in blocks (a retry after a partial copy cannot happen: a failure is final)."""
-        def copy(fh: Any) -> None:
-            left = info.size
-            while left > 0:
-                block = fh.read(min(8 << 20, left))
-                if not block:
-                    break
-                write(block)
-                left -= len(block)
-            if left:
-                raise PackError(f"{self.source.uid(info.rel)} shrank while it was packed")
-
-        _retrying(self.source, info, 1, copy)
-
-    def cancel(self) -> None:
-        for _, fut in self._pending:
-            if fut is not None:
-                fut.cancel()
-
-
-def _retrying(source: Any, info: FileInfo, retries: int, use: Callable[[Any], Any]) -> Any:
-    delay = 0.05
-    for attempt in range(1, retries + 1):
-        try:
-            with source.open(info.rel) as fh:
-                return use(fh)
-        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
-            raise PackError(f"cannot read {source.uid(info.rel)}: {exc}") from None
-        except OSError as exc:
-            if attempt == retries:
-                raise PackError(f"reading {source.uid(info.rel)} failed after {attempt} attempts: {exc}") from None
-            time.sleep(delay * (1 + random.random()))
-            delay *= 2
-
-
-def _write_shard(dest: str, shard: _Shard, reads: _ReadAhead, written: Callable[[int], None]) -> dict[str, Any]:
+def _write_shard(dest: str, shard: _Shard, reads: ReadAhead, written: Callable[[int], None]) -> dict[str, Any]:
     final = os.path.join(dest, shard.name)
     out = _Writer(final + ".part")
     samples = []
