@@ -39,9 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +48,10 @@ from typing import Any, Optional
 
 from orchestrator.core import devices as devspec
 from orchestrator.core.errors import BadInput
+from orchestrator.executors.slurm import gang
 from orchestrator.executors.slurm import jobs as sj
 from orchestrator.executors.slurm import nodes as sn
+from orchestrator.executors.slurm.target import check_target, describe_target, placement_options
 from orchestrator.executors.base import Executor, Exit, Launched, Liveness, OnExit, Probe, describe, job_argv
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
@@ -146,7 +146,7 @@ class SlurmExecutor(Executor):
             raise BadInput(f"job {job.id} needs {job.node_count} nodes; {self._describe_target()} has "
                            f"{len(self.nodes)}")
         name = sj.job_name(job)
-        argv = job_argv(job) if job.node_count == 1 else self._gang_argv(job)
+        argv = job_argv(job) if job.node_count == 1 else gang.argv(self.layout.home, job)
         log_path = Path(job.log_path or self.layout.log_path(job.id))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
@@ -157,8 +157,9 @@ class SlurmExecutor(Executor):
             os.makedirs(job.checkpoint_dir, exist_ok=True)  # visible to the nodes on a shared home
         exit_file = self.layout.exit_file(job.id, job.attempts)
         exit_file.unlink(missing_ok=True)
-        options = [*self._placement_options(), "-J", name, *self._shape(job), f"--output={log_path}",
-                   f"--error={log_path}", "--open-mode=append", "--requeue", "--export=ALL",
+        options = [*placement_options(self.partition, self.account, self.qos), "-J", name,
+                   *gang.shape(self.layout.home, job, self.nodes), f"--output={log_path}", f"--error={log_path}",
+                   "--open-mode=append", "--requeue", "--export=ALL",
                    f"--signal=B:TERM@{max(1, int(math.ceil(job.grace)))}"]
         options += [f"--cpus-per-task={per_node}"] if self.cpu_slots else [f"--gres=gpu:{per_node}"]
         if job.time_limit:
@@ -381,36 +382,6 @@ class SlurmExecutor(Executor):
 
     # ---- internals --------------------------------------------------------------------------------------
 
-    def _shape(self, job: Job) -> list[str]:
-        """sbatch's node options: one task on one node, or a gang of one launcher per node without the nodes this
-        job excludes. A job that may start on fewer nodes (`min_nodes`) asks for as many as the partition has
-        usable now (not excluded, down or drained), at least its minimum: Slurm, given a range, picks the fewest
-        that fit one task each, and a fixed task count could never start on fewer."""
-        if job.node_count == 1:
-            return ["-N1", "-n1"]
-        skip = sn.excluded(self.layout.home, job.id)
-        count = job.node_count
-        if job.min_nodes and job.min_nodes < count:
-            states = sn.slurm_states(n[0] for n in self.nodes)
-            usable = [n for n, state in states.items() if n not in skip and not sn.is_bad(state)]
-            count = max(job.min_nodes, min(count, len(usable)))
-        shape = [f"--nodes={count}", "--ntasks-per-node=1"]
-        return shape + ([f"--exclude={','.join(skip)}"] if skip else [])
-
-    def _gang_argv(self, job: Job) -> list[str]:
-        """A gang's command: `srun` starts one launcher per node (orchestrator.executors.slurm.nodelaunch), which
-        runs torchrun with the job's ranks there; a failed node ends the step everywhere (--kill-on-bad-exit)."""
-        records = sn.records_dir(self.layout.home, job.id, job.attempts)
-        if records.exists():
-            shutil.rmtree(records, ignore_errors=True)
-        records.mkdir(parents=True, exist_ok=True)
-        return ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, "-m",
-                "orchestrator.executors.slurm.nodelaunch", str(records), str(job.gpus_per_node), str(job.grace),
-                "--", *[str(a) for a in job.argv]]
-
-    def _placement_options(self) -> list[str]:
-        return placement_options(self.partition, self.account, self.qos)
-
     def _describe_target(self) -> str:
         return describe_target(self.partition, self.account, self.qos)
 
@@ -426,43 +397,3 @@ class SlurmExecutor(Executor):
             out.pop(protocol.VISIBLE_DEVICES, None)
         out[sj.EXIT_VAR] = str(exit_file)
         return out
-
-
-def placement_options(partition: Optional[str], account: Optional[str], qos: Optional[str]) -> list[str]:
-    """The sbatch options that say where attempts go."""
-    options = [f"--partition={partition}"] if partition else []
-    options += [f"--account={account}"] if account else []
-    return options + ([f"--qos={qos}"] if qos else [])
-
-
-def describe_target(partition: Optional[str], account: Optional[str], qos: Optional[str]) -> str:
-    """`partition P, account A, qos Q` for messages."""
-    parts = [f"partition {partition}" if partition else "the default partition"]
-    parts += [f"account {account}"] if account else []
-    return ", ".join(parts + ([f"qos {qos}"] if qos else []))
-
-
-def check_target(settings: Settings) -> list[tuple[str, int, int]]:
-    """The nodes (name, CPUs, GPUs) of the partition the settings name, once the controller has said that a
-    job there under the account and QoS would be accepted (`sbatch --test-only`); BadInput (one line)
-    when it would not, or when Slurm cannot be asked."""
-    target = (getattr(settings, "slurm_partition", None), getattr(settings, "slurm_account", None),
-              getattr(settings, "slurm_qos", None))
-    try:
-        nodes = sj.partition_nodes(target[0])
-        if not nodes:
-            what = f"partition {target[0]!r}" if target[0] else "default partition"
-            raise BadInput(f"the Slurm cluster has no {what} with nodes (see `sinfo`)")
-        sj.check_submit(placement_options(*target))
-    except sj.SlurmError as exc:
-        raise BadInput(f"slurm refuses {describe_target(*target)}: {exc}") from None
-    spec = str(settings.devices or "auto")
-    if spec.startswith("cpu:"):
-        devspec.parse(spec)
-    elif spec != "auto":
-        raise BadInput(f"with --executor slurm, --devices is auto (the partition's GPUs) or cpu:N, not "
-                       f"{spec!r}: Slurm picks the GPUs itself")
-    elif sum(n[2] for n in nodes) < 1:
-        raise BadInput(f"{describe_target(*target)} has no GPUs (gres gpu); use --devices cpu:N for N slots "
-                       "of one Slurm CPU each")
-    return nodes

@@ -50,7 +50,7 @@ def serve(
     if chosen.executor == "local":
         devspec.parse(chosen.devices)  # bad spec: exit 2 before anything is touched
     if chosen.executor == "slurm":
-        from orchestrator.executors.slurm.executor import check_target
+        from orchestrator.executors.slurm.target import check_target
 
         check_target(chosen)  # a partition, account or QoS Slurm refuses: exit 2 before anything is touched
     HealthConfig.from_settings(chosen)  # bad health settings: exit 2 before anything is touched
