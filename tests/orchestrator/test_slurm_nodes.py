@@ -28,6 +28,17 @@ def test_once_the_attempt_ended_a_launcher_that_neither_stopped_nor_ended_was_lo
     assert sn.lost(recs, {}, ended=False, now=NOW) == {}  # still beating: the run may go on
 
 
+def test_slurms_word_on_a_node_replaces_the_inference_from_its_launchers_missing_end():
+    """Slurm failing a node kills its launcher before or after the SIGTERM is recorded, as the load falls: the
+    reason is Slurm's either way; our own observation of a silent launcher stays ours."""
+    unended = {"a": rec("a", beat=NOW - 1)}
+    assert sn.lost(unended, {}, ended=True, now=NOW) == {"a": f"node a lost: {sn.UNENDED}"}
+    assert sn.lost(unended, {"a": "down"}, ended=True, now=NOW) == {"a": "node a is down in Slurm"}
+    silent = {"a": rec("a", beat=NOW - sn.LOST_AFTER - 1)}
+    assert sn.lost(silent, {"a": "down"}, ended=True, now=NOW) == {"a": "node a lost: no heartbeat from its "
+                                                                         f"launcher for {sn.LOST_AFTER + 1:.0f}s"}
+
+
 def test_of_launchers_silent_together_only_those_whose_node_no_longer_answers_are_lost():
     # The head node died: its launcher and, with the step it carried, the other node's launcher went silent.
     recs = {"head": rec("head", beat=NOW - sn.LOST_AFTER - 1), "b": rec("b", beat=NOW - sn.LOST_AFTER - 1)}

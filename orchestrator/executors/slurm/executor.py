@@ -322,7 +322,8 @@ class SlurmExecutor(Executor):
         failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended, answers=sn.slurmd_answers)
         if ended:  # a node Slurm found failed and may have returned to service at once (ReturnToService=2)
             for node in sn.srun_node_failures(settled.get("log"), int(settled.get("log_from") or 0)):
-                failed.setdefault(node, f"node {node} failed (Slurm: node failure)")
+                if node not in failed or sn.inferred(failed[node]):
+                    failed[node] = f"node {node} failed (Slurm: node failure)"
         if not failed:
             if fallback[0] == 0:
                 sn.record_success(home, ran_on)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional
 BEAT = 1.0  # seconds between two heartbeats of a node's launcher
 LOST_AFTER = 6.0  # seconds without a heartbeat (and without a stop or an exit) after which a node is lost
 DRAIN_AFTER = 2  # failures in a row after which a node is drained
+UNENDED = "its launcher neither stopped nor ended with the job"
 BAD_STATES = ("down", "drain", "fail", "not_responding", "no_respond", "*")
 
 
@@ -119,7 +120,7 @@ def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
             if silent > LOST_AFTER:
                 out[node] = f"node {node} lost: no heartbeat from its launcher for {silent:.0f}s"
             elif ended:  # Slurm stops every launcher with a SIGTERM first, which each records at once
-                out[node] = f"node {node} lost: its launcher neither stopped nor ended with the job"
+                out[node] = f"node {node} lost: {UNENDED}"
             else:
                 continue
             quiet.append(node)
@@ -130,9 +131,16 @@ def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
                 if node not in gone:
                     del out[node]
     for node, state in slurm_states.items():
-        if node not in out and is_bad(state):
+        if is_bad(state) and (node not in out or inferred(out[node])):
             out[node] = f"node {node} is {state} in Slurm"
     return out
+
+
+def inferred(reason: str) -> bool:
+    """Whether a node's failure `reason` is only our inference from its launcher's missing end (which Slurm's own
+    word on the node, when there is one, replaces: a node Slurm failed may kill its launcher before the SIGTERM
+    is recorded, or after, depending on the load)."""
+    return reason.endswith(UNENDED)
 
 
 def slurmd_answers(node: str, timeout: float = 2.0) -> Optional[bool]:
