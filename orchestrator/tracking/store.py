@@ -65,7 +65,7 @@ def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
     _remove(building)  # a build killed earlier: ours, since we hold the lock
     _build(building, artifacts_dir)
     os.replace(building, path)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
 def _state(path: Path) -> str:
@@ -100,11 +100,7 @@ def _build(path: Path, artifacts_dir: Optional[Path]) -> None:
     root = artifacts_dir.resolve().as_uri() if artifacts_dir else DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
     store = SqlAlchemyStore(f"sqlite:///{path}", root)
     store.engine.dispose()  # closes its connections: nothing of it is left in a journal
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
 
 
 def _forget_engines(path: Path) -> None:
@@ -135,8 +131,9 @@ def _remove(path: Path) -> None:
             pass
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Sync a file, or a folder's entries (the rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
