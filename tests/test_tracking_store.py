@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.orchestrator.test_diskfull import small_fs  # noqa: F401 (fixture: a small mounted filesystem)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 OPEN = """
@@ -114,3 +116,34 @@ def test_a_store_with_runs_at_an_older_revision_is_left_to_mlflow(tmp_path):
     assert proc.returncode != 0 and "out-of-date database schema" in proc.stderr
     assert store.read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if "incomplete" in p.name or "creating" in p.name]
+
+
+FULL_DISK = """
+import sys
+from mlflow.exceptions import MlflowException
+from orchestrator.tracking.client import Tracker
+
+tracker = Tracker(sys.argv[1])
+experiment = tracker.experiment_id("digits")
+with open(sys.argv[2], "wb", buffering=0) as ballast:  # every free byte of the store's filesystem
+    try:
+        while True:
+            ballast.write(bytes(1 << 20))
+    except OSError:
+        pass
+try:
+    for _ in range(100):  # the database's free pages first
+        tracker.client.create_run(experiment)
+except MlflowException as exc:
+    print("raised:", " ".join(str(exc).split()))
+"""
+
+
+def test_a_write_refused_by_a_full_disk_is_raised_without_mlflow_printing_its_traceback(small_fs):  # noqa: F811
+    """MLflow logs a database error with its traceback before raising it; the caller says it in one line (a
+    session waits for space), so a session's output had a traceback for an error it handled."""
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, f"sqlite:///{small_fs / 'mlflow.db'}",
+                           str(small_fs / "ballast")], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "raised:" in proc.stdout and "database or disk is full" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -14,6 +14,7 @@ builds it once. PostgreSQL needs none of this: MLflow migrates it in one transac
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import sys
@@ -26,11 +27,27 @@ from orchestrator.core.schemalock import schema_lock
 _SIDE_FILES = ("-journal", "-wal", "-shm")  # SQLite's own files beside a database: they move with it
 
 
+class _RaisedAnyway(logging.Filter):
+    """Drops MLflow's log of a database error with its traceback (`make_managed_session` logs it, then raises it
+    as an MlflowException): the caller gets the exception and says it in one line (a full disk is "waiting for
+    space"), so a session's output shows no traceback for an error it handles."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SQLAlchemy database error")
+
+
+def _quiet_raised_errors() -> None:
+    logger = logging.getLogger("mlflow.store.db.utils")
+    if not any(isinstance(f, _RaisedAnyway) for f in logger.filters):
+        logger.addFilter(_RaisedAnyway())
+
+
 def open_client(tracking_uri: str, artifacts_dir: Optional[Path] = None) -> Any:
     """An `MlflowClient` on `tracking_uri`, its store created (whole) first if it is new. `artifacts_dir`: where a
     new store's default experiment keeps its artifacts (MLflow's `./mlruns` of the current directory if None)."""
     from mlflow import MlflowClient
 
+    _quiet_raised_errors()
     with schema_lock(tracking_uri, "mlflow"):
         path = sqlite_file(tracking_uri)
         if path is not None:
