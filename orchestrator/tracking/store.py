@@ -14,6 +14,7 @@ builds it once. PostgreSQL needs none of this: MLflow migrates it in one transac
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sqlite3
@@ -90,8 +91,6 @@ def _state(path: Path) -> str:
     runs: not ours to repair) or "half-made"."""
     if not path.exists():
         return "absent"
-    from mlflow.store.db.utils import _get_latest_schema_revision
-
     db = sqlite3.connect(path, timeout=60)  # not read-only: that cannot read a WAL database without its -shm
     try:
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -100,13 +99,21 @@ def _state(path: Path) -> str:
         version = (db.execute("SELECT version_num FROM alembic_version").fetchall()
                    if "alembic_version" in tables else [])
         scratch = any(name.startswith("_alembic_tmp_") for name in tables)
-        if not scratch and version == [(_get_latest_schema_revision(),)]:
+        if not scratch and version == [(_head_revision(),)]:
             return "whole"
         if "runs" in tables and db.execute("SELECT 1 FROM runs LIMIT 1").fetchone():
             return "has runs"
         return "half-made"
     finally:
         db.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _head_revision() -> str:
+    """MLflow's current schema revision (reading its migration scripts costs ~50 ms: once per process)."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    return _get_latest_schema_revision()
 
 
 def _build(path: Path, artifacts_dir: Optional[Path]) -> None:
