@@ -103,11 +103,14 @@ def test_a_store_mlflow_left_half_made_is_set_aside_and_created_again(tmp_path):
     assert len(aside) == 1  # kept, not deleted
 
 
-def test_a_store_with_runs_at_an_older_revision_is_left_to_mlflow(tmp_path):
+def test_a_store_mlflow_finished_once_at_an_older_revision_is_left_to_mlflow(tmp_path):
+    """An older MLflow's store (here: only its default experiment, no run yet) is not ours to repair."""
     import sqlite3
 
+    from orchestrator.tracking.client import Tracker
+
     store = tmp_path / "mlflow.db"
-    _log_one_metric(f"sqlite:///{store}")
+    Tracker(f"sqlite:///{store}")
     with sqlite3.connect(store) as db:
         db.execute("UPDATE alembic_version SET version_num = 'older'")  # an older MLflow's store
     before = store.read_bytes()

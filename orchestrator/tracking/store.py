@@ -6,8 +6,9 @@ power cut) left a store that MLflow can never open again: the next opener re-run
 recorded revision and stops at the half-done one ("table _alembic_tmp_endpoints already exists"), or refuses
 the store as out of date. So a new SQLite store is built beside its path (`NAME.creating`) and renamed into place
 once complete: the path holds a whole store or none. A store left half-made by an earlier version of this
-product (not at MLflow's head revision, no runs in it) is set aside as `NAME.incomplete-TIME`, with its journal,
-and built again; a store with runs in it is never touched (an older MLflow's store: MLflow says what to do).
+product (not at MLflow's head revision, not even its default experiment made) is set aside as
+`NAME.incomplete-TIME`, with its journal, and built again; a store with experiments in it is never touched (an
+older MLflow's store: MLflow says what to do).
 All of it under the store's schema lock (`orchestrator.core.schemalock`), so a fleet opening a new home at once
 builds it once. PostgreSQL needs none of this: MLflow migrates it in one transaction.
 """
@@ -69,7 +70,7 @@ def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
     (see the module docstring). The caller holds the store's schema lock."""
     path = Path(os.path.realpath(path))  # a link to the store: built beside the file it names
     state = _state(path)
-    if state in ("whole", "has runs"):
+    if state in ("whole", "in use"):
         return
     if state == "half-made":
         aside = path.with_name(f"{path.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -87,8 +88,8 @@ def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
 
 
 def _state(path: Path) -> str:
-    """"absent" (no file or no tables), "whole" (at MLflow's head revision), "has runs" (not at head, but holding
-    runs: not ours to repair) or "half-made"."""
+    """"absent" (no file or no tables), "whole" (at MLflow's head revision), "in use" (not at head, but with
+    experiments in it: not ours to repair) or "half-made" (a creation that never finished)."""
     if not path.exists():
         return "absent"
     db = sqlite3.connect(path, timeout=60)  # not read-only: that cannot read a WAL database without its -shm
@@ -101,8 +102,10 @@ def _state(path: Path) -> str:
         scratch = any(name.startswith("_alembic_tmp_") for name in tables)
         if not scratch and version == [(_head_revision(),)]:
             return "whole"
-        if "runs" in tables and db.execute("SELECT 1 FROM runs LIMIT 1").fetchone():
-            return "has runs"
+        # MLflow makes the default experiment once its migrations are done: a store with any experiment was whole
+        # once (an older MLflow's, or one whose upgrade failed), and holds what someone made.
+        if "experiments" in tables and db.execute("SELECT 1 FROM experiments LIMIT 1").fetchone():
+            return "in use"
         return "half-made"
     finally:
         db.close()
