@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.core.config import Settings
 from orchestrator.core.direction import Direction
+from orchestrator.tracking.store import open_client
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ class Tracker:
     """A thin, idempotent layer over `MlflowClient` for one tracking store."""
 
     def __init__(self, tracking_uri: str, artifacts_dir: Path | str | None = None):
-        from orchestrator.tracking.store import open_client
-
         import_mlflow()  # heavy: imported only when a tracker is actually built
         self.tracking_uri = tracking_uri
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else None
