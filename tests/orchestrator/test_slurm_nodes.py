@@ -34,6 +34,8 @@ def test_slurms_word_on_a_node_replaces_the_inference_from_its_launchers_missing
     unended = {"a": rec("a", beat=NOW - 1)}
     assert sn.lost(unended, {}, ended=True, now=NOW) == {"a": f"node a lost: {sn.UNENDED}"}
     assert sn.lost(unended, {"a": "down"}, ended=True, now=NOW) == {"a": "node a is down in Slurm"}
+    assert sn.lost(unended, {"a": "idle"}, ended=True, now=NOW, srun_failed=["a"]) == {
+        "a": "node a failed (Slurm: node failure)"}  # back in service at once: srun's report stays
     silent = {"a": rec("a", beat=NOW - sn.LOST_AFTER - 1)}
     assert sn.lost(silent, {"a": "down"}, ended=True, now=NOW) == {"a": "node a lost: no heartbeat from its "
                                                                          f"launcher for {sn.LOST_AFTER + 1:.0f}s"}

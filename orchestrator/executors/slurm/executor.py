@@ -319,11 +319,9 @@ class SlurmExecutor(Executor):
         ran_on = sorted(recs)
         if ran_on:
             sn.note_attempt(home, watch.job_id, watch.attempt, nodes=ran_on)
-        failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended, answers=sn.slurmd_answers)
-        if ended:  # a node Slurm found failed and may have returned to service at once (ReturnToService=2)
-            for node in sn.srun_node_failures(settled.get("log"), int(settled.get("log_from") or 0)):
-                if node not in failed or sn.inferred(failed[node]):
-                    failed[node] = f"node {node} failed (Slurm: node failure)"
+        # srun's report outlives a failed node's DOWN state, which may end at once (ReturnToService=2)
+        reported = sn.srun_node_failures(settled.get("log"), int(settled.get("log_from") or 0)) if ended else []
+        failed = sn.lost(recs, sn.slurm_states(ran_on), ended=ended, answers=sn.slurmd_answers, srun_failed=reported)
         if not failed:
             if fallback[0] == 0:
                 sn.record_success(home, ran_on)

@@ -98,7 +98,7 @@ def exclude(home: Path, job_id: int, failed: dict[str, str]) -> None:
 
 def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
          now: Optional[float] = None, silent_only: bool = False,
-         answers: Optional[Callable[[str], Optional[bool]]] = None) -> dict[str, str]:
+         answers: Optional[Callable[[str], Optional[bool]]] = None, srun_failed: Iterable[str] = ()) -> dict[str, str]:
     """The nodes of an attempt that failed it, with why: a preflight failure or a device fault, a launcher silent
     for `LOST_AFTER` without having stopped or ended (once the attempt `ended`, any such launcher), or Slurm's
     word on the node. `silent_only`: the silent ones alone (a running gang whose node found a device fault
@@ -106,7 +106,11 @@ def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
 
     `answers(node)`: whether the node's slurmd takes a connection (None: unknown). When several launchers fell
     silent together and some of their nodes still answer, only those that do not are lost: the others went
-    down with it (the head node holds the batch shell and `srun`; losing it ends the step on every node)."""
+    down with it (the head node holds the batch shell and `srun`; losing it ends the step on every node).
+
+    Slurm's word (a bad node state, then `srun_failed`: the nodes srun reported failed) replaces our inference
+    from a launcher's missing end: a node Slurm failed kills its launcher before or after the SIGTERM is
+    recorded, as the load falls."""
     now = time.time() if now is None else now
     out = {}
     quiet = []  # nodes whose launcher fell silent
@@ -130,17 +134,11 @@ def lost(recs: dict[str, dict], slurm_states: dict[str, str], *, ended: bool,
             for node in quiet:
                 if node not in gone:
                     del out[node]
-    for node, state in slurm_states.items():
-        if is_bad(state) and (node not in out or inferred(out[node])):
-            out[node] = f"node {node} is {state} in Slurm"
+    slurms_word = [(node, f"is {state} in Slurm") for node, state in slurm_states.items() if is_bad(state)]
+    for node, why in slurms_word + [(node, "failed (Slurm: node failure)") for node in srun_failed]:
+        if node not in out or out[node].endswith(UNENDED):
+            out[node] = f"node {node} {why}"
     return out
-
-
-def inferred(reason: str) -> bool:
-    """Whether a node's failure `reason` is only our inference from its launcher's missing end (which Slurm's own
-    word on the node, when there is one, replaces: a node Slurm failed may kill its launcher before the SIGTERM
-    is recorded, or after, depending on the load)."""
-    return reason.endswith(UNENDED)
 
 
 def slurmd_answers(node: str, timeout: float = 2.0) -> Optional[bool]:
