@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 # Advisory lock keys are one bigint per database; each store under its own key, so that a queue and an MLflow
 # store in one PostgreSQL database do not wait for each other.
@@ -32,17 +32,23 @@ def lock_key(url: str, name: str) -> int:
     return _KEY_BASE + (zlib.crc32(scope.encode()) & 0xFFFF)
 
 
+def sqlite_path(url: str) -> Optional[str]:
+    """The database file of a SQLite URL (`sqlite:///PATH`, any driver), without its query string; None for other
+    databases and for in-memory SQLite."""
+    if not url.startswith("sqlite") or "///" not in url:
+        return None
+    path = url.split("///", 1)[1].split("?", 1)[0]
+    return path if path and path != ":memory:" else None
+
+
 @contextlib.contextmanager
 def schema_lock(url: str, name: str, *, timeout: float = 300.0) -> Iterator[None]:
     """Hold the schema lock of the `name` store at `url` for the block (see the module docstring).
 
     `timeout`: seconds to wait for another process's upgrade (a SQLite file lock; PostgreSQL waits through
     `lock_timeout`)."""
-    if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1].split("?", 1)[0]
-        if not path or path == ":memory:":
-            yield
-            return
+    path = sqlite_path(url)
+    if path is not None:
         from filelock import FileLock
 
         with FileLock(path + ".lock", timeout=timeout):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from orchestrator.core.schemalock import schema_lock
+from orchestrator.core.schemalock import schema_lock, sqlite_path
 
 _SIDE_FILES = ("-journal", "-wal", "-shm")  # SQLite's own files beside a database: they move with it
 
@@ -51,18 +51,10 @@ def open_client(tracking_uri: str, artifacts_dir: Optional[Path] = None) -> Any:
 
     _quiet_raised_errors()
     with schema_lock(tracking_uri, "mlflow"):
-        path = sqlite_file(tracking_uri)
+        path = sqlite_path(tracking_uri)
         if path is not None:
-            ready_sqlite(path, artifacts_dir)
+            ready_sqlite(Path(path), artifacts_dir)
         return MlflowClient(tracking_uri=tracking_uri)
-
-
-def sqlite_file(tracking_uri: str) -> Optional[Path]:
-    """The database file of a `sqlite:///PATH` tracking URI; None for other stores and in-memory SQLite."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    path = tracking_uri[len("sqlite:///"):].split("?", 1)[0]
-    return Path(path) if path and path != ":memory:" else None
 
 
 def ready_sqlite(path: Path, artifacts_dir: Optional[Path] = None) -> None:
@@ -137,8 +129,8 @@ def _forget_engines(path: Path) -> None:
 
     engines = getattr(SqlAlchemyStore, "_engine_map", {})
     for uri in list(engines):
-        file = sqlite_file(str(uri))
-        if file is not None and os.path.abspath(file) == os.path.abspath(path):
+        file = sqlite_path(str(uri))
+        if file is not None and os.path.realpath(file) == str(path):
             engines.pop(uri).dispose()
 
 
