@@ -94,6 +94,12 @@ def stop_service(svc) -> None:
                 pass
 
 
+def starts(settings, job_id: int) -> list[str]:
+    """How each attempt of the job started (its RUNNING events: `pid N, warm` or `pid N, cold: why`)."""
+    store = api.open_store(settings)
+    return [e.reason for e in store.events(job_id) if e.dst == "RUNNING"]
+
+
 def preempt_and_resume(svc, name: str) -> dict:
     """Submit the victim, preempt it with the reference once it has made progress, wait for both to end."""
     params, progress = CASES[name]
@@ -163,9 +169,13 @@ def test_preempted_trial_resumes_bitwise(outcomes, name):
 
     spec = registry.get(EXPERIMENT.get(name, name))
     client = MlflowClient(tracking_uri=outcome["settings"].tracking_uri)
+    # How each attempt started, for a failure's message: a mismatch seen once (digits, epoch 1 of the reference)
+    # equalled, bit for bit, what MKL's code path without FMA computes (benchmarks/RESULTS.md).
+    started = {"preempted": starts(outcome["settings"], victim.id),
+               "uninterrupted": starts(outcome["settings"], reference.id)}
     for key in {spec.metric, spec.progress_metric, "train_loss"}:
         got, want = history(client, victim.mlflow_run_id, key), history(client, reference.mlflow_run_id, key)
-        assert got == want, f"{key}: preempted {got} != uninterrupted {want}"  # exact float equality
+        assert got == want, f"{key}: preempted {got} != uninterrupted {want}; attempts started {started}"  # exact
     final = client.get_run(victim.mlflow_run_id).data.metrics[spec.metric]
     assert final == client.get_run(reference.mlflow_run_id).data.metrics[spec.metric]
     if name == "charlm-shards":
