@@ -18,6 +18,8 @@ import json
 import sqlite3
 from dataclasses import dataclass, field
 
+from orchestrator.core.schemalock import sqlite_path
+
 TAG = "autoresearch.job_run"  # on a run the job created: the job's own run id
 CONTEXT_VAR, EXPERIMENT_VAR, RUN_VAR, URI_VAR = ("MLFLOW_RUN_CONTEXT", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID",
                                                  "MLFLOW_TRACKING_URI")
@@ -32,8 +34,7 @@ class Adopted:
 
 
 def _sqlite(env: dict[str, str]) -> str | None:
-    uri = env.get(URI_VAR, "")
-    return uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    return sqlite_path(env.get(URI_VAR, ""))
 
 
 def context_env(env: dict[str, str]) -> dict[str, str]:

@@ -57,6 +57,7 @@ from orchestrator.executors.local import warmpool
 from orchestrator.executors.local.warmstart import first_path, python_target, shadowed
 from orchestrator.core import outputmetrics
 from orchestrator.core.metriclines import DEFAULT_PATTERN, LineReader, compile_pattern
+from orchestrator.core.schemalock import sqlite_path
 from runtime import gpushare, protocol
 from runtime.errors import RuntimeJobError
 
@@ -292,9 +293,10 @@ def logged_by_script(metric: str) -> bool:
     run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI", "")
     if not run_id:
         return True
-    if uri.startswith("sqlite:///"):  # the default store: one indexed read instead of seconds of MLflow import
+    path = sqlite_path(uri)
+    if path is not None:  # the default store: one indexed read instead of seconds of MLflow import
         try:
-            with sqlite3.connect(f"file:{uri[len('sqlite:///'):]}?mode=ro", uri=True, timeout=30) as db:
+            with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30) as db:
                 return db.execute("SELECT 1 FROM metrics WHERE run_uuid = ? AND key = ? LIMIT 1",
                                   (run_id, metric)).fetchone() is not None
         except sqlite3.Error:

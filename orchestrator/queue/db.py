@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, SQLModel, create_engine
 
 from orchestrator.core.errors import StoreUnavailable
-from orchestrator.core.schemalock import schema_lock
+from orchestrator.core.schemalock import schema_lock, sqlite_path
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -55,8 +55,8 @@ def _sqlite_engine(url: str) -> Engine:
 def make_engine(url: str) -> Engine:
     """An engine for `url` (SQLite gets WAL, a busy timeout and immediate transactions)."""
     if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
+        path = sqlite_path(url)
+        if path is not None:
             parent = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(parent):
                 raise StoreUnavailable(f"cannot open queue database {url}: directory {parent} does not exist")

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from orchestrator.core.schemalock import sqlite_path
+
 log = logging.getLogger(__name__)
 IDLE_EXIT = 45.0  # seconds without work before the service stops its worker (the next batch starts another)
 ANSWER_WITHIN = 300.0  # seconds the worker may take for one answer (a store that hangs) before it is stopped
@@ -235,12 +237,13 @@ def tune_sqlite_tracking(tracking_uri: str) -> None:
     rollback journal, synchronous=FULL) fsync several times per `create_run`, which on a busy disk made runs
     many times slower (benchmarks/RESULTS.md). MLflow builds its engine itself, so this listens on every engine's
     connects and acts only on this store's file."""
-    if not tracking_uri.startswith("sqlite:///") or tracking_uri in _tuned:
+    path = sqlite_path(tracking_uri)
+    if path is None or tracking_uri in _tuned:
         return
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
-    path = os.path.abspath(tracking_uri[len("sqlite:///"):])
+    path = os.path.abspath(path)
     _tuned.add(tracking_uri)
 
     @event.listens_for(Engine, "connect")

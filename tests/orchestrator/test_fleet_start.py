@@ -175,3 +175,29 @@ def test_schema_lock_excludes_a_second_holder(backend, tmp_path, request):
         holder.wait()
     with schema_lock(url, "queue", timeout=10):  # the holder died: its lock went with it
         pass
+
+
+@pytest.mark.parametrize("url, path", [
+    ("sqlite:////abs/home/queue.db", "/abs/home/queue.db"),
+    ("sqlite:///relative/mlflow.db", "relative/mlflow.db"),
+    ("sqlite+pysqlite:////abs/mlflow.db?timeout=30", "/abs/mlflow.db"),  # a driver and a query: the same file
+    ("sqlite://", None),  # in memory: no file to lock, tune or read
+    ("sqlite:///:memory:", None),
+    ("postgresql+psycopg2://postgres@127.0.0.1:5432/test", None),
+    ("http://127.0.0.1:5000", None),
+])
+def test_one_rule_reads_the_file_of_a_sqlite_url(url, path):
+    """The schema lock, the tracking store, the tracking worker's tuning, the queue's engine and a job's metric
+    check all name a SQLite store's file by this one rule."""
+    from orchestrator.core.schemalock import sqlite_path
+
+    assert sqlite_path(url) == path
+
+
+def test_a_queue_url_with_a_query_names_its_missing_folder_in_one_line(tmp_path):
+    from orchestrator.core.errors import StoreUnavailable
+    from orchestrator.queue.db import make_engine
+
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(StoreUnavailable, match=f"directory {missing} does not exist$"):
+        make_engine(f"sqlite:///{missing}/queue.db?timeout=30")
