@@ -97,7 +97,10 @@ def stop_service(svc) -> None:
 def starts(settings, job_id: int) -> list[str]:
     """How each attempt of the job started (its RUNNING events: `pid N, warm` or `pid N, cold: why`)."""
     store = api.open_store(settings)
-    return [e.reason for e in store.events(job_id) if e.dst == "RUNNING"]
+    try:
+        return [e.reason for e in store.events(job_id) if e.dst == "RUNNING"]
+    finally:
+        store.close()
 
 
 def preempt_and_resume(svc, name: str) -> dict:
