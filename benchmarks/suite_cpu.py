@@ -49,9 +49,11 @@ if os.environ.get("SUITE_CPU_LOG"):
 def kind(rec: dict) -> str:
     """A process's kind: the pytest worker, `-m MODULE`, `-c`, or the script's file name (`forked:` when a warm
     pool forked it)."""
-    argv = rec["argv"]
-    if rec["forked"]:
-        return "forked: " + os.path.basename(rec["module_argv"][0] if rec["module_argv"] else "?")
+    argv = rec.get("argv") or []
+    if not argv:
+        return "?"
+    if rec.get("forked"):
+        return "forked: " + os.path.basename((rec.get("module_argv") or ["?"])[0])
     if any("exec(eval(sys.stdin" in a or a.endswith("pytest") for a in argv) or argv[1:3] == ["-m", "pytest"]:
         return "pytest (its own process)"
     if "-m" in argv[1:]:
@@ -71,7 +73,7 @@ def report(log: Path, top: int) -> None:
         by_kind[k][0] += 1
         by_kind[k][1] += rec["cpu"]
         if not k.startswith("pytest"):
-            by_file[rec["test"].split("::")[0] or "(no test)"] += rec["cpu"]
+            by_file[rec.get("test", "").split("::")[0] or "(no test)"] += rec["cpu"]
     total = sum(cpu for _, cpu in by_kind.values())
     print(f"{len(records)} Python processes ended, {total:.0f} CPU-s in all")
     print(f"\n{'CPU-s':>8} {'procs':>6} {'each':>6}  kind")
