@@ -23,6 +23,7 @@ import pytest
 
 from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
+from tests.orchestrator.helpers import started
 
 # One module fixture trains all four cases at once: under xdist its tests run on one worker, so it runs once.
 pytestmark = pytest.mark.xdist_group("experiment-resume")
@@ -94,15 +95,6 @@ def stop_service(svc) -> None:
                 pass
 
 
-def starts(settings, job_id: int) -> list[str]:
-    """How each attempt of the job started (its RUNNING events: `pid N, warm` or `pid N, cold: why`)."""
-    store = api.open_store(settings)
-    try:
-        return [e.reason for e in store.events(job_id) if e.dst == "RUNNING"]
-    finally:
-        store.close()
-
-
 def preempt_and_resume(svc, name: str) -> dict:
     """Submit the victim, preempt it with the reference once it has made progress, wait for both to end."""
     params, progress = CASES[name]
@@ -128,7 +120,7 @@ def outcomes(tmp_path_factory, mlflow_template):
     {name: {"victim": Job, "reference": Job | None, "settings": Settings} or {"error": exception}}."""
     services = {name: start_service(tmp_path_factory.mktemp(f"resume-{name}") / "home", mlflow_template)
                 for name in sorted(CASES)}
-    results: dict[str, dict] = {name: {"settings": svc.settings} for name, svc in services.items()}
+    results: dict[str, dict] = {name: {"settings": svc.settings, "store": svc.store} for name, svc in services.items()}
 
     def run(name: str) -> None:
         try:
@@ -174,11 +166,10 @@ def test_preempted_trial_resumes_bitwise(outcomes, name):
     client = MlflowClient(tracking_uri=outcome["settings"].tracking_uri)
     # How each attempt started, for a failure's message: a mismatch seen once (digits, epoch 1 of the reference)
     # equalled, bit for bit, what MKL's code path without FMA computes (benchmarks/RESULTS.md).
-    started = {"preempted": starts(outcome["settings"], victim.id),
-               "uninterrupted": starts(outcome["settings"], reference.id)}
+    how = {"preempted": started(outcome["store"], victim.id), "uninterrupted": started(outcome["store"], reference.id)}
     for key in {spec.metric, spec.progress_metric, "train_loss"}:
         got, want = history(client, victim.mlflow_run_id, key), history(client, reference.mlflow_run_id, key)
-        assert got == want, f"{key}: preempted {got} != uninterrupted {want}; attempts started {started}"  # exact
+        assert got == want, f"{key}: preempted {got} != uninterrupted {want}; attempts started {how}"  # exact
     final = client.get_run(victim.mlflow_run_id).data.metrics[spec.metric]
     assert final == client.get_run(reference.mlflow_run_id).data.metrics[spec.metric]
     if name == "charlm-shards":

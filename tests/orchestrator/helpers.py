@@ -31,6 +31,14 @@ def ckpt_job(steps: int, **kw) -> JobSpec:
     return JobSpec(argv=[sys.executable, str(SCRIPTS / "ckpt_job.py"), str(steps)], **kw)
 
 
+def started(store, job_id: int) -> list[str]:
+    """How each attempt of the job started, as `show` says it (its RUNNING events: `pid N, warm` or `pid N, cold:
+    why`)."""
+    from orchestrator.api import jobs as api
+
+    return [e.reason for e in api.show(job_id, store)[1] if e.dst == "RUNNING"]
+
+
 def kill_leftovers(store) -> None:
     """Tests stop services with jobs still running (they would be adopted); kill those process trees (a
     torchrun rank leads a session of its own, outside the job's process group)."""

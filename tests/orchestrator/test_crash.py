@@ -16,7 +16,7 @@ from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.core.config import Settings
-from tests.orchestrator.helpers import kill_leftovers, wait_for
+from tests.orchestrator.helpers import kill_leftovers, started, wait_for
 
 
 def alive(pid: int) -> bool:
@@ -180,7 +180,7 @@ def test_warm_attempts_outlive_a_kill_9_of_the_service_and_are_adopted(home, tmp
         stays = api.submit(JobSpec(argv=[sys.executable, str(script), str(tmp_path / "g2"), "0"], track=False))[0].id
         wait_for(lambda: all(store.get(j).state == "RUNNING" for j in (ends, stays)), what="two running jobs")
         for job_id in (ends, stays):
-            assert [e.reason for e in api.show(job_id, store)[1] if e.dst == "RUNNING"][0].endswith(", warm")
+            assert started(store, job_id)[0].endswith(", warm")
         pid_before = store.get(stays).pid
 
         os.kill(serve.pid, signal.SIGKILL)

@@ -29,7 +29,7 @@ from orchestrator.executors.base import Liveness
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import HOLDING
 from tests.support.requires import require
-from tests.orchestrator.helpers import SCRIPTS, ckpt_job, kill_leftovers, wait_for
+from tests.orchestrator.helpers import SCRIPTS, ckpt_job, kill_leftovers, started, wait_for
 from tests.support.dispatch import wait_for_dispatch
 
 
@@ -157,11 +157,6 @@ def local_service(request, kind, warm_only=False):
     return request.getfixturevalue("start_service")
 
 
-def started(service, job_id) -> list[str]:
-    """How each attempt of the job started, as `show` says it (its RUNNING events' reasons)."""
-    return [e.reason for e in api.show(job_id, service.store)[1] if e.dst == "RUNNING"]
-
-
 def state(service, job_id):
     return service.store.get(job_id).state
 
@@ -206,7 +201,7 @@ def test_a_warm_start_is_a_cold_start_to_the_job(request, kind, tmp_path):
     assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
     assert (state(service, as_module), service.store.get(as_module).exit_code) == ("FAILED", 4)
     how = "warm" if kind == "local" else "cold: warm starts are off (AUTORESEARCH_WARM=0)"
-    assert started(service, as_file) == [f"pid {p}, {how}" for p in _pids(service, as_file)]
+    assert started(service.store, as_file) == [f"pid {p}, {how}" for p in _pids(service, as_file)]
     text = log_of(service, as_file)
     reports = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert len(reports) == 2 and text.count("probe-stderr") == 2  # stdout and stderr of each attempt
@@ -245,15 +240,15 @@ def test_a_job_the_pool_cannot_honour_starts_cold_and_show_says_why(request, kin
            submit(JobSpec(argv=[sys.executable, probe, "0"], cwd=str(tmp_path), track=False)): "warm"}
     wait_for(lambda: all(state(service, j) == "SUCCEEDED" for j in why), timeout=60, what="four jobs")
     for job_id, reason in why.items():
-        assert started(service, job_id)[0].endswith(f", {reason}")
+        assert started(service.store, job_id)[0].endswith(f", {reason}")
     os.utime(extra)  # a module the pool imported changed: the pool is stale
     changed = submit(JobSpec(argv=[sys.executable, probe, "0"], track=False))
     wait_for(lambda: state(service, changed) == "SUCCEEDED", timeout=60)
-    assert started(service, changed)[0].endswith(", cold: the environment changed since the warm pool started")
+    assert started(service.store, changed)[0].endswith(", cold: the environment changed since the warm pool started")
     assert service.executor.warm_pool.wait_ready(60)  # a new pool, with the module as it is now
     again = submit(JobSpec(argv=[sys.executable, probe, "0"], track=False))
     wait_for(lambda: state(service, again) == "SUCCEEDED", timeout=60)
-    assert started(service, again)[0].endswith(", warm")
+    assert started(service.store, again)[0].endswith(", warm")
 
 
 def test_a_config_file_experiment_runs_its_python_script_warm(request, kind, tmp_path):

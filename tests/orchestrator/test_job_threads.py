@@ -14,7 +14,7 @@ from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
 from orchestrator.executors.base import cpu_threads
 from orchestrator.queue.models import JobSpec
-from tests.orchestrator.helpers import wait_for
+from tests.orchestrator.helpers import started, wait_for
 
 
 def _job(devices, gpus=1, share=None):
@@ -64,7 +64,7 @@ def test_a_job_gets_its_threads_cold_or_warm_and_its_own_count_wins(home, tmp_pa
             job_id = api.submit(JobSpec(argv=[sys.executable, str(probe), str(out)], env=env, track=False))[0].id
             wait_for(lambda: service.store.get(job_id).state in ("SUCCEEDED", "FAILED"), timeout=120, what=name)
             assert service.store.get(job_id).state == "SUCCEEDED", open(service.store.get(job_id).log_path).read()
-            how = next(e.reason for e in service.store.events(job_id) if e.dst == "RUNNING")
+            how = started(service.store, job_id)[0]
             assert how.endswith(", warm") == warm, how
             seen[name] = json.loads(out.read_text())
     finally:

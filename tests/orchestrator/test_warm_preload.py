@@ -11,7 +11,7 @@ from orchestrator.api import jobs as api
 from orchestrator.core.config import Settings
 from orchestrator.queue.models import JobSpec
 from orchestrator.tracking.client import Tracker
-from tests.orchestrator.helpers import wait_for
+from tests.orchestrator.helpers import started, wait_for
 
 JOB = """from runtime.context import JobContext
 import sys
@@ -49,7 +49,7 @@ def test_the_default_pool_preloads_mlflow_and_forks_with_no_thread_of_its_own(ho
         log = open(job.log_path).read()
         assert job.state == "SUCCEEDED", log
         assert "preloaded True" in log
-        assert [e.reason for e in api.show(job_id, service.store)[1] if e.dst == "RUNNING"][0].endswith(", warm")
+        assert started(service.store, job_id)[0].endswith(", warm")
         tracker = Tracker(settings.tracking_uri, settings.artifacts_dir)
         assert tracker.history(job.mlflow_run_id, "loss") == [(3, 0.25)]
         assert tracker.params(job.mlflow_run_id)["lr"] == "0.5"
