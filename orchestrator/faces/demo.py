@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     session_id = new_id()
     print(f"autoresearch demo: session {session_id} on digits, {args.trials} trials or {args.minutes:g} minutes "
-          f"on {args.devices}; {_proposer_note(proposer)}", flush=True)
+          f"on {args.devices}; {_proposer_note(proposer, settings)}", flush=True)
     print(f"home: {settings.home}", flush=True)
     summary = runner.start(config, settings=settings, session_id=session_id, devices=args.devices,
                            on_event=progress)
