@@ -47,9 +47,10 @@ def needs_ray() -> None:
             else "not installed (pip install 'autoresearch[ray]')")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head():
-    """The dashboard address of a local Ray head (2 CPUs, 2 logical GPUs) for the whole test session."""
+    """The dashboard address of a local Ray head (2 CPUs, 2 logical GPUs) for this module's Ray tests (one xdist
+    group, so they run together): it stops when the worker moves on, since an idle head costs about 4% of a core."""
     needs_ray()
     ray_bin = Path(sys.executable).with_name("ray")
     require("the `ray` command", None if ray_bin.exists() else f"none next to {sys.executable}")
