@@ -137,13 +137,21 @@ def test_a_session_streams_its_events_is_stopped_resumed_and_ends_with_a_verdict
     verdict = session.wait(timeout=180)
     assert verdict.status == "finished" and verdict.metric == "loss" and verdict.direction == "minimize"
     assert verdict.baseline is not None and verdict.headline and verdict.stop_reason
-    kinds = [e.kind for e in session.events(follow=False)]  # both runs of it, in order
+    events = list(session.events(follow=False))  # both runs of it, in order
+    kinds = [e.kind for e in events]
     assert kinds[:len(seen)] == [e.kind for e in seen] and "phase" in kinds  # the confirm phase, after resume
     # A stop costs no trial: those it cancelled ran again, and every planned trial has its result.
     cut_short = [ar.job(j) for j in stopped["cancelled_jobs"]]  # in flight at the stop
     cut_short = [j for j in cut_short if j.state == "CANCELLED"]  # (one may have finished as it was cancelled)
     assert all(j.reason.startswith(f"stopped with session {session.id}; resume runs it again") for j in cut_short)
-    assert kinds.count("rerun") == len(cut_short)
+    # Each ran again, unless its job had reached the end of its budget as the stop's cancel landed (it exited 0
+    # while CANCELLING): then its result counts as it is.
+    trial_of = {e.data["job"]: e.data["trial"] for e in events if e.kind == "submitted"}
+    rerun = {e.data["job"] for e in events if e.kind == "rerun"}
+    kept = {e.data["trial"] for e in events if e.kind == "succeeded"
+            and "finished its full budget before it was stopped" in (e.data.get("error") or "")}
+    assert all((j.id in rerun) != (trial_of[j.id] in kept) for j in cut_short), (rerun, kept, cut_short)
+    assert kinds.count("rerun") == len(rerun) == len(cut_short) - len(kept)
     assert kinds.count("succeeded") >= verdict.summary["counts"]["succeeded"] >= 4
     phases = ar.session(session.id).progress()["phases"]  # the cancelled jobs are not counted as trials done
     assert phases["baseline"]["done"] == 2 and phases["search"]["done"] + phases["confirm"]["done"] == 4, phases

@@ -19,12 +19,28 @@ from tests.orchestrator.helpers import kill_leftovers, wait_for
 HOLDING = (JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped (state T in /proc)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] != "T":
+                    return False
+        except FileNotFoundError:  # a thread that ended
+            continue
+    return True
+
+
 def _stop_between_writes(store: JobStore, pid: int) -> None:
     """SIGSTOP the service while this process holds the queue's write lock: it is then stopped outside any
-    write of its own (one stopped mid-write would hold the lock, and the test's submits would time out)."""
+    write of its own (one stopped mid-write would hold the lock, and the test's submits would time out).
+    The lock is kept until every thread of the service has stopped: kill() returns before they have, and a
+    thread still running on the other core (its vCPU descheduled, on a busy VM) could otherwise take the lock
+    between this commit and its stop."""
     with store.db.tx() as session:
         session.connection()  # BEGIN IMMEDIATE: waits for a write under way to commit
         os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: _stopped(pid), timeout=30, interval=0.01, what=f"every thread of the service {pid} stopped")
 
 
 def test_tops_plan_is_what_the_services_next_pass_does(home):
