@@ -14,21 +14,14 @@ from orchestrator.faces.views import snapshot
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.states import JobState
 from orchestrator.queue.store import JobStore
-from tests.orchestrator.helpers import kill_leftovers, wait_for
+from tests.orchestrator.helpers import kill_leftovers, proc_state, wait_for
 
 HOLDING = (JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED)
 
 
 def _stopped(pid: int) -> bool:
-    """Whether every thread of `pid` is stopped (state T in /proc)."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] != "T":
-                    return False
-        except FileNotFoundError:  # a thread that ended
-            continue
-    return True
+    """Whether every thread of `pid` is stopped (state T; a thread that ended meanwhile has none)."""
+    return all(proc_state(pid, int(tid)) in ("T", None) for tid in os.listdir(f"/proc/{pid}/task"))
 
 
 def _stop_between_writes(store: JobStore, pid: int) -> None:

@@ -31,6 +31,16 @@ def ckpt_job(steps: int, **kw) -> JobSpec:
     return JobSpec(argv=[sys.executable, str(SCRIPTS / "ckpt_job.py"), str(steps)], **kw)
 
 
+def proc_state(pid: int, tid: int | None = None) -> str | None:
+    """The state letter of process `pid` (or of its thread `tid`) in /proc: R, S, T, Z...; None once it is gone."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    try:
+        with open(path) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except FileNotFoundError:
+        return None
+
+
 def started(store, job_id: int) -> list[str]:
     """How each attempt of the job started, as `show` says it (its RUNNING events: `pid N, warm` or `pid N, cold:
     why`)."""

@@ -16,16 +16,12 @@ from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
 from orchestrator.queue.store import JobStore
 from orchestrator.core.config import Settings
-from tests.orchestrator.helpers import kill_leftovers, started, wait_for
+from tests.orchestrator.helpers import kill_leftovers, proc_state, started, wait_for
 
 
 def alive(pid: int) -> bool:
     """Whether process `pid` exists and has not exited (a zombie waiting for its reaper counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return proc_state(pid) not in (None, "Z")
 
 
 def start_serve(devices: str) -> subprocess.Popen:

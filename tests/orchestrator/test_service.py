@@ -9,7 +9,7 @@ from pathlib import Path
 
 from orchestrator.api import jobs as api
 from orchestrator.queue.models import JobSpec
-from tests.orchestrator.helpers import SCRIPTS, ckpt_job, wait_for
+from tests.orchestrator.helpers import SCRIPTS, ckpt_job, proc_state, wait_for
 from tests.support.dispatch import wait_for_dispatch
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -204,8 +204,7 @@ def test_leftover_processes_are_killed_before_the_device_is_reused(make_service,
     job_id = api.submit(JobSpec(argv=["sh", "-c", f"sleep 300 & echo $! > {pidfile}; exit 0"], track=False))[0].id
     wait_for(lambda: state(service, job_id) == "SUCCEEDED", timeout=20)
     pid = int(pidfile.read_text())
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
-             timeout=5, what="the leftover process to be killed")
+    wait_for(lambda: proc_state(pid) in (None, "Z"), timeout=5, what="the leftover process to be killed")
 
 
 def test_disabled_device_gets_no_new_jobs(make_service):
