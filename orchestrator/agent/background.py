@@ -68,7 +68,7 @@ def trial_counts(row: dict, store: JobStore, by_phase: Optional[list] = None) ->
 
 def _phase_counts(store: JobStore, row: dict) -> list:
     """The session's jobs by phase and state. The jobs that its `stop` cancelled are left out (its `resume` runs
-    those trials again: neither done nor lost)."""
+    those trials again: neither done nor lost), but for those whose result `resume` kept (done)."""
     from orchestrator.agent.session import stopped_reason
 
     return store.phase_counts(row["id"], skip_cancelled=stopped_reason(row["id"]))

@@ -144,7 +144,8 @@ class SessionConfig:
 
 def stopped_reason(session_id: str) -> str:
     """The reason `stop` cancels a session's unfinished trials with: a trial whose job was cancelled so is run
-    again by `resume` (orchestrator.agent.graph), and not counted as done meanwhile (`background.trial_counts`)."""
+    again by `resume` (orchestrator.agent.graph), and not counted as done meanwhile (`background.trial_counts`),
+    unless its job had finished its budget as the cancel landed: `resume` then keeps its result and scores it."""
     return f"stopped with session {session_id}; resume runs it again"
 
 

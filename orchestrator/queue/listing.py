@@ -119,11 +119,13 @@ def counts(conn: Connection, *, finished: bool = False, owner: Optional[str] = N
 def phase_counts(conn: Connection, owner: str, *, skip_cancelled: Optional[str] = None
                  ) -> list[tuple[Optional[str], str, int]]:
     """(phase, state, how many) of the jobs `owner` submitted: an agent session's trials, in one GROUP BY.
-    `skip_cancelled`: leave out CANCELLED jobs whose reason starts with it (trials a session runs again)."""
+    `skip_cancelled`: leave out CANCELLED jobs whose reason starts with it (trials a session runs again), but for
+    those the session scored: a job that had finished its budget as the cancel landed keeps its result (the
+    session ranks it, `orchestrator.agent.graph`), so its trial is done and is not run again."""
     stmt = select(_c.phase, _c.state, func.count()).where(_c.owner == owner)
     if skip_cancelled:
-        stmt = stmt.where(not_(and_(_c.state == JobState.CANCELLED.value, _c.reason.startswith(skip_cancelled,
-                                                                                              autoescape=True))))
+        stmt = stmt.where(not_(and_(_c.state == JobState.CANCELLED.value, _c.score.is_(None),
+                                    _c.reason.startswith(skip_cancelled, autoescape=True))))
     stmt = stmt.group_by(_c.phase, _c.state)
     return [(phase, state, n) for phase, state, n in conn.execute(stmt).all()]
 

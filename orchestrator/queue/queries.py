@@ -111,7 +111,7 @@ class JobQueries:
     def phase_counts(self, owner: str, *, skip_cancelled: Optional[str] = None
                      ) -> list[tuple[Optional[str], str, int]]:
         """(phase, state, how many) of `owner`'s jobs (an agent session's trials by phase), counted in SQL;
-        CANCELLED ones whose reason starts with `skip_cancelled` left out."""
+        CANCELLED ones whose reason starts with `skip_cancelled` left out, unless scored (`listing.phase_counts`)."""
         with self.db.reading() as conn:
             return listings.phase_counts(conn, owner, skip_cancelled=skip_cancelled)
 

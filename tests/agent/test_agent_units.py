@@ -126,6 +126,34 @@ def test_trial_budget_includes_the_confirmation_reruns():
     assert SPEC.metric == "loss"
 
 
+def test_a_stopped_trial_whose_result_resume_kept_counts_as_done(home):
+    """A session's `stop` cancels its trials in flight; `resume` runs each again, but for one whose job had
+    finished its budget as the cancel landed: its result is kept and scored. The queue's count (top, sessions,
+    MCP, the Python API) then says what the session's own count says: done, once, and not lost."""
+    from orchestrator.agent import background, tally
+    from orchestrator.agent.session import stopped_reason
+    from orchestrator.core.config import Settings
+    from orchestrator.queue.models import JobSpec
+    from orchestrator.queue.store import JobStore
+
+    store = JobStore(Settings.load().db_url)
+    sid = "s-kept"
+    jobs = {name: store.submit(JobSpec(argv=["true"], owner=sid, phase="search", idempotency_key=f"{sid}:{name}",
+                                       track=False)) for name in ("kept", "cut", "cut~1", "queued")}
+    for name in ("kept", "cut"):
+        store.cancel(jobs[name].id, f"{stopped_reason(sid)} (trial {name})")
+    row = {"id": sid, "config": {"goal": "", "experiment": "digits", "proposer": "random", "trials": 4}}
+    # before resume: both cancelled trials are neither done nor lost
+    assert background.trial_counts(row, store)["search"] == {"done": 0, "submitted": 2, "planned": 3}
+    store.keeping.set_scores({jobs["kept"].id: -0.5})  # resume kept its result ("finished its full budget")
+    counts = background.trial_counts(row, store)
+    assert counts["search"] == {"done": 1, "submitted": 3, "planned": 3}
+    trials = [{"phase": "search", "status": "succeeded", "job_id": jobs["kept"].id},
+              {"phase": "search", "status": "queued", "job_id": jobs["cut~1"].id},
+              {"phase": "search", "status": "queued", "job_id": jobs["queued"].id}]
+    assert counts == tally.of_trials(trials, tally.planned(row["config"]))  # the session's own count agrees
+
+
 def test_reports_number_distinct_steps():
     from orchestrator.agent.outcome import reports
 
