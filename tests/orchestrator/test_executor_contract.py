@@ -190,14 +190,25 @@ def test_exit_codes_retries_and_exit_75(start_service, tmp_path):
 
 
 def test_a_warm_start_is_a_cold_start_to_the_job(request, kind, tmp_path):
-    service = local_service(request, kind)()
-    probe = str(SCRIPTS / "start_probe.py")
-    as_file = submit(JobSpec(argv=[sys.executable, probe, "75"], cwd=str(tmp_path), env={"FOO": "bar"}, track=False))
-    as_module = submit(JobSpec(argv=[sys.executable, "-m", "start_probe", "4"], cwd=str(SCRIPTS), track=False))
-    wait_for(lambda: all(state(service, j) in ("SUCCEEDED", "FAILED") for j in (as_file, as_module)), timeout=60)
-    # What a fresh interpreter has: the reference for the signals, the mask, the threads and stdin.
-    fresh = json.loads(subprocess.run([sys.executable, probe, "0"], stdin=subprocess.DEVNULL, capture_output=True,
-                                      text=True, start_new_session=True).stdout)
+    # A service started ignoring SIGINT (a shell's background job, `autoresearch serve &` in a script) starts its
+    # jobs with SIGINT at its default all the same, warm or cold: its spawner and pool start ignoring it here.
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        service = local_service(request, kind)()
+        probe = str(SCRIPTS / "start_probe.py")
+        as_file = submit(JobSpec(argv=[sys.executable, probe, "75"], cwd=str(tmp_path), env={"FOO": "bar"},
+                                 track=False))
+        as_module = submit(JobSpec(argv=[sys.executable, "-m", "start_probe", "4"], cwd=str(SCRIPTS), track=False))
+        wait_for(lambda: all(state(service, j) in ("SUCCEEDED", "FAILED") for j in (as_file, as_module)),
+                 timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    # What a fresh interpreter has, started as a terminal starts one (SIGINT at its default, whatever this test
+    # process was started with): the reference for the signals, the mask, the threads and stdin.
+    shell = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    fresh = json.loads(subprocess.run([sys.executable, "-c", shell, sys.executable, probe, "0"],
+                                      stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                      start_new_session=True).stdout)
     job = service.store.get(as_file)
     assert (job.state, job.attempts, job.failures) == ("SUCCEEDED", 2, 0)  # 75: requeued, no attempt spent
     assert (state(service, as_module), service.store.get(as_module).exit_code) == ("FAILED", 4)

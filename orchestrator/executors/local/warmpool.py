@@ -59,6 +59,9 @@ EXIT_FILE_VAR = "AUTORESEARCH_EXIT_FILE"  # (executors.local.watch's: this modul
 CGROUP_VAR = "AUTORESEARCH_CGROUP"
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 _STARTED_WITH = {s: signal.getsignal(s) for s in _SIGNALS}  # the dispositions a fresh interpreter has
+# but SIGINT: the cold wrapper starts every job with it at its default (`spawner.DEFAULT_SIGNALS`), which Python
+# makes KeyboardInterrupt, even when the service was started ignoring it (a shell's background job does)
+_STARTED_WITH[signal.SIGINT] = signal.default_int_handler
 
 
 def environ_bytes(env: dict[str, str]) -> bytes:
