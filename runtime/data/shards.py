@@ -14,8 +14,8 @@ cache); `shuffle=False` is index order. Ranks, workers, padding and the position
 globally) are exactly VolumeDataset's (runtime.data.loader), so the rest of a resumed epoch is the unseen
 samples, whatever the worker count.
 
-Integrity. A shard is copied from the volume in ranged reads (several at once), each range's CRC-32 taken as it
-lands and the shard's combined from them; a size or
+Integrity. A shard is copied from the volume in ranged reads (several streams at once, each opening it once),
+each range's CRC-32 taken as it lands and the shard's combined from them; a size or
 checksum that differs from the index is a ShardError naming the shard and the first sample it breaks (found
 by each member's own CRC-32), and nothing is cached. Complete copies live in the FileCache shared with
 VolumeDataset (same locks: several workers or jobs copy a shard once), least recently used first out under
@@ -46,7 +46,6 @@ from runtime.errors import ShardError, VolumeError
 __all__ = ["ShardConfig", "ShardDataset", "shard_order"]
 
 _SHUFFLES = ("shards", "global", "none")
-_COPY_BLOCK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -236,21 +235,16 @@ class ShardDataset(EpochPosition):
             raise ShardError(_corrupt(uid, info, fd))
 
     def _copy_parts(self, info: dict[str, Any], fd: int) -> tuple[int, int]:
-        """Copy a shard in `part_bytes` ranges, `copy_threads` at once (network storage caps each stream, not the
-        sum: parallel ranged reads, as multipart downloads do), each range's CRC-32 taken as it lands (zlib
-        releases the GIL: the checks run in parallel too); returns (bytes copied, the whole shard's CRC-32)."""
+        """Copy a shard in `part_bytes` ranges, `copy_threads` streams at once (network storage caps each stream,
+        not the sum: parallel ranged reads, as multipart downloads do), each stream one open of the shard, each
+        range's CRC-32 taken as it lands (zlib releases the GIL: the checks run in parallel too); returns (bytes
+        copied, the whole shard's CRC-32)."""
         size, part = info["bytes"], self.config.part_bytes
         ranges = [(off, min(part, size - off)) for off in range(0, size, part)] or [(0, 0)]
         streams = min(self.config.copy_threads, len(ranges))
 
         def copy(mine: list[tuple[int, int]]) -> list[tuple[int, int]]:
-            out = []
-            for off, n in mine:
-                got = self.source.copy_ranges(info["name"], fd, [(off, n)])
-                out.append((got, _crc_of_range(fd, off, got)))
-                if got < n:
-                    break
-            return out
+            return self.source.copy_ranges(info["name"], fd, mine)
 
         if streams == 1:
             results = copy(ranges)
@@ -383,25 +377,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _crc_of_range(fd: int, offset: int, size: int) -> int:
-    """CRC-32 of bytes of a local file (just written: read back from the page cache)."""
-    crc, end = 0, offset + size
-    while offset < end:
-        block = os.pread(fd, min(_COPY_BLOCK, end - offset), offset)
-        if not block:
-            break
-        crc = zlib.crc32(block, crc)
-        offset += len(block)
-    return crc
 
 
 def _torn(uid: str, info: dict[str, Any], got: int) -> str:

@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, TypeVar
@@ -104,30 +105,29 @@ class LocalSource:
         """The file for reading (unbuffered: callers read large blocks)."""
         return open(os.path.join(self.root, rel), "rb", buffering=0)
 
-    def copy_ranges(self, rel: str, fd: int, ranges: list[tuple[int, int]]) -> int:
-        """Copy byte ranges (offset, size) of a file to the same offsets of `fd`, in the kernel (sendfile, no copy
-        through Python); returns the bytes copied, fewer than asked if the file is shorter."""
+    def copy_ranges(self, rel: str, fd: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Copy byte ranges (offset, size) of a file to the same offsets of `fd`, with one open of the file (an open
+        is a round trip on network storage), in the kernel (sendfile, no copy through Python), each range then
+        read back from the page cache for its CRC-32; returns (bytes copied, their CRC-32) for each range, up to
+        and including the first one the file cuts short."""
         src = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # A descriptor of our own on the same file: its position is ours, whatever other threads do with `fd`.
-            out = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            os.close(src)
-            return _copy_ranges_by_reads(self.open(rel), fd, ranges)
-        done = 0
-        try:
-            for offset, size in ranges:
-                os.lseek(out, offset, os.SEEK_SET)
-                left = size
-                while left > 0:
-                    n = os.sendfile(out, src, offset + size - left, left)
-                    if not n:
-                        return done
-                    left -= n
-                    done += n
-            return done
+            try:
+                # A descriptor of our own on the same file: its position is ours, whatever other threads do with `fd`.
+                out = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                return _copy_ranges_by_reads(open(src, "rb", buffering=0, closefd=False), fd, ranges)
+            try:
+                results: list[tuple[int, int]] = []
+                for offset, size in ranges:
+                    got = _sendfile_range(src, out, offset, size)
+                    results.append((got, _crc_of_range(fd, offset, got)))
+                    if got < size:
+                        break
+                return results
+            finally:
+                os.close(out)
         finally:
-            os.close(out)
             os.close(src)
 
     def copy(self, rel: str, fd: int) -> None:
@@ -172,8 +172,9 @@ class FsspecSource:
         """The file for reading."""
         return self.fs.open(f"{self.root}/{rel}", "rb")
 
-    def copy_ranges(self, rel: str, fd: int, ranges: list[tuple[int, int]]) -> int:
-        """Copy byte ranges (offset, size) of a file to the same offsets of `fd`; returns the bytes copied."""
+    def copy_ranges(self, rel: str, fd: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Copy byte ranges (offset, size) of a file to the same offsets of `fd`, with one open of the file, each
+        range's CRC-32 taken as its blocks pass; (bytes copied, CRC-32) for each range, as LocalSource's."""
         return _copy_ranges_by_reads(self.open(rel), fd, ranges)
 
     def copy(self, rel: str, fd: int) -> None:
@@ -181,21 +182,56 @@ class FsspecSource:
             shutil.copyfileobj(src, dst, 1 << 20)
 
 
-def _copy_ranges_by_reads(src: BinaryIO, fd: int, ranges: list[tuple[int, int]]) -> int:
-    done = 0
+_BLOCK = 4 << 20
+
+
+def _sendfile_range(src: int, out: int, offset: int, size: int) -> int:
+    os.lseek(out, offset, os.SEEK_SET)
+    left = size
+    while left > 0:
+        n = os.sendfile(out, src, offset + size - left, left)
+        if not n:
+            break
+        left -= n
+    return size - left
+
+
+def _crc_of_range(fd: int, offset: int, size: int) -> int:
+    """CRC-32 of bytes of a local file (just written: read back from the page cache)."""
+    crc, end = 0, offset + size
+    while offset < end:
+        block = os.pread(fd, min(_BLOCK, end - offset), offset)
+        if not block:
+            break
+        crc = zlib.crc32(block, crc)
+        offset += len(block)
+    return crc
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _copy_ranges_by_reads(src: BinaryIO, fd: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    results: list[tuple[int, int]] = []
     with src:
         for offset, size in ranges:
             src.seek(offset)
-            left = size
-            while left > 0:
-                block = src.read(min(left, 4 << 20))
+            done = crc = 0
+            while done < size:
+                block = src.read(min(size - done, _BLOCK))
                 if not block:
-                    return done
-                view = memoryview(block)
-                while view:
-                    n = os.pwrite(fd, view, offset + size - left)
-                    view, left, done = view[n:], left - n, done + n
-    return done
+                    break
+                crc = zlib.crc32(block, crc)
+                _pwrite_all(fd, block, offset + done)
+                done += len(block)
+            results.append((done, crc))
+            if done < size:
+                break
+    return results
 
 
 def open_source(source: str) -> LocalSource | FsspecSource:

@@ -298,6 +298,21 @@ def test_a_cold_epoch_over_a_slow_volume_opens_each_shard_once_and_a_warm_one_no
     assert vol.stats()["opens_by_path"] == opened, "a warm epoch never touches the volume"
 
 
+def test_each_copy_stream_opens_a_shard_once_whatever_its_ranges(tmp_path, slow_volume):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"s{i}.bin": random.Random(i).randbytes(300_001 + i) for i in range(6)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    pack(PackConfig(src, tmp_path / "dst", shard_size=1 << 20))  # two shards of about 900 KiB
+    vol = slow_volume(tmp_path / "dst", open_latency=0.001)
+    ds = ShardDataset(vol.mountpoint, cache_dir=tmp_path / "cache", shuffle=False, copy_threads=2,
+                      part_bytes=128 << 10)  # 8 ranges a shard, 4 for each of its 2 streams
+    assert {k: v["bin"] for k, v in map(as_dict, ds)} == {n.split(".")[0]: d for n, d in files.items()}
+    opens = sum(v for p, v in vol.stats()["opens_by_path"].items() if p.endswith(".tar"))
+    assert opens == 2 * len(ds.shards), "an open is a round trip on network storage: one per stream, not per range"
+
+
 def test_any_fsspec_url_to_a_pack_reads_the_same(packed, tmp_path):
     local = [as_dict(s) for s in ShardDataset(packed, cache_dir=tmp_path / "a", shuffle=False, part_bytes=7000)]
     url = [as_dict(s) for s in ShardDataset(f"file://{packed}", cache_dir=tmp_path / "b", shuffle=False,
