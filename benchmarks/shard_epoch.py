@@ -24,13 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.shards import make_source, sample_len  # noqa: E402  (the same files and per-sample work)
 from runtime.data.packing import PackConfig, pack  # noqa: E402
 from runtime.data.shards import ShardDataset  # noqa: E402
 from tests.support.slowfs import SlowVolume, fuse_unavailable_reason  # noqa: E402
-
-
-def sample_len(sample: dict) -> int:
-    return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -58,10 +55,7 @@ def main() -> None:
     vol_dir = work / f"vol-{args.files}x{args.size_kib}k-{args.shard_mib}m"
     if not (vol_dir / "shards" / "index.json").exists():
         print(f"writing and packing {args.files} files of {args.size_kib} KiB ...", flush=True)
-        for i in range(args.files):
-            path = vol_dir / "files" / f"class{i // 100:04d}" / f"img{i:06d}.jpg"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(os.urandom(args.size_kib << 10))
+        make_source(vol_dir / "files", args.files, args.size_kib << 10, 100)
         pack(PackConfig(str(vol_dir / "files"), str(vol_dir / "shards"), shard_size=args.shard_mib << 20))
         shutil.rmtree(vol_dir / "files")
     cache = work / "cache"
