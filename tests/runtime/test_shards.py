@@ -307,7 +307,7 @@ def test_each_copy_stream_opens_a_shard_once_whatever_its_ranges(tmp_path, slow_
     pack(PackConfig(src, tmp_path / "dst", shard_size=1 << 20))  # two shards of about 900 KiB
     vol = slow_volume(tmp_path / "dst", open_latency=0.001)
     ds = ShardDataset(vol.mountpoint, cache_dir=tmp_path / "cache", shuffle=False, copy_threads=2,
-                      part_bytes=128 << 10)  # 8 ranges a shard, 4 for each of its 2 streams
+                      part_bytes=128 << 10)  # 7 ranges a shard, 4 and 3 for its 2 streams
     assert {k: v["bin"] for k, v in map(as_dict, ds)} == {n.split(".")[0]: d for n, d in files.items()}
     opens = sum(v for p, v in vol.stats()["opens_by_path"].items() if p.endswith(".tar"))
     assert opens == 2 * len(ds.shards), "an open is a round trip on network storage: one per stream, not per range"
