@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.shards import make_source, sample_len  # noqa: E402  (the same files and per-sample work)
+from benchmarks.shards import add_volume_args, make_source, sample_len  # noqa: E402  (the same volume)
 from runtime.data.packing import PackConfig, pack  # noqa: E402
 from runtime.data.shards import ShardDataset  # noqa: E402
 from tests.support.slowfs import SlowVolume, fuse_unavailable_reason  # noqa: E402
@@ -39,12 +39,7 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=5000)
-    parser.add_argument("--size-kib", type=int, default=150)
-    parser.add_argument("--shard-mib", type=int, default=256)
-    parser.add_argument("--open-latency", type=float, default=0.005, help="seconds added to every open")
-    parser.add_argument("--bandwidth-mib", type=float, default=1024, help="volume bandwidth cap, MiB/s")
-    parser.add_argument("--readahead-kb", type=int, default=None, help="the volume's readahead window (needs root)")
+    add_volume_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shard-epoch-bench"))
     args = parser.parse_args()

@@ -85,17 +85,22 @@ def streaming_peer(python: str, mode: str, *args: object) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_volume_args(parser: argparse.ArgumentParser) -> None:
+    """The files, their pack and the slow volume, as this benchmark and benchmarks/shard_epoch.py take them."""
     parser.add_argument("--files", type=int, default=5000)
     parser.add_argument("--size-kib", type=int, default=150)
-    parser.add_argument("--per-dir", type=int, default=100)
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--open-latency", type=float, default=0.005, help="seconds added to every open")
     parser.add_argument("--bandwidth-mib", type=float, default=1024, help="volume bandwidth cap, MiB/s")
     parser.add_argument("--readahead-kb", type=int, default=None,
                         help="the volume's readahead window (default: FUSE's 128 KiB; 1024 reads 1 MiB per request, "
                              "as network filesystems do; needs root)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_volume_args(parser)
+    parser.add_argument("--per-dir", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="each contender's fastest of this many runs")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time what bounds a cold epoch: the shards' copy into the cache alone, and `cat` of "
