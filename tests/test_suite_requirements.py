@@ -31,7 +31,11 @@ def test_needs_a_container_engine(image):
 '''
 FIXTURES = ("from tests.conftest import pg_url  # noqa: F401\n"
             "from tests.runtime.conftest import slow_volume  # noqa: F401\n"
-            "from tests.containers.conftest import image  # noqa: F401\n")
+            "from tests.containers.conftest import image  # noqa: F401\n"
+            # A run still going after 100 s writes where each thread is and exits (the test then shows it).
+            "import faulthandler\n"
+            "STACKS = open('stacks.txt', 'w')\n"
+            "faulthandler.dump_traceback_later(100, exit=True, file=STACKS)\n")
 
 
 def run_probes(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
@@ -44,8 +48,17 @@ def run_probes(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
                AUTORESEARCH_TEST_PG="postgresql+psycopg2://postgres@127.0.0.1:1/test")
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "test_probes.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # --basetemp inside this test's own directory: without it the inner pytest numbers a directory of its own
+    # under /tmp/pytest-of-USER and, on exit, deletes the older ones no live run holds, which are whatever
+    # earlier runs on this machine left there (a leftover mount in one can block that for minutes).
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+               f"--basetemp={tmp_path / 'basetemp'}", "test_probes.py"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    stacks = tmp_path / "stacks.txt"
+    if stacks.exists() and stacks.read_text():
+        pytest.fail(f"the probes ran past 100 s; where they were:\n{stacks.read_text()}\n"
+                    f"{result.stdout}\n{result.stderr}", pytrace=False)
+    return result
 
 
 def test_under_ci_missing_postgres_and_fuse_fail_the_run(tmp_path):
