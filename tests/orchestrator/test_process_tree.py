@@ -261,6 +261,33 @@ def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
         second.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stray_that_starts_a_process_as_it_is_stopped_leaves_nothing_running(tmp_path, mode):
+    """A stray's job that answers SIGTERM by starting a process (an upload on the way out) and exiting leaves
+    that process orphaned, outside every tree the stop looked at: the SIGKILL after the grace still finds it, by
+    the job's environment, as the watcher does for a job that ends."""
+    needs_cgroup(mode)
+    layout = Layout(tmp_path / "home")
+    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    ready, late = tmp_path / "ready", tmp_path / "late.pid"
+    stray = _job(tmp_path, ["sh", "-c", f"trap 'sleep 300 & echo $! > {late}.tmp; mv {late}.tmp {late}; exit 0' TERM; touch {ready}; "
+                                        "while :; do sleep 0.05; done"], job_id=3)
+    launched = first.launch(stray, job_env(stray, base=dict(os.environ), layout=layout, tracking_uri=""))
+    stray.pid, stray.proc_start = launched.pid, launched.proc_start
+    wait_for(ready.exists, timeout=30, what="the job")
+    first.close()
+    second = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    try:
+        assert second.stop_strays(set(), grace=0.5) == [stray.id]
+        wait_for(late.exists, timeout=30, what="the process started on SIGTERM")
+        orphan = int(late.read_text())
+        wait_for(lambda: not procs.pid_alive(orphan), timeout=30, what="the process started on SIGTERM to be killed")
+        assert second.probe(stray).state.value != "running"
+    finally:
+        _reap([stray.pid])
+        second.close()
+
+
 def test_adoption_finds_a_wrapper_whose_start_time_was_recorded_in_another_format(tmp_path):
     """Jobs recorded by an older service (kernel ticks instead of psutil's start time) are adopted through the
     wrapper's environment, not killed as leftovers."""

@@ -33,7 +33,7 @@ from orchestrator.executors.base import (Executor, Launched, Liveness, OnExit, P
 from orchestrator.executors.local.mps import MpsControl
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
 from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
-from orchestrator.executors.local.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, scan
+from orchestrator.executors.local.watch import EXIT_FILE_VAR, LEFTOVER_WAIT, ExitWatcher, Found, Watch, scan
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 
@@ -270,10 +270,25 @@ class LocalExecutor(Executor):
         for key in (self.cgroups.attempts() if self.cgroups is not None else []):
             if key not in current and key not in strays:
                 strays[key] = procs.ProcessTree(None, self._cgroup_of(*key))
-        for tree in strays.values():
+        for key, tree in strays.items():
             tree.signal(signal.SIGTERM)
-            threading.Thread(target=_kill_after, args=(tree, grace), daemon=True).start()
+            threading.Thread(target=self._kill_after, args=(key, tree, grace), daemon=True).start()
         return sorted(job_id for job_id, _ in strays)
+
+    def _kill_after(self, key: tuple[int, int], tree: procs.ProcessTree, grace: float) -> None:
+        """SIGKILL what of a stray is left after the grace, until nothing is. Without a cgroup, a process the
+        job started as the SIGTERM went out (one the first look missed, or a child its dying parent left to
+        init) is in no tree: it is found by the job's environment, as the watcher finds an ended job's orphans."""
+        deadline = time.monotonic() + grace
+        while tree.alive() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        deadline = time.monotonic() + LEFTOVER_WAIT
+        while True:
+            if not tree.exact():
+                tree.add(scan(self.layout).get(key, Found()).members)
+            if not tree.signal(signal.SIGKILL) or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def _cgroup_of(self, job_id: int, attempt: int) -> Optional[Path]:
         if self.cgroups is None:
@@ -292,9 +307,3 @@ class LocalExecutor(Executor):
         if self.mps is not None:  # after the watcher: a daemon whose clients still run is left for the next service
             self.mps.stop()
 
-
-def _kill_after(tree: procs.ProcessTree, grace: float) -> None:
-    deadline = time.monotonic() + grace
-    while tree.alive() and time.monotonic() < deadline:
-        time.sleep(0.25)
-    tree.signal(signal.SIGKILL)
