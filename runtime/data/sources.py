@@ -62,6 +62,24 @@ class LocalSource:
 
     def __init__(self, root: str):
         self.root = os.path.abspath(os.path.expanduser(root))
+        self._sequential: bool | None = None  # whether reads tell the kernel they are sequential (_open)
+
+    def _open(self, rel: str) -> int:
+        """A descriptor for reading `rel` from start to end. Where the volume's readahead window is under
+        1 MiB, the kernel is told the read is sequential (POSIX_FADV_SEQUENTIAL, as `cp` does) and doubles the
+        window for it: a FUSE or network volume is asked for twice as much per request (256 KiB where FUSE's
+        default is 128 KiB), half the round trips. At 1 MiB requests are already as large as such volumes take,
+        and a doubled window only puts more readahead in flight (measured slower there)."""
+        if self._sequential is None:
+            window = readahead_kb(self.root)
+            self._sequential = window is None or window < 1024
+        fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
+        if self._sequential:
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass  # no such hint on this system or filesystem: the same reads, in the window's requests
+        return fd
 
     def uid(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -103,14 +121,14 @@ class LocalSource:
 
     def open(self, rel: str) -> BinaryIO:
         """The file for reading (unbuffered: callers read large blocks)."""
-        return open(os.path.join(self.root, rel), "rb", buffering=0)
+        return open(self._open(rel), "rb", buffering=0)
 
     def copy_ranges(self, rel: str, fd: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Copy byte ranges (offset, size) of a file to the same offsets of `fd`, with one open of the file (an open
         is a round trip on network storage), in the kernel (sendfile, no copy through Python), each range then
         read back from the page cache for its CRC-32; returns (bytes copied, their CRC-32) for each range, up to
         and including the first one the file cuts short."""
-        src = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
+        src = self._open(rel)
         try:
             try:
                 # A descriptor of our own on the same file: its position is ours, whatever other threads do with `fd`.
@@ -131,7 +149,7 @@ class LocalSource:
             os.close(src)
 
     def copy(self, rel: str, fd: int) -> None:
-        src = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_CLOEXEC)
+        src = self._open(rel)
         try:
             while os.sendfile(fd, src, None, 1 << 22):
                 pass
@@ -183,6 +201,18 @@ class FsspecSource:
 
 
 _BLOCK = 4 << 20
+
+
+def readahead_kb(path: str) -> int | None:
+    """The readahead window, in KiB, of the filesystem `path` lies on (its backing device's read_ahead_kb: a
+    FUSE or NFS mount has its own), or None where it cannot be read (a disk partition, which shares its disk's
+    entry, or no sysfs)."""
+    try:
+        dev = os.stat(path).st_dev
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _sendfile_range(src: int, out: int, offset: int, size: int) -> int:

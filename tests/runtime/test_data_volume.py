@@ -194,3 +194,42 @@ def test_a_listing_goes_parallel_only_once_the_storage_shows_it_is_slow(monkeypa
     with _Calls(8) as calls:
         assert calls.map(lambda i: call(i, SLOW_CALL_S * 3), list(range(40))) == [i * i for i in range(40)]
         assert calls._pool is not None and most[0] >= 4
+
+
+def test_reads_through_a_source_ask_the_volume_for_half_as_many_requests(tmp_path, slow_volume):
+    """The kernel splits a read of a FUSE or network file into requests of the mount's readahead window (FUSE's
+    default: 128 KiB), each a round trip to the volume. The data sources tell the kernel they read from start to
+    end, and it doubles the window for them: VolumeDataset's copies, ShardDataset's ranged copies and pack's
+    reads each ask for half as many requests as a plain read of the same bytes. (Where the window is 1 MiB
+    already, requests are as large as such volumes take, and they give no hint.)"""
+    from runtime.data.sources import LocalSource, readahead_kb
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(4 << 20)
+    for name in ("plain", "copy", "ranges", "open"):
+        (src / name).write_bytes(data)
+    vol = slow_volume(src, open_latency=0, readahead_kb=128)
+    assert readahead_kb(str(vol.mountpoint)) == 128 and readahead_kb(str(src)) != 128
+    source = LocalSource(str(vol.mountpoint))
+    out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+
+    def requests(read) -> int:
+        before = vol.stats()["reads"]
+        assert read() == data
+        return vol.stats()["reads"] - before
+
+    def copied(copy) -> bytes:
+        os.ftruncate(out, 0)
+        os.lseek(out, 0, os.SEEK_SET)
+        copy()
+        return os.pread(out, len(data) + 1, 0)
+
+    plain = requests((vol.mountpoint / "plain").read_bytes)
+    copy = requests(lambda: copied(lambda: source.copy("copy", out)))
+    ranges = requests(lambda: copied(lambda: source.copy_ranges("ranges", out, [(0, 3 << 20), (3 << 20, 1 << 20)])))
+    with source.open("open") as fh:
+        opened = requests(fh.read)
+    os.close(out)
+    assert plain >= 32, "a plain read of 4 MiB goes in requests of at most the 128 KiB window"
+    assert max(copy, ranges, opened) <= plain // 2 + 1, (plain, copy, ranges, opened)  # +1: the first is smaller

@@ -68,6 +68,7 @@ def _operations_class():
             self._failed: dict[str, int] = {}
             self.opens_by_path: dict[str, int] = {}
             self.opens = 0
+            self.reads = 0  # read requests served (the kernel splits a reader's reads into requests of its own)
             self.bytes_read = 0
             self.errors_injected = 0
             self.inflight = self.max_inflight = 0  # opens waiting on the "network" at once
@@ -148,7 +149,7 @@ def _operations_class():
                     blob = json.dumps({"opens": self.opens, "opens_by_path": self.opens_by_path,
                                        "bytes_read": self.bytes_read,
                                        "errors_injected": self.errors_injected,
-                                       "max_inflight": self.max_inflight}).encode()
+                                       "max_inflight": self.max_inflight, "reads": self.reads}).encode()
                 return blob[offset:offset + size]
             with self._lock:
                 if self._failed.get(path, 0) < self.fail_reads:
@@ -166,6 +167,7 @@ def _operations_class():
                     time.sleep(delay)
             with self._lock:
                 self.bytes_read += len(data)
+                self.reads += 1
             return data
 
         def release(self, path, fi):
@@ -238,7 +240,8 @@ class SlowVolume:
 
     def stats(self) -> dict:
         """Counters since mount: opens, opens_by_path ('/rel/path' keys), bytes_read, errors_injected,
-        max_inflight (most opens in progress at once: the concurrency a reader achieved)."""
+        max_inflight (most opens in progress at once: the concurrency a reader achieved), reads (read requests
+        served: the kernel asks for at most the mount's readahead window at once)."""
         with open(self.mountpoint / STATS_NAME, "rb") as fh:
             return json.loads(fh.read())
 
