@@ -50,7 +50,7 @@ def run_probes(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
         env["CI"] = ci
     # --basetemp inside this test's own directory: without it the inner pytest numbers a directory of its own
     # under /tmp/pytest-of-USER and, on exit, deletes the older ones no live run holds, which are whatever
-    # earlier runs on this machine left there (a leftover mount in one can block that for minutes).
+    # earlier runs on this machine left there, however large (a whole suite's tree, on a busy machine).
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                f"--basetemp={tmp_path / 'basetemp'}", "test_probes.py"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
