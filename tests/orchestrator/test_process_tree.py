@@ -233,21 +233,27 @@ def test_torchrun_exit_codes_map_back_to_the_job_protocol():
     assert exit_code(failures(-signal.SIGKILL)) == 128 + signal.SIGKILL
 
 
+def _restarted(tmp_path: Path, mode: str, jobs: list[Job], ready: Path) -> LocalExecutor:
+    """Start `jobs` through one service's executor, wait for `ready` to exist, and close that executor as a
+    service that went away does; the executor of the service started next."""
+    layout = Layout(tmp_path / "home")
+    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    for job in jobs:
+        launched = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
+        job.pid, job.proc_start = launched.pid, launched.proc_start
+    wait_for(ready.exists, timeout=30, what=f"{ready.name} to exist")
+    first.close()
+    return LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_strays_are_stopped_with_every_process_they_started(tmp_path, mode):
     """A restarted service finds attempts the queue no longer gives it (another host reaped it meanwhile) and
     stops each whole tree: SIGTERM, then SIGKILL after the grace for what ignores it."""
     needs_cgroup(mode)
-    layout = Layout(tmp_path / "home")
-    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
     pidfile = tmp_path / "helper.pid"
     kept, stray = _job(tmp_path, ["sleep", "300"], job_id=1), _job(tmp_path, _daemonizing(pidfile, "sleep 300"), 2)
-    for job in (kept, stray):
-        launched = first.launch(job, job_env(job, base=dict(os.environ), layout=layout, tracking_uri=""))
-        job.pid, job.proc_start = launched.pid, launched.proc_start
-    wait_for(pidfile.exists, timeout=30, what="the helper")
-    first.close()
-    second = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    second = _restarted(tmp_path, mode, [kept, stray], pidfile)
     try:
         assert second.stop_strays({(kept.id, kept.attempts)}, grace=0.5) == [stray.id]
         helper = int(pidfile.read_text())
@@ -267,16 +273,10 @@ def test_a_stray_that_starts_a_process_as_it_is_stopped_leaves_nothing_running(t
     that process orphaned, outside every tree the stop looked at: the SIGKILL after the grace still finds it, by
     the job's environment, as the watcher does for a job that ends."""
     needs_cgroup(mode)
-    layout = Layout(tmp_path / "home")
-    first = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
     ready, late = tmp_path / "ready", tmp_path / "late.pid"
-    stray = _job(tmp_path, ["sh", "-c", f"trap 'sleep 300 & echo $! > {late}.tmp; mv {late}.tmp {late}; exit 0' TERM; touch {ready}; "
-                                        "while :; do sleep 0.05; done"], job_id=3)
-    launched = first.launch(stray, job_env(stray, base=dict(os.environ), layout=layout, tracking_uri=""))
-    stray.pid, stray.proc_start = launched.pid, launched.proc_start
-    wait_for(ready.exists, timeout=30, what="the job")
-    first.close()
-    second = LocalExecutor(layout, lambda _exit: None, cgroup=mode)
+    on_term = f"sleep 300 & echo $! > {late}.tmp; mv {late}.tmp {late}; exit 0"
+    stray = _job(tmp_path, ["sh", "-c", f"trap '{on_term}' TERM; touch {ready}; while :; do sleep 0.05; done"], 3)
+    second = _restarted(tmp_path, mode, [stray], ready)
     try:
         assert second.stop_strays(set(), grace=0.5) == [stray.id]
         wait_for(late.exists, timeout=30, what="the process started on SIGTERM")
