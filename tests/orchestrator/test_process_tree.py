@@ -151,10 +151,10 @@ def _reap(pids: list[int]) -> None:
             pass
 
 
-def _daemonizing(pidfile: Path, then: str) -> list[str]:
-    """A job that starts a helper in a session of its own (ignoring SIGTERM), waits until it runs, then
-    `then` (a shell command)."""
-    helper = f"trap '' TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300"
+def _daemonizing(pidfile: Path, then: str, then_in_helper: str = "exec sleep 300") -> list[str]:
+    """A job that starts a helper in a session of its own (ignoring SIGTERM; it goes on with `then_in_helper`),
+    waits until it runs, then `then` (shell commands)."""
+    helper = f"trap '' TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; {then_in_helper}"
     return ["sh", "-c", f'setsid sh -c "{helper}" & while [ ! -e {pidfile} ]; do sleep 0.02; done; {then}']
 
 
@@ -174,6 +174,42 @@ def test_an_attempt_is_reported_only_once_its_daemonized_helper_is_gone(tmp_path
         assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ended_jobs_leftover_that_keeps_starting_processes_leaves_none_running(tmp_path, mode):
+    """A leftover that starts processes as fast as it can (a worker pool respawning its workers): one it starts
+    just before its SIGKILL is orphaned to init, outside the tree the watcher looked at. The watcher looks
+    again by the job's environment until nothing of the attempt is left, and only then reports the end."""
+    needs_cgroup(mode)
+    exits: queue.Queue = queue.Queue()
+    layout = Layout(tmp_path / "home")
+    executor = LocalExecutor(layout, exits.put, cgroup=mode)
+    pidfile = tmp_path / "helper.pid"
+    job = _job(tmp_path, _daemonizing(pidfile, "exit 0", then_in_helper="while :; do sleep 300 & done"))
+    env = job_env(job, base=dict(os.environ), layout=layout, tracking_uri="")
+    env["TEST_ATTEMPT_MARK"] = str(tmp_path)
+    try:
+        executor.launch(job, env)
+        ended = exits.get(timeout=60)
+        assert (ended.job_id, ended.code) == (1, 0) and "leftover processes" in ended.detail
+        assert _marked(str(tmp_path)) == []
+    finally:
+        for proc in _marked(str(tmp_path)):
+            proc.kill()
+        executor.close()
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """Live processes started with TEST_ATTEMPT_MARK=`mark`."""
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TEST_ATTEMPT_MARK") == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
 
 
 @pytest.mark.parametrize("mode", MODES)

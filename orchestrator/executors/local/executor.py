@@ -33,7 +33,7 @@ from orchestrator.executors.base import (Executor, Launched, Liveness, OnExit, P
 from orchestrator.executors.local.mps import MpsControl
 from orchestrator.executors.local.spawner import Spawner, SpawnerGone
 from orchestrator.executors.local.warmstart import COLD, WARM, WarmPool
-from orchestrator.executors.local.watch import EXIT_FILE_VAR, LEFTOVER_WAIT, ExitWatcher, Found, Watch, scan
+from orchestrator.executors.local.watch import EXIT_FILE_VAR, ExitWatcher, Found, Watch, kill_all, scan
 from orchestrator.core.layout import Layout
 from orchestrator.queue.models import Job
 
@@ -276,19 +276,13 @@ class LocalExecutor(Executor):
         return sorted(job_id for job_id, _ in strays)
 
     def _kill_after(self, key: tuple[int, int], tree: procs.ProcessTree, grace: float) -> None:
-        """SIGKILL what of a stray is left after the grace, until nothing is. Without a cgroup, a process the
-        job started as the SIGTERM went out (one the first look missed, or a child its dying parent left to
-        init) is in no tree: it is found by the job's environment, as the watcher finds an ended job's orphans."""
+        """SIGKILL what of a stray is left after the grace, until nothing is (`kill_all`: without a cgroup, a
+        process the job started as the SIGTERM went out, orphaned to init by its dying parent, is in no tree
+        and is found by the job's environment)."""
         deadline = time.monotonic() + grace
         while tree.alive() and time.monotonic() < deadline:
             time.sleep(0.25)
-        deadline = time.monotonic() + LEFTOVER_WAIT
-        while True:
-            if not tree.exact():
-                tree.add(scan(self.layout).get(key, Found()).members)
-            if not tree.signal(signal.SIGKILL) or time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        kill_all(self.layout, key, tree)
 
     def _cgroup_of(self, job_id: int, attempt: int) -> Optional[Path]:
         if self.cgroups is None:

@@ -192,9 +192,7 @@ class ExitWatcher:
             self.settle(watch, scanned=True)
 
     def _kill_then_report(self, watch: Watch) -> None:
-        deadline = time.monotonic() + LEFTOVER_WAIT
-        while watch.tree.signal(signal.SIGKILL) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_all(self.layout, watch.key, watch.tree)
         self._report(watch, extra="; leftover processes of the job were killed")
 
     def _report(self, watch: Watch, extra: str = "") -> None:
@@ -211,6 +209,19 @@ class ExitWatcher:
             self._on_exit(Exit(watch.job_id, watch.attempt, code, detail + extra))
         except Exception:  # the service logs and recovers on its next reconcile
             log.exception("on_exit failed for job %s", watch.job_id)
+
+
+def kill_all(layout: Layout, key: tuple[int, int], tree: procs.ProcessTree) -> None:
+    """SIGKILL every process of attempt `key` until none is left (or LEFTOVER_WAIT has passed: a process stuck
+    in the kernel). Without a cgroup, each round also looks for the attempt's processes by environment: one a
+    leftover started just before its SIGKILL is orphaned to init, a descendant of nothing the tree knows."""
+    deadline = time.monotonic() + LEFTOVER_WAIT
+    while True:
+        if not tree.exact():
+            tree.add(scan(layout).get(key, Found()).members)
+        if not tree.signal(signal.SIGKILL) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def scan(layout: Layout) -> dict[tuple[int, int], Found]:
