@@ -63,7 +63,9 @@ def command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], protect
 
 def _code_under_tmp() -> list[Path]:
     """This Python's installation and import paths that live under /tmp (a venv or checkout there), outermost
-    first, so the sandbox can bind them back read-only over its private /tmp."""
+    first, so the sandbox can bind them back read-only over its private /tmp. A path counts both as named and
+    as resolved: a venv named through a link under /tmp (`/tmp/x/.venv` -> `/home/me/.venv`) is where the job's
+    interpreter is looked for, though it lives elsewhere."""
     import sys
 
     found: list[Path] = []
@@ -72,9 +74,9 @@ def _code_under_tmp() -> list[Path]:
     for raw in candidates:
         if not str(raw):
             continue
-        path = Path(raw).resolve()
-        if path.is_relative_to("/tmp") and path != Path("/tmp") and path.exists():
-            found.append(path)
+        for path in {Path(os.path.abspath(raw)), Path(raw).resolve()}:
+            if path.is_relative_to("/tmp") and path != Path("/tmp") and path.exists():
+                found.append(path)
     found = sorted(set(found), key=lambda p: len(p.parts))
     return [p for i, p in enumerate(found) if not any(p.is_relative_to(q) for q in found[:i])]
 
