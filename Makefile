@@ -20,9 +20,9 @@ demo: install
 	$(PY) -m orchestrator.faces.demo
 
 # The suite on TEST_WORKERS processes (pytest-xdist; tests that share a resource, such as the emulated Slurm nodes,
-# are one xdist group and run on one worker). TEST_WORKERS=0 runs it in this one process. Three on two cores: with
-# two, the cores sat about 20% idle while tests waited on their jobs, Slurm and servers; with three, under 5%.
-TEST_WORKERS ?= 3
+# are one xdist group and run on one worker). TEST_WORKERS=0 runs it in this one process. Two on two cores: three
+# left the cores less idle but made each test 30-100% longer, for a whole run within noise (benchmarks/RESULTS.md).
+TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadgroup
