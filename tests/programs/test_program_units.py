@@ -235,27 +235,26 @@ def test_earlier_sessions_memory_stays_within_its_size_and_matches_program_and_c
     assert "s-other" not in text and "s-old" not in text
 
 
-def test_the_sandbox_finds_an_interpreter_named_through_a_link_under_tmp(tmp_path):
+def test_the_sandbox_finds_an_interpreter_named_through_a_link_under_tmp():
     """A venv used through a link under /tmp (a scratch checkout whose `.venv` points at the real one): the
     sandbox's private /tmp must not hide the interpreter by the name the job is started with."""
     import os
     import shutil
+    import tempfile
     from pathlib import Path
 
     from tests.support.requires import require
 
     require("bubblewrap", None if shutil.which("bwrap") else "no bwrap on PATH (apt-get install -y bubblewrap)")
-    assert tmp_path.is_relative_to("/tmp")
-    link = tmp_path / "venv"
-    link.symlink_to(Path(sys.prefix).resolve())
-    work = tmp_path / "work"
-    work.mkdir()
+    root = Path(__file__).resolve().parents[2]
     probe = ("import subprocess, sys; from orchestrator.programs import sandbox; "
              "cmd = sandbox.command([sys.executable, '-c', 'import sys; print(sys.prefix)'], cwd=sys.argv[1], "
              "writable=[sys.argv[1]], protected=[]); sys.exit(subprocess.run(cmd).returncode)")
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([str(link / "bin" / "python"), "-c", probe, str(work)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    with tempfile.TemporaryDirectory(dir="/tmp") as scratch:  # under /tmp itself, whatever TMPDIR says
+        link, work = Path(scratch) / "venv", Path(scratch) / "work"
+        link.symlink_to(Path(sys.prefix).resolve())
+        work.mkdir()
+        done = subprocess.run([str(link / "bin" / "python"), "-c", probe, str(work)], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(link)
-
